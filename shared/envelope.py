@@ -1,0 +1,183 @@
+"""The MQTT MessagePack envelope (DESIGN.md section 2), sans-IO.
+
+Request: ``{id, model_version?, inputs: [{name, datatype, shape, data}],
+outputs?: [name], parameters?}``; reply ``{id, model_name, model_version,
+outputs, parameters}`` or ``{id, error: {code, message}}``.  ``data`` is the
+tensor's raw little-endian bytes (BYTES: 4-byte length-prefixed elements).
+Decoding hands back views over the payload (msgspec decodes ``bin`` into a
+``memoryview`` without copying), so a tensor is copied once per hop: when
+the sender packs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shared.datatypes import validate_datatype
+from shared.errors import FerryError, InvalidInput, PayloadTooLarge, error_from_code
+from shared.messages import InferRequest, InferResponse, RequestedOutput
+from shared.tensors import (
+    DEFAULT_LIMITS,
+    Limits,
+    Tensor,
+    array_from_buffer,
+    array_to_buffer,
+    check_name,
+    check_shape,
+)
+
+
+class WireTensor(msgspec.Struct, kw_only=True):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: memoryview  # bytes also encode; decoding yields a view
+
+
+class WireRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    model_version: str | None = None
+    inputs: list[WireTensor]
+    outputs: list[str] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class WireError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class WireReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    model_name: str | None = None
+    model_version: str | None = None
+    outputs: list[WireTensor] | None = None
+    parameters: dict[str, Any] | None = None
+    error: WireError | None = None
+
+
+_request_decoder = msgspec.msgpack.Decoder(WireRequest)
+_reply_decoder = msgspec.msgpack.Decoder(WireReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _wire(tensors: list[Tensor]) -> list[WireTensor]:
+    return [
+        WireTensor(
+            name=t.name,
+            datatype=t.datatype,
+            shape=list(t.shape),
+            data=array_to_buffer(t.data, t.datatype),
+        )
+        for t in tensors
+    ]
+
+
+def _from_wire(items: list[WireTensor], limits: Limits, what: str) -> list[Tensor]:
+    if len(items) > limits.max_tensors:
+        raise InvalidInput(f"{len(items)} {what}s exceed the limit of {limits.max_tensors}")
+    out: list[Tensor] = []
+    seen: set[str] = set()
+    for item in items:
+        name = check_name(item.name, what, limits)
+        if name in seen:
+            raise InvalidInput(f"{what} {name!r} appears twice")
+        seen.add(name)
+        datatype = validate_datatype(item.datatype)
+        shape = check_shape(item.shape, name, limits)
+        out.append(Tensor(name, datatype, array_from_buffer(name, datatype, shape, item.data)))
+    return out
+
+
+def _check_size(payload: bytes | memoryview, limits: Limits) -> None:
+    if len(payload) > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"payload of {len(payload)} bytes exceeds the limit of {limits.max_body_bytes}"
+        )
+
+
+def encode_request(request: InferRequest) -> bytes:
+    if request.id is None:
+        raise InvalidInput("an MQTT request needs an id")
+    wire = WireRequest(
+        id=request.id,
+        model_version=request.model_version,
+        inputs=_wire(request.inputs),
+        outputs=request.output_names(),
+        parameters=request.parameters or None,
+    )
+    return _encoder.encode(wire)
+
+
+def decode_request(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> InferRequest:
+    _check_size(payload, limits)
+    try:
+        raw = _request_decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise InvalidInput(f"malformed MQTT request: {exc}") from None
+    if not raw.inputs:
+        raise InvalidInput("inference request has no inputs")
+    outputs = None
+    if raw.outputs is not None:
+        outputs = [RequestedOutput(check_name(n, "output", limits)) for n in raw.outputs]
+    return InferRequest(
+        inputs=_from_wire(raw.inputs, limits, "input"),
+        id=raw.id,
+        model_version=raw.model_version,
+        outputs=outputs,
+        parameters=raw.parameters or {},
+    )
+
+
+def peek_request_id(payload: bytes | memoryview) -> str | None:
+    """Best-effort id of a request that failed to decode, to address the error reply."""
+
+    class _IdOnly(msgspec.Struct):
+        id: str
+
+    try:
+        return msgspec.msgpack.decode(payload, type=_IdOnly).id
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+
+
+def encode_reply(response: InferResponse) -> bytes:
+    wire = WireReply(
+        id=response.id or "",
+        model_name=response.model_name,
+        model_version=response.model_version,
+        outputs=_wire(response.outputs),
+        parameters=response.parameters or None,
+    )
+    return _encoder.encode(wire)
+
+
+def encode_error_reply(request_id: str, error: FerryError) -> bytes:
+    return _encoder.encode(
+        WireReply(id=request_id, error=WireError(error.code.value, error.message))
+    )
+
+
+def decode_reply(
+    payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[str, InferResponse | FerryError]:
+    """Decode a reply into (id, response) or (id, the typed error the peer sent)."""
+    _check_size(payload, limits)
+    try:
+        raw = _reply_decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise InvalidInput(f"malformed MQTT reply: {exc}") from None
+    if raw.error is not None:
+        return raw.id, error_from_code(raw.error.code, raw.error.message)
+    if raw.model_name is None:
+        raise InvalidInput("MQTT reply has neither outputs nor an error")
+    response = InferResponse(
+        model_name=raw.model_name,
+        model_version=raw.model_version,
+        id=raw.id,
+        outputs=_from_wire(raw.outputs or [], limits, "output"),
+        parameters=raw.parameters or {},
+    )
+    return raw.id, response

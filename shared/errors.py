@@ -1,0 +1,134 @@
+"""One error hierarchy for both tiers.
+
+Every failure that can reach a client is a :class:`FerryError` carrying a
+transport-neutral :class:`ErrorCode`.  Fronts never invent their own error
+shapes: they map the code through :data:`HTTP_STATUS` (HTTP) or copy it into
+the reply envelope (MQTT), so a client sees the same code whichever way the
+request travelled.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Codes shared by HTTP and MQTT replies (values are the wire strings)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    NOT_FOUND = "not_found"
+    UNAVAILABLE = "unavailable"
+    OVERLOADED = "overloaded"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    UNAUTHENTICATED = "unauthenticated"
+    INVALID_CONFIG = "invalid_config"
+    BACKEND_MISSING = "backend_missing"
+    INTERNAL = "internal"
+
+
+#: HTTP status for each code (used by the HTTP fronts of both tiers).
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.INVALID_CONFIG: 400,
+    ErrorCode.BACKEND_MISSING: 501,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class FerryError(Exception):
+    """Base of every error Ferry reports to a client.
+
+    ``retry_after`` (seconds) is set where the condition is transient, so the
+    HTTP front can emit ``Retry-After`` and MQTT clients can back off.
+    """
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code.value, "message": self.message}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code.value}: {self.message})"
+
+
+class InvalidInput(FerryError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class PayloadTooLarge(FerryError):
+    code = ErrorCode.PAYLOAD_TOO_LARGE
+
+
+class ModelNotFound(FerryError):
+    code = ErrorCode.NOT_FOUND
+
+
+class ModelNotReady(FerryError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class Overloaded(FerryError):
+    code = ErrorCode.OVERLOADED
+
+
+class DeadlineExceeded(FerryError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class Unauthenticated(FerryError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class ConfigError(FerryError):
+    """A configuration file is wrong; the message names file, key and expectation."""
+
+    code = ErrorCode.INVALID_CONFIG
+
+
+class BackendMissing(FerryError):
+    """A runtime's package (or the hardware it needs) is not available here."""
+
+    code = ErrorCode.BACKEND_MISSING
+
+
+class InternalError(FerryError):
+    code = ErrorCode.INTERNAL
+
+
+_BY_CODE: dict[str, type[FerryError]] = {
+    cls.code.value: cls
+    for cls in (
+        InvalidInput,
+        PayloadTooLarge,
+        ModelNotFound,
+        ModelNotReady,
+        Overloaded,
+        DeadlineExceeded,
+        Unauthenticated,
+        ConfigError,
+        BackendMissing,
+        InternalError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> FerryError:
+    """Rebuild the typed error a peer reported (unknown codes become internal)."""
+    cls = _BY_CODE.get(code, InternalError)
+    return cls(message)

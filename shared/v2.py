@@ -1,0 +1,283 @@
+"""KServe V2 / Triton HTTP inference codec, with the binary tensor extension.
+
+Sans-IO: functions take and return bytes (or lists of buffers to write in
+order) and the ``Inference-Header-Content-Length`` value; the HTTP fronts and
+clients of both tiers add the sockets.  A binary body is a JSON header
+followed by the raw tensors, in input order, of every tensor whose
+parameters carry ``binary_data_size``.  Fixed-size binary tensors are decoded
+as views over the body (no copy); encoded binary outputs are returned as
+views over the output arrays, so the only copy is the socket write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shared.datatypes import validate_datatype
+from shared.errors import InvalidInput, PayloadTooLarge
+from shared.messages import InferRequest, InferResponse, RequestedOutput
+from shared.tensors import (
+    DEFAULT_LIMITS,
+    Limits,
+    Tensor,
+    array_from_buffer,
+    array_to_buffer,
+    cast_json_data,
+    check_name,
+    check_shape,
+    json_data,
+)
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+JSON_CONTENT_TYPE = "application/json"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+
+Chunks = list[bytes | memoryview]
+
+
+class _JsonTensor(msgspec.Struct, kw_only=True):
+    name: Any
+    shape: Any
+    datatype: Any
+    parameters: dict[str, Any] = {}
+    data: Any = msgspec.UNSET
+
+
+class _JsonOutputRequest(msgspec.Struct, kw_only=True):
+    name: str
+    parameters: dict[str, Any] = {}
+
+
+class _JsonRequest(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    parameters: dict[str, Any] = {}
+    inputs: list[_JsonTensor]
+    outputs: list[_JsonOutputRequest] | None = None
+
+
+class _JsonResponse(msgspec.Struct, kw_only=True):
+    model_name: str
+    model_version: str | None = None
+    id: str | None = None
+    parameters: dict[str, Any] = {}
+    outputs: list[_JsonTensor] = []
+
+
+_request_decoder = msgspec.json.Decoder(_JsonRequest)
+_response_decoder = msgspec.json.Decoder(_JsonResponse)
+_encoder = msgspec.json.Encoder()
+
+
+def parse_header_length(value: str | None, body_length: int) -> int | None:
+    """Validate the ``Inference-Header-Content-Length`` header value."""
+    if value is None:
+        return None
+    try:
+        length = int(value)
+    except ValueError:
+        raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+    if length <= 0 or length > body_length:
+        raise InvalidInput(f"{HEADER_LENGTH} is {length} but the body holds {body_length} bytes")
+    return length
+
+
+def _split(body: bytes | memoryview, header_length: int | None) -> tuple[memoryview, memoryview]:
+    view = memoryview(body)
+    if header_length is None:
+        return view, view[len(view) :]
+    if header_length <= 0 or header_length > len(view):
+        raise InvalidInput(
+            f"{HEADER_LENGTH} is {header_length} but the body holds {len(view)} bytes"
+        )
+    return view[:header_length], view[header_length:]
+
+
+def _tensors(
+    items: list[_JsonTensor], binary: memoryview, limits: Limits, what: str
+) -> list[Tensor]:
+    if len(items) > limits.max_tensors:
+        raise InvalidInput(f"{len(items)} {what}s exceed the limit of {limits.max_tensors}")
+    tensors: list[Tensor] = []
+    seen: set[str] = set()
+    offset = 0
+    for item in items:
+        name = check_name(item.name, what, limits)
+        if name in seen:
+            raise InvalidInput(f"{what} {name!r} appears twice")
+        seen.add(name)
+        if not isinstance(item.datatype, str):
+            raise InvalidInput(f"{what} {name!r}: datatype must be a string")
+        datatype = validate_datatype(item.datatype)
+        shape = check_shape(item.shape, name, limits)
+        params = item.parameters
+        size = params.get("binary_data_size")
+        if size is not None:
+            if item.data is not msgspec.UNSET:
+                raise InvalidInput(f"{what} {name!r} has both data and binary_data_size")
+            if type(size) is not int or size < 0:
+                raise InvalidInput(
+                    f"{what} {name!r}: binary_data_size must be a non-negative integer"
+                )
+            if offset + size > len(binary):
+                raise InvalidInput(
+                    f"{what} {name!r}: binary_data_size {size} runs past the body "
+                    f"({len(binary) - offset} bytes remain)"
+                )
+            data = array_from_buffer(name, datatype, shape, binary[offset : offset + size])
+            offset += size
+            params = {k: v for k, v in params.items() if k != "binary_data_size"}
+        elif item.data is msgspec.UNSET:
+            raise InvalidInput(f"{what} {name!r} has no data and no binary_data_size")
+        else:
+            data = cast_json_data(name, datatype, shape, item.data)
+        tensors.append(Tensor(name, datatype, data, params))
+    if offset != len(binary):
+        raise InvalidInput(
+            f"{len(binary) - offset} bytes of binary data are not claimed by any {what}"
+        )
+    return tensors
+
+
+def decode_request(
+    body: bytes | memoryview, header_length: int | None = None, limits: Limits = DEFAULT_LIMITS
+) -> InferRequest:
+    """Decode a V2 infer request body (JSON, or JSON header + binary tensors)."""
+    if len(body) > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"request body of {len(body)} bytes exceeds the limit of {limits.max_body_bytes}"
+        )
+    header, binary = _split(body, header_length)
+    try:
+        raw = _request_decoder.decode(header)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise InvalidInput(f"malformed inference request: {exc}") from None
+    if not raw.inputs:
+        raise InvalidInput("inference request has no inputs")
+    inputs = _tensors(raw.inputs, binary, limits, "input")
+    outputs = None
+    if raw.outputs is not None:
+        outputs = []
+        for out in raw.outputs:
+            check_name(out.name, "output", limits)
+            flag = out.parameters.get("binary_data")
+            if flag is not None and not isinstance(flag, bool):
+                raise InvalidInput(f"output {out.name!r}: binary_data must be true or false")
+            params = {k: v for k, v in out.parameters.items() if k != "binary_data"}
+            outputs.append(RequestedOutput(out.name, flag, params))
+    return InferRequest(inputs=inputs, id=raw.id, outputs=outputs, parameters=dict(raw.parameters))
+
+
+def wants_binary(request: InferRequest, name: str) -> bool:
+    """Whether output ``name`` goes back as binary (per-output flag wins)."""
+    if request.outputs is not None:
+        for out in request.outputs:
+            if out.name == name and out.binary is not None:
+                return out.binary
+    return bool(request.parameters.get("binary_data_output", False))
+
+
+def _encode_tensors(tensors: list[Tensor], binary_for: Any) -> tuple[list[dict[str, Any]], Chunks]:
+    entries: list[dict[str, Any]] = []
+    blobs: Chunks = []
+    for tensor in tensors:
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+        }
+        params = dict(tensor.parameters)
+        if binary_for(tensor.name):
+            blob = array_to_buffer(tensor.data, tensor.datatype)
+            params["binary_data_size"] = len(blob)
+            blobs.append(blob)
+        else:
+            entry["data"] = json_data(tensor.data, tensor.datatype)
+        if params:
+            entry["parameters"] = params
+        entries.append(entry)
+    return entries, blobs
+
+
+def _assemble(doc: dict[str, Any], blobs: Chunks) -> tuple[Chunks, int | None]:
+    header = _encoder.encode(doc)
+    if not blobs:
+        return [header], None
+    return [header, *blobs], len(header)
+
+
+def encode_response(
+    response: InferResponse, request: InferRequest | None = None
+) -> tuple[Chunks, int | None]:
+    """Encode a response; returns buffers to write in order and the header length.
+
+    The header length is None when every output went back as JSON (then the
+    body is plain JSON and no ``Inference-Header-Content-Length`` is sent).
+    """
+
+    def binary_for(name: str) -> bool:
+        return request is not None and wants_binary(request, name)
+
+    entries, blobs = _encode_tensors(response.outputs, binary_for)
+    doc: dict[str, Any] = {"model_name": response.model_name}
+    if response.model_version is not None:
+        doc["model_version"] = response.model_version
+    if response.id is not None:
+        doc["id"] = response.id
+    if response.parameters:
+        doc["parameters"] = response.parameters
+    doc["outputs"] = entries
+    return _assemble(doc, blobs)
+
+
+def encode_request(
+    request: InferRequest, *, binary_inputs: bool = True, binary_outputs: bool = True
+) -> tuple[Chunks, int | None]:
+    """Client side: encode a request (binary tensors by default)."""
+    entries, blobs = _encode_tensors(request.inputs, lambda _name: binary_inputs)
+    doc: dict[str, Any] = {}
+    if request.id is not None:
+        doc["id"] = request.id
+    params = dict(request.parameters)
+    if request.outputs is None and binary_outputs:
+        params["binary_data_output"] = True
+    if params:
+        doc["parameters"] = params
+    doc["inputs"] = entries
+    if request.outputs is not None:
+        doc["outputs"] = [
+            {
+                "name": out.name,
+                "parameters": {
+                    **out.parameters,
+                    "binary_data": binary_outputs if out.binary is None else out.binary,
+                },
+            }
+            for out in request.outputs
+        ]
+    return _assemble(doc, blobs)
+
+
+def decode_response(
+    body: bytes | memoryview, header_length: int | None = None, limits: Limits = DEFAULT_LIMITS
+) -> InferResponse:
+    """Client side: decode a V2 infer response body."""
+    header, binary = _split(body, header_length)
+    try:
+        raw = _response_decoder.decode(header)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise InvalidInput(f"malformed inference response: {exc}") from None
+    outputs = _tensors(raw.outputs, binary, limits, "output") if raw.outputs else []
+    return InferResponse(
+        model_name=raw.model_name,
+        model_version=raw.model_version,
+        id=raw.id,
+        outputs=outputs,
+        parameters=dict(raw.parameters),
+    )
+
+
+def join(chunks: Chunks) -> bytes:
+    """One contiguous body (for transports that cannot write several buffers)."""
+    return b"".join(chunks)
