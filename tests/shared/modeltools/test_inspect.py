@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from cloud.cli_model import add_model_commands, run_model_command
+from shared.errors import InvalidInput, ModelNotFound
+from shared.modeltools.convert import convert_to_openvino
+from shared.modeltools.inspect import describe, format_description
+from shared.modeltools.quantize import quantize_static_qdq
+from tests.shared.modeltools import write_conv_model
+
+
+@pytest.fixture
+def fp32(tmp_path: Path) -> tuple[Path, int]:
+    path = tmp_path / "tiny" / "3" / "model.onnx"
+    return path, write_conv_model(path)
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_model_commands(parser.add_subparsers(dest="command"))
+    return run_model_command(parser.parse_args(["model", *argv]))
+
+
+def test_onnx_description_lists_io_sizes_and_parameters(fp32: tuple[Path, int]) -> None:
+    path, parameters = fp32
+    d = describe(path)
+    assert d["backend"] == "onnxruntime"
+    assert d["inputs"] == [{"name": "x", "datatype": "FP32", "dims": [-1, 3, 16, 16]}]
+    assert d["outputs"] == [{"name": "probs", "datatype": "FP32", "dims": [-1, 4]}]
+    assert d["files"] == {"model.onnx": path.stat().st_size}
+    assert d["size_bytes"] == path.stat().st_size
+    assert d["parameters"] == parameters
+    assert d["opset"][""] == 17
+    assert d["qdq"] is False
+
+
+def test_a_quantized_model_is_reported_as_qdq(fp32: tuple[Path, int], tmp_path: Path) -> None:
+    int8 = tmp_path / "int8.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_static_qdq(fp32[0], int8, samples=4, progress=False)
+    d = describe(int8)
+    assert d["qdq"] is True
+    assert "int8 QDQ" in format_description(d)
+
+
+def test_openvino_description_counts_the_bin_file(fp32: tuple[Path, int], tmp_path: Path) -> None:
+    xml = convert_to_openvino(fp32[0], tmp_path / "ir", progress=False)
+    d = describe(xml)
+    assert d["backend"] == "openvino"
+    assert set(d["files"]) == {"model.xml", "model.bin"}
+    assert d["size_bytes"] == xml.stat().st_size + xml.with_suffix(".bin").stat().st_size
+    assert d["inputs"] == [{"name": "x", "datatype": "FP32", "dims": [-1, 3, 16, 16]}]
+    assert d["outputs"][0]["dims"] == [-1, 4]
+
+
+def test_a_shipped_tflite_keyword_spotter_is_described() -> None:
+    spec = importlib.util.find_spec("pymicro_wakeword")
+    assert spec is not None and spec.submodule_search_locations
+    models = sorted(Path(next(iter(spec.submodule_search_locations))).glob("models/*.tflite"))
+    assert models, "pymicro-wakeword ships no .tflite models"
+    d = describe(models[0])
+    assert d["backend"] == "litert"
+    assert d["inputs"][0]["datatype"] == "INT8"
+    assert len(d["inputs"][0]["dims"]) == 3
+    assert d["size_bytes"] == models[0].stat().st_size
+
+
+def test_a_model_folder_resolves_to_its_latest_version(
+    fp32: tuple[Path, int], tmp_path: Path
+) -> None:
+    write_conv_model(tmp_path / "tiny" / "1" / "model.onnx", seed=9)
+    assert describe(tmp_path / "tiny")["path"] == str(fp32[0])
+    assert describe(tmp_path / "tiny" / "3")["path"] == str(fp32[0])
+
+
+def test_human_format_shows_names_types_and_dims(fp32: tuple[Path, int]) -> None:
+    text = format_description(describe(fp32[0]))
+    assert "x      FP32  [?, 3, 16, 16]" in text
+    assert "probs  FP32  [?, 4]" in text
+    assert "opset 17" in text
+
+
+def test_cli_inspect_prints_text_or_json(
+    fp32: tuple[Path, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_cli("inspect", str(fp32[0])) == 0
+    assert "inputs:" in capsys.readouterr().out
+    assert run_cli("inspect", str(fp32[0]), "--json") == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["name"] == "probs"
+
+
+def test_unknown_and_missing_files_raise_clear_errors(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(InvalidInput, match="backend"):
+        describe(tmp_path / "notes.txt")
+    with pytest.raises(ModelNotFound):
+        describe(tmp_path / "absent.onnx")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFound, match="no model file"):
+        describe(tmp_path / "empty")
+    (tmp_path / "broken.onnx").write_bytes(b"garbage")
+    with pytest.raises(InvalidInput, match="not a readable ONNX"):
+        describe(tmp_path / "broken.onnx")

@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from cloud.cli_model import add_model_commands, run_model_command
+from shared.errors import InvalidInput, ModelNotFound
+from shared.modeltools.calibration import CalibrationWarning, InputSpec, folder_reader
+from shared.modeltools.quantize import quantize_static_qdq
+from tests.shared.modeltools import conv_inputs, run_onnx, write_conv_model
+
+
+@pytest.fixture
+def fp32(tmp_path: Path) -> Path:
+    path = tmp_path / "fp32.onnx"
+    write_conv_model(path)
+    return path
+
+
+@pytest.fixture
+def npy_folder(tmp_path: Path) -> Path:
+    """16 samples: singles without a batch dimension and one file holding a batch of 4."""
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    samples = conv_inputs(16, seed=2)
+    for i in range(12):
+        np.save(folder / f"{i:02d}.npy", samples[i])
+    np.save(folder / "batch.npy", samples[12:])
+    (folder / "README.txt").write_text("not a sample; ignored")
+    return folder
+
+
+def op_types(path: Path) -> set[str]:
+    return {node.op_type for node in onnx.load(str(path)).graph.node}
+
+
+def assert_close_to_fp32(fp32: Path, int8: Path) -> None:
+    x = conv_inputs(32, seed=3)
+    want, got = run_onnx(fp32, x), run_onnx(int8, x)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 0.08, np.abs(got - want).max()
+    agreement = float(np.mean(got.argmax(1) == want.argmax(1)))
+    assert agreement >= 0.9, agreement
+
+
+def test_random_calibration_warns_and_still_writes_a_loadable_qdq_model(
+    fp32: Path, tmp_path: Path
+) -> None:
+    int8 = tmp_path / "int8.onnx"
+    with pytest.warns(CalibrationWarning, match="random"):
+        result = quantize_static_qdq(fp32, int8, samples=8, progress=False)
+    assert result == int8
+    assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(int8)
+    assert_close_to_fp32(fp32, int8)
+
+
+def test_npy_folder_calibration_is_silent_and_stays_close_to_fp32(
+    fp32: Path, npy_folder: Path, tmp_path: Path
+) -> None:
+    int8 = tmp_path / "out" / "int8.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationWarning)
+        quantize_static_qdq(fp32, int8, npy_folder, progress=False)
+    ops = op_types(int8)
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert "DynamicQuantizeLinear" not in ops  # static ranges, never run-time ones
+    assert_close_to_fp32(fp32, int8)
+
+
+def test_weights_are_quantized_per_channel(fp32: Path, npy_folder: Path, tmp_path: Path) -> None:
+    int8 = tmp_path / "int8.onnx"
+    quantize_static_qdq(fp32, int8, npy_folder, progress=False)
+    model = onnx.load(str(int8))
+    scales = {init.name: tuple(init.dims) for init in model.graph.initializer}
+    conv_weight_dq = [
+        node
+        for node in model.graph.node
+        if node.op_type == "DequantizeLinear" and node.input[0].startswith("w1")
+    ]
+    assert conv_weight_dq, "the first convolution's weights are not quantized"
+    assert scales[conv_weight_dq[0].input[1]] == (8,)  # one scale per output channel
+
+
+def test_progress_bar_counts_calibration_batches(
+    fp32: Path, npy_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    quantize_static_qdq(fp32, tmp_path / "int8.onnx", npy_folder, batch_size=4, progress=True)
+    err = capsys.readouterr().err
+    assert "calibrating fp32.onnx" in err
+    assert "4/4" in err
+
+
+def test_folder_reader_caps_samples_and_batches_them(npy_folder: Path) -> None:
+    spec = InputSpec("x", np.dtype(np.float32), (-1, 3, 16, 16))
+    reader = folder_reader(npy_folder, [spec], samples=6, batch_size=2)
+    batches = []
+    while (batch := reader.get_next()) is not None:
+        batches.append(batch["x"])
+    assert [b.shape for b in batches] == [(2, 3, 16, 16)] * 3
+    np.testing.assert_array_equal(np.concatenate(batches), conv_inputs(16, seed=2)[:6])
+
+
+def test_a_fixed_batch_dimension_overrides_batch_size(tmp_path: Path) -> None:
+    fixed = tmp_path / "fixed.onnx"
+    write_conv_model(fixed, batch=2)
+    int8 = tmp_path / "int8.onnx"
+    with pytest.warns(CalibrationWarning):
+        quantize_static_qdq(fixed, int8, samples=4, batch_size=1, progress=False)
+    assert run_onnx(int8, conv_inputs(2)).shape == (2, 4)
+
+
+def test_a_sample_with_the_wrong_shape_is_rejected_naming_the_file(
+    fp32: Path, npy_folder: Path, tmp_path: Path
+) -> None:
+    np.save(npy_folder / "00-bad.npy", np.zeros((3, 8, 8), np.float32))
+    with pytest.raises(InvalidInput, match=r"00-bad\.npy.*\[1, 3, 8, 8\]"):
+        quantize_static_qdq(fp32, tmp_path / "int8.onnx", npy_folder, progress=False)
+
+
+def test_an_empty_calibration_folder_is_rejected(fp32: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidInput, match=r"no \.npy"):
+        quantize_static_qdq(fp32, tmp_path / "int8.onnx", tmp_path / "empty", progress=False)
+
+
+def test_a_missing_source_model_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound):
+        quantize_static_qdq(tmp_path / "nope.onnx", tmp_path / "int8.onnx", progress=False)
+
+
+def test_npz_files_feed_inputs_by_name(fp32: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "npz"
+    folder.mkdir()
+    np.savez(folder / "a.npz", x=conv_inputs(4, seed=5))
+    int8 = tmp_path / "int8.onnx"
+    quantize_static_qdq(fp32, int8, folder, progress=False)
+    assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(int8)
+
+
+def test_cli_quantize_writes_the_model_and_reports_sizes(
+    fp32: Path, npy_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_model_commands(parser.add_subparsers(dest="command"))
+    dst = tmp_path / "cli-int8.onnx"
+    args = parser.parse_args(
+        [
+            "model",
+            "quantize",
+            str(fp32),
+            str(dst),
+            "--calibration",
+            str(npy_folder),
+            "--samples",
+            "8",
+        ]
+    )
+    assert run_model_command(args) == 0
+    assert dst.is_file()
+    assert f"wrote {dst}" in capsys.readouterr().out
