@@ -1,0 +1,232 @@
+"""Cloud tier throughput beside the raw runtime, measured in one run.
+
+    python bench/cloud_throughput.py [--seconds 5] [--model orientation]
+
+(a) the raw ONNX Runtime session at its best batch size (the limit);
+(b) ``ferry-cloud serve`` with dynamic batching under a closed loop of 1, 4,
+    16 and 64 concurrent HTTP clients (V2 binary, 1x3x224x224 FP32 each);
+(c) the same server with batching off;
+(d) the same load as (b) over MQTT through a local Mosquitto.
+Prints throughput, p50 and p99 per point and the ratio (b)/(a) at the best
+concurrency.  Targets: (b)/(a) >= 0.85, and p99 at concurrency 16 no more
+than 3x the batch-1 latency plus the queue delay.  The load generator runs
+in this process on the same 2 cores, so the server's figures are a floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edge.transports.http import HttpTransport  # noqa: E402
+from edge.transports.mqtt import MqttTransport  # noqa: E402
+from shared.messages import InferRequest  # noqa: E402
+from shared.mqtt import parse_broker_url  # noqa: E402
+from shared.repository import ModelRepository  # noqa: E402
+from shared.runtimes import RuntimeOptions, load_session  # noqa: E402
+from shared.tensors import Tensor  # noqa: E402
+from tests.support import Broker, cloud_server  # noqa: E402
+
+CONCURRENCY = (1, 4, 16, 64)
+
+
+def raw_runtime(model_file: Path, seconds: float) -> dict[int, float]:
+    """Images per second of the bare session for each batch size."""
+    session = load_session("onnxruntime", model_file, RuntimeOptions())
+    name = session.inputs[0].name
+    out: dict[int, float] = {}
+    for batch in (1, 2, 4, 8, 16, 32):
+        x = np.random.default_rng(0).random((batch, 3, 224, 224), dtype=np.float32)
+        session.run({name: x})
+        n = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds / 3:
+            session.run({name: x})
+            n += batch
+        out[batch] = n / (time.perf_counter() - start)
+    session.close()
+    return out
+
+
+def batch1_latency_ms(model_file: Path, repeat: int = 30) -> float:
+    session = load_session("onnxruntime", model_file, RuntimeOptions())
+    x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+    samples = []
+    for _ in range(repeat + 3):
+        t = time.perf_counter()
+        session.run({session.inputs[0].name: x})
+        samples.append((time.perf_counter() - t) * 1000)
+    session.close()
+    return statistics.median(samples[3:])
+
+
+async def closed_loop(transport, model: str, clients: int, seconds: float) -> dict[str, float]:
+    x = np.random.default_rng(1).random((1, 3, 224, 224), dtype=np.float32)
+    latencies: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + seconds
+
+    async def client() -> None:
+        nonlocal errors
+        while time.monotonic() < stop_at:
+            request = InferRequest(inputs=[Tensor("x", "FP32", x)])
+            t = time.perf_counter()
+            try:
+                await transport.infer(model, request, time.monotonic() + 30)
+                latencies.append((time.perf_counter() - t) * 1000)
+            except Exception:
+                errors += 1
+
+    # warm-up
+    await asyncio.gather(
+        *[
+            transport.infer(
+                model, InferRequest(inputs=[Tensor("x", "FP32", x)]), time.monotonic() + 30
+            )
+            for _ in range(clients)
+        ]
+    )
+    start = time.monotonic()
+    await asyncio.gather(*[client() for _ in range(clients)])
+    elapsed = time.monotonic() - start
+    lat = np.array(latencies) if latencies else np.array([float("nan")])
+    return {
+        "throughput": len(latencies) / elapsed,
+        "p50": float(np.percentile(lat, 50)),
+        "p99": float(np.percentile(lat, 99)),
+        "errors": errors,
+    }
+
+
+def make_repository(source: Path, model: str, folder: Path) -> tuple[Path, int]:
+    """``bench`` (the example's batching config) and ``bench-nobatch`` (no dynamic batching)."""
+    src = source / model
+    repo = folder / "repo"
+    text = (src / "config.toml").read_text()
+    for name, config in (("bench", text), ("bench-nobatch", _without_batching(text))):
+        shutil.copytree(src / "1", repo / name / "1", symlinks=True)
+        (repo / name / "config.toml").write_text(config)
+    cfg = ModelRepository(repo).read_config("bench")
+    delay = cfg.dynamic_batching.max_queue_delay_us if cfg.dynamic_batching else 0
+    return repo, delay
+
+
+def _without_batching(text: str) -> str:
+    out, skip = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("["):
+            skip = line.strip() == "[dynamic_batching]"
+        if not skip:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _row(label: str, r: dict[str, float]) -> str:
+    errors = f"   errors={int(r['errors'])}" if r["errors"] else ""
+    return f"  {label:<34} {r['throughput']:>9.1f} {r['p50']:>9.1f} {r['p99']:>9.1f}{errors}"
+
+
+async def run_http(url: str, model: str, seconds: float) -> dict[int, dict[str, float]]:
+    transport = HttpTransport(url)
+    await transport.start()
+    try:
+        return {c: await closed_loop(transport, model, c, seconds) for c in CONCURRENCY}
+    finally:
+        await transport.close()
+
+
+async def run_mqtt(url: str, model: str, seconds: float) -> dict[int, dict[str, float]]:
+    transport = MqttTransport(parse_broker_url(url))
+    await transport.start()
+    try:
+        return {c: await closed_loop(transport, model, c, seconds) for c in CONCURRENCY}
+    finally:
+        await transport.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repository", type=Path, default=ROOT / "examples" / "repository")
+    parser.add_argument("--model", default="orientation")
+    parser.add_argument("--seconds", type=float, default=5.0, help="per load point")
+    parser.add_argument("--no-mqtt", action="store_true")
+    args = parser.parse_args(argv)
+
+    _, model_file = ModelRepository(args.repository).model_file(args.model, 1)
+    print(f"model {args.model}: {model_file}")
+    raw = raw_runtime(model_file, args.seconds)
+    best_batch = max(raw, key=raw.get)
+    b1 = batch1_latency_ms(model_file)
+    print("\n(a) raw ONNX Runtime session (images/s by batch size)")
+    for batch, ips in raw.items():
+        print(f"  batch {batch:>3}: {ips:8.1f}/s{'   <- best' if batch == best_batch else ''}")
+    print(f"  batch-1 latency p50: {b1:.1f} ms")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        repo, delay_us = make_repository(args.repository, args.model, Path(tmp))
+        server = cloud_server(repo, "--node", "bench")
+        broker = None
+        if not args.no_mqtt:
+            broker = Broker(Path(tmp) / "broker")
+            broker.start()
+            server = cloud_server(repo, "--node", "bench", "--mqtt", broker.url)
+        server.start()
+        try:
+            batched = asyncio.run(run_http(server.http_url, "bench", args.seconds))
+            unbatched = asyncio.run(run_http(server.http_url, "bench-nobatch", args.seconds))
+            mqtt = asyncio.run(run_mqtt(broker.url, "bench", args.seconds)) if broker else None
+        finally:
+            server.terminate()
+            if broker:
+                broker.stop()
+
+    header = f"  {'':<34} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}"
+    print("\n(b) server, dynamic batching, HTTP closed loop\n" + header)
+    for c, r in batched.items():
+        print(_row(f"{c} clients", r))
+    print("\n(c) server, batching off, HTTP closed loop\n" + header)
+    for c, r in unbatched.items():
+        print(_row(f"{c} clients", r))
+    if mqtt:
+        print("\n(d) server, dynamic batching, MQTT closed loop\n" + header)
+        for c, r in mqtt.items():
+            print(_row(f"{c} clients", r))
+
+    best_c = max(batched, key=lambda c: batched[c]["throughput"])
+    ratio = batched[best_c]["throughput"] / raw[best_batch]
+    bound = 3 * b1 + delay_us / 1000
+    p99_16 = batched[16]["p99"]
+    print("\nsummary")
+    print(
+        f"  (b)/(a) at best concurrency ({best_c} clients): {ratio:.2f}  "
+        f"(target >= 0.85: {'meets' if ratio >= 0.85 else 'MISSES'})"
+    )
+    print(
+        f"  batching gain (b)/(c) at {best_c} clients: "
+        f"{batched[best_c]['throughput'] / max(unbatched[best_c]['throughput'], 1e-9):.2f}x"
+    )
+    print(
+        f"  p99 at 16 clients {p99_16:.1f} ms vs 3 x batch-1 {b1:.1f} ms + queue delay "
+        f"{delay_us / 1000:.1f} ms = {bound:.1f} ms ({'meets' if p99_16 <= bound else 'MISSES'})"
+    )
+    if mqtt:
+        best_m = max(mqtt, key=lambda c: mqtt[c]["throughput"])
+        print(
+            f"  MQTT best ({best_m} clients) / raw: {mqtt[best_m]['throughput'] / raw[best_batch]:.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

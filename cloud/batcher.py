@@ -1,0 +1,509 @@
+"""Dynamic batcher: one per loaded model version (DESIGN.md section 5).
+
+Requests wait in one FIFO per priority level; a single scheduler task on the
+event loop forms batches whenever a session is idle and hands each batch to a
+worker thread (runtimes release the GIL), so no inference ever runs on the
+loop.  Per request the cost is one future and one deque append; per batch it
+is one executor hand-off and one completion callback.
+
+Invariants:
+- ``_depth`` counts queued requests that are still live (not dispatched,
+  expired, cancelled or failed); dead entries are dropped lazily from the
+  deques and the deadline heap, and ``req.done`` says which are dead.
+- Every request gets exactly one result or one error; a future the client
+  cancelled is skipped, never set.
+- Only the scheduler task dispatches; completion callbacks return the session
+  to ``_idle`` and wake it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cloud.stats import ModelStats
+from shared.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FerryError,
+    InternalError,
+    InvalidInput,
+    ModelNotReady,
+    Overloaded,
+)
+from shared.runtimes.base import Session
+
+if TYPE_CHECKING:
+    from shared.repository.config import DynamicBatching
+
+log = logging.getLogger(__name__)
+
+_MIN_RETRY_AFTER_S = 0.05
+# (outputs or error, compute ns, size of the batch it ran in)
+_Outcome = tuple[dict[str, np.ndarray] | FerryError, int, int]
+
+
+@dataclass
+class BatchResult:
+    """One request's answer: its own slice of the batch outputs (views, no copy)."""
+
+    outputs: dict[str, np.ndarray]
+    queue_us: int
+    compute_us: int
+    batch_size: int
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    inputs: dict[str, np.ndarray]
+    outputs: list[str] | None
+    n: int  # items (rows of the batch dimension)
+    key: tuple  # requests with equal keys can be concatenated
+    arrival_ns: int
+    deadline_ns: int | None
+    future: asyncio.Future[BatchResult]
+    done: bool = False  # dispatched, expired, cancelled or failed: no longer queued
+
+
+class DynamicBatcher:
+    """Queue, batch and run requests for one model version on ``sessions``.
+
+    ``policy=None`` means the model has no ``[dynamic_batching]`` section: as
+    in Triton, each request then runs on its own (no merging), unbounded queue.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        version: int,
+        sessions: Sequence[Session],
+        max_batch_size: int,
+        policy: DynamicBatching | None,
+        stats: ModelStats,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
+        if not sessions:
+            raise ConfigError(f"model {model!r} version {version}: no sessions to run batches on")
+        self.model = model
+        self.version = version
+        self._sessions = list(sessions)
+        self._max_bs = max(0, int(max_batch_size))
+        self._stats = stats
+        self._merge = policy is not None and self._max_bs > 0
+        self._delay_ns = int(policy.max_queue_delay_us) * 1000 if policy else 0
+        self._preferred = sorted(
+            {p for p in (policy.preferred_batch_sizes if policy else ()) if 0 < p <= self._max_bs},
+            reverse=True,
+        )
+        self._max_queue = int(policy.max_queue_size) if policy else 0
+        levels = int(policy.priority_levels) if policy else 0
+        self._priorities = levels > 0  # 0: priorities disabled, a client's priority is ignored
+        self._levels = max(1, levels)
+        dpl = int(policy.default_priority_level) if policy else 0
+        self._default_level = dpl if 1 <= dpl <= self._levels else self._levels
+        self._timeout_ns = int(policy.default_timeout_us) * 1000 if policy else 0
+
+        self._own_executor = executor is None
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(self._sessions), thread_name_prefix=f"ferry-{model}-v{version}"
+        )
+        self._queues: list[deque[_Request]] = [deque() for _ in range(self._levels)]
+        self._deadlines: list[tuple[int, int, _Request]] = []
+        self._seq = itertools.count()
+        self._depth = 0
+        self._inflight = 0
+        self._idle: list[int] = list(range(len(self._sessions)))
+        self._batch_ns = 0.0  # EWMA of dispatch-to-completion time, for Retry-After
+        self._accepting = False
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: int | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return self._depth
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._accepting = True
+        self._task = self._loop.create_task(
+            self._run(), name=f"ferry-batcher-{self.model}-v{self.version}"
+        )
+
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str] | None = None,
+        *,
+        deadline: float | None = None,
+        priority: int | None = None,
+    ) -> BatchResult:
+        """Queue one request and wait for its slice of a batch.
+
+        Raises InvalidInput, Overloaded (queue full, with ``retry_after``),
+        DeadlineExceeded, ModelNotReady (stopping) or the session's own error.
+        """
+        arrival = time.monotonic_ns()
+        try:
+            req = self._admit(inputs, outputs, deadline, priority, arrival)
+        except FerryError:
+            self._stats.record_failure(time.monotonic_ns() - arrival)
+            raise
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            if not req.done:  # still queued: the client went away
+                req.done = True
+                self._set_depth(self._depth - 1)
+            raise
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop accepting; finish queued and in-flight work; sessions are idle on return.
+
+        ``drain=False`` answers queued requests with ModelNotReady; running batches
+        complete either way (a runtime call cannot be interrupted).
+        """
+        self._accepting = False
+        if self._task is None:
+            self._shutdown_executor()
+            return
+        if not drain:
+            self._fail_queued(lambda: ModelNotReady(f"{self._name()} was unloaded"))
+        self._closing = True
+        assert self._wake is not None
+        self._wake.set()
+        await self._task
+        self._shutdown_executor()
+
+    def _admit(self, inputs, outputs, deadline, priority, arrival: int) -> _Request:
+        if not self._accepting:
+            raise ModelNotReady(f"{self._name()} is not ready (stopping or not started)")
+        n, key = self._shape_key(inputs)
+        level = self._level(priority)
+        if self._max_queue and self._depth >= self._max_queue:
+            raise Overloaded(
+                f"{self._name()}: queue is full ({self._depth} requests waiting)",
+                retry_after=self._retry_after(),
+            )
+        deadline_ns = None if deadline is None else int(deadline * 1e9)
+        if self._timeout_ns:
+            limit = arrival + self._timeout_ns
+            deadline_ns = limit if deadline_ns is None else min(deadline_ns, limit)
+        if deadline_ns is not None and deadline_ns <= arrival:
+            raise DeadlineExceeded(f"{self._name()}: request deadline passed before queueing")
+        assert self._loop is not None and self._wake is not None
+        req = _Request(inputs, outputs, n, key, arrival, deadline_ns, self._loop.create_future())
+        self._queues[level].append(req)
+        if deadline_ns is not None:
+            heapq.heappush(self._deadlines, (deadline_ns, next(self._seq), req))
+        self._set_depth(self._depth + 1)
+        # With every session busy only a new, earlier deadline needs the scheduler.
+        if self._idle or (
+            deadline_ns is not None and (self._timer_at is None or deadline_ns < self._timer_at)
+        ):
+            self._wake.set()
+        return req
+
+    def _shape_key(self, inputs: dict[str, np.ndarray]) -> tuple[int, tuple]:
+        """Items in the request and what must match for requests to be concatenated."""
+        if not self._max_bs:
+            return 1, ()
+        n = -1
+        for name, arr in inputs.items():
+            rows = arr.shape[0] if arr.ndim else 0
+            if n >= 0 and rows != n:
+                raise InvalidInput(
+                    f"{self._name()}: inputs disagree on the batch dimension "
+                    f"({name!r} has {rows}, expected {n})"
+                )
+            n = rows
+        if not 1 <= n <= self._max_bs:
+            raise InvalidInput(
+                f"{self._name()}: batch dimension {n} is outside 1..{self._max_bs} (max_batch_size)"
+            )
+        key = tuple((name, arr.shape[1:], arr.dtype) for name, arr in inputs.items())
+        return n, key if len(key) == 1 else tuple(sorted(key))
+
+    def _level(self, priority: int | None) -> int:
+        if not self._priorities or not priority:  # None or 0: the default level
+            return self._default_level - 1
+        if not 1 <= priority <= self._levels:
+            raise InvalidInput(
+                f"{self._name()}: priority {priority} is outside 1..{self._levels} (1 = highest)"
+            )
+        return priority - 1
+
+    def _retry_after(self) -> float:
+        per_batch = max(1, self._max_bs) if self._merge else 1
+        batches = -(-self._depth // per_batch)
+        est = batches * self._batch_ns / 1e9 / len(self._sessions)
+        return max(_MIN_RETRY_AFTER_S, round(est, 3))
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            try:
+                wake_at = self._schedule()
+            except Exception:  # a bug here must not strand the queue
+                log.exception("%s: scheduler error; failing queued requests", self._name())
+                self._fail_queued(lambda: InternalError(f"{self._name()}: scheduler error"))
+                wake_at = None
+            if self._closing and not self._depth and not self._inflight:
+                break
+            self._arm_timer(wake_at)
+            await self._wake.wait()
+        self._arm_timer(None)
+
+    def _schedule(self) -> int | None:
+        """Expire, then dispatch while sessions are idle; returns when to look again."""
+        now = time.monotonic_ns()
+        wake_at = self._expire(now)
+        while self._idle and self._depth:
+            members, hold_until = self._form_batch(now)
+            if members is None:
+                if hold_until is not None:
+                    wake_at = hold_until if wake_at is None else min(wake_at, hold_until)
+                break
+            self._dispatch(members, now)
+        return wake_at
+
+    def _expire(self, now: int) -> int | None:
+        heap = self._deadlines
+        while heap and (heap[0][2].done or heap[0][0] <= now):
+            _, _, req = heapq.heappop(heap)
+            if not req.done:
+                req.done = True
+                self._set_depth(self._depth - 1)
+                self._fail(req, DeadlineExceeded(f"{self._name()}: deadline passed in queue"), now)
+        if len(heap) > 4 * self._depth + 64:  # dispatched entries pile up behind a live head
+            self._deadlines = heap = [e for e in heap if not e[2].done]
+            heapq.heapify(heap)
+        return heap[0][0] if heap else None
+
+    def _form_batch(self, now: int) -> tuple[list[_Request] | None, int | None]:
+        """Pick the next batch, or say until when to wait for a fuller one."""
+        first: _Request | None = None
+        members: list[_Request] = []
+        items = 0
+        full = False
+        for q in self._queues:
+            while q and q[0].done:
+                q.popleft()
+            for req in q:
+                if req.done:
+                    continue
+                if first is None:
+                    first = req
+                    if not self._merge:
+                        return [req], None
+                elif req.key != first.key:
+                    continue  # cannot be concatenated: waits for a later batch
+                if items + req.n > self._max_bs:
+                    full = True
+                    break
+                members.append(req)
+                items += req.n
+                if items == self._max_bs:
+                    full = True
+                    break
+            if full:
+                break
+        if first is None:  # bookkeeping drifted; never spin on it
+            log.error("%s: queue depth %d but no live request", self._name(), self._depth)
+            self._set_depth(0)
+            return None, None
+        if full or self._closing or not self._delay_ns:
+            return members, None
+        if self._preferred:
+            sizes, total = {}, 0
+            for i, req in enumerate(members):
+                total += req.n
+                sizes[total] = i + 1
+            for p in self._preferred:
+                if p in sizes:
+                    return members[: sizes[p]], None
+        hold_until = min(r.arrival_ns for r in members) + self._delay_ns
+        for r in members:  # start early enough to run before any member expires
+            if r.deadline_ns is not None:
+                guard = max(int(self._batch_ns), (r.deadline_ns - r.arrival_ns) // 10)
+                hold_until = min(hold_until, r.deadline_ns - guard)
+        if now >= hold_until:
+            return members, None
+        return None, hold_until
+
+    def _dispatch(self, members: list[_Request], now: int) -> None:
+        for req in members:
+            req.done = True
+        self._set_depth(self._depth - len(members))
+        index = self._idle.pop()
+        self._inflight += 1
+        assert self._loop is not None
+        # A refused submission (executor shut down) comes back through _finish as an error.
+        try:
+            fut = self._loop.run_in_executor(
+                self._executor, self._execute, self._sessions[index], members
+            )
+        except Exception as exc:
+            fut = self._loop.create_future()
+            fut.set_exception(exc)
+        fut.add_done_callback(partial(self._finish, index, members, now))
+
+    def _finish(self, index: int, members: list[_Request], dispatched: int, fut) -> None:
+        """Completion callback on the loop: deliver each request's outcome."""
+        self._inflight -= 1
+        self._idle.append(index)
+        assert self._wake is not None
+        self._wake.set()
+        try:
+            outcomes: list[_Outcome] = fut.result()
+        except BaseException as exc:
+            log.error("%s: batch worker failed: %r", self._name(), exc)
+            msg = f"{self._name()}: batch worker failed: {exc!r}"
+            outcomes = [(InternalError(msg), 0, r.n) for r in members]
+        end = time.monotonic_ns()
+        self._batch_ns = 0.8 * (self._batch_ns or end - dispatched) + 0.2 * (end - dispatched)
+        ok = request_sum = queue_sum = compute_sum = items = 0
+        for req, (result, compute_ns, batch_size) in zip(members, outcomes, strict=True):
+            if isinstance(result, FerryError):
+                self._fail(req, result, end)
+                continue
+            queue_ns = dispatched - req.arrival_ns
+            ok += 1
+            request_sum += end - req.arrival_ns
+            queue_sum += queue_ns
+            compute_sum += compute_ns
+            items += req.n
+            if not req.future.done():
+                req.future.set_result(
+                    BatchResult(result, queue_ns // 1000, compute_ns // 1000, batch_size)
+                )
+        self._stats.record_successes(ok, request_sum, queue_sum, compute_sum, items)
+
+    def _execute(self, session: Session, members: list[_Request]) -> list[_Outcome]:
+        """Run one batch (in a worker thread); on failure, isolate the bad request."""
+        if len(members) == 1:
+            return [self._run_alone(session, members[0])]
+        items = sum(r.n for r in members)
+        try:
+            batch = {
+                name: np.concatenate([r.inputs[name] for r in members])
+                for name in members[0].inputs
+            }
+            start = time.perf_counter_ns()
+            out = session.run(batch, _union_outputs(members))
+            compute = time.perf_counter_ns() - start
+            outcomes = _split(out, members, items, compute)
+        except Exception as exc:
+            log.info(
+                "%s: batch of %d failed (%s); running its requests alone", self._name(), items, exc
+            )
+            return [self._run_alone(session, r) for r in members]
+        self._stats.record_execution(items, compute)
+        return outcomes
+
+    def _run_alone(self, session: Session, req: _Request) -> _Outcome:
+        start = time.perf_counter_ns()
+        try:
+            out = session.run(req.inputs, req.outputs)
+        except Exception as exc:
+            if not isinstance(exc, FerryError):
+                exc = InternalError(f"{self._name()}: {type(exc).__name__}: {exc}")
+            return exc, time.perf_counter_ns() - start, req.n
+        compute = time.perf_counter_ns() - start
+        self._stats.record_execution(req.n, compute)
+        return out, compute, req.n
+
+    def _fail(self, req: _Request, exc: FerryError, now: int) -> None:
+        self._stats.record_failure(now - req.arrival_ns)
+        if not req.future.done():
+            req.future.set_exception(exc)
+
+    def _fail_queued(self, make_error: Callable[[], FerryError]) -> None:
+        now = time.monotonic_ns()
+        for q in self._queues:
+            while q:
+                req = q.popleft()
+                if not req.done:
+                    req.done = True
+                    self._fail(req, make_error(), now)
+        self._deadlines.clear()
+        self._set_depth(0)
+
+    def _set_depth(self, depth: int) -> None:
+        self._depth = depth
+        self._stats.pending = depth
+
+    def _arm_timer(self, wake_at: int | None) -> None:
+        if wake_at == self._timer_at and self._timer is not None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timer_at = None
+        if wake_at is not None:
+            assert self._loop is not None
+            delay = max(0.0, (wake_at - time.monotonic_ns()) / 1e9)
+            self._timer = self._loop.call_later(delay, self._on_timer)
+            self._timer_at = wake_at
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        assert self._wake is not None
+        self._wake.set()
+
+    def _shutdown_executor(self) -> None:
+        if self._own_executor:
+            self._executor.shutdown(wait=False)
+
+    def _name(self) -> str:
+        return f"model {self.model!r} version {self.version}"
+
+
+def _union_outputs(members: list[_Request]) -> list[str] | None:
+    """Outputs to ask the session for: all when any request wants all."""
+    first = members[0].outputs
+    if first is None or all(r.outputs == first for r in members):
+        return first
+    names: dict[str, None] = {}
+    for r in members:
+        if r.outputs is None:
+            return None
+        names.update(dict.fromkeys(r.outputs))
+    return list(names)
+
+
+def _split(
+    out: dict[str, np.ndarray], members: list[_Request], items: int, compute: int
+) -> list[_Outcome]:
+    """Cut the batch outputs into per-request views along axis 0."""
+    for name, arr in out.items():
+        if arr.ndim < 1 or arr.shape[0] != items:
+            raise InternalError(
+                f"output {name!r} has shape {arr.shape}; expected leading batch dimension {items}"
+            )
+    outcomes: list[_Outcome] = []
+    start = 0
+    for r in members:
+        end = start + r.n
+        names = out.keys() if r.outputs is None else r.outputs
+        outcomes.append(({name: out[name][start:end] for name in names}, compute, items))
+        start = end
+    return outcomes

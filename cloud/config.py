@@ -1,0 +1,181 @@
+"""Cloud node configuration: ``cloud.toml`` plus command-line overrides.
+
+Built once in ``main()`` and passed down frozen; nothing reads the
+environment later.  Unknown keys are errors that name the file and the key,
+as in the model repository.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ConfigError
+from shared.mqtt import BrokerAddress, parse_broker_url
+from shared.tensors import Limits
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokens_file: Path | None = None
+    open_metrics: bool = True
+
+
+@dataclass(frozen=True)
+class MqttConfig:
+    broker: BrokerAddress
+    client_id: str | None = None
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    tls_insecure: bool = False
+    status_interval_s: float = 5.0
+    keepalive_s: int = 30
+
+
+@dataclass(frozen=True)
+class CloudConfig:
+    repository: Path
+    node: str = field(default_factory=socket.gethostname)
+    models: tuple[str, ...] | None = None  # None: every model in the repository
+    http: HttpConfig | None = field(default_factory=HttpConfig)
+    mqtt: MqttConfig | None = None
+    limits: Limits = field(default_factory=Limits)
+    shutdown_grace_s: float = 30.0
+
+
+_SCHEMA: dict[str, Any] = {
+    "repository": str,
+    "node": str,
+    "models": list,
+    "shutdown_grace_s": (int, float),
+    "http": {"host": str, "port": int, "tokens_file": str, "open_metrics": bool, "enabled": bool},
+    "mqtt": {
+        "url": str,
+        "username": str,
+        "password_file": str,
+        "client_id": str,
+        "ca_file": str,
+        "cert_file": str,
+        "key_file": str,
+        "tls_insecure": bool,
+        "status_interval_s": (int, float),
+        "keepalive_s": int,
+    },
+    "limits": {"max_body_bytes": int, "max_elements": int, "max_tensors": int},
+}
+
+
+def _check(data: dict[str, Any], schema: dict[str, Any], source: str, prefix: str = "") -> None:
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in schema:
+            raise ConfigError(f"{source}: unknown key {dotted!r}; expected one of {sorted(schema)}")
+        expected = schema[key]
+        if isinstance(expected, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: key {dotted!r}: expected a table")
+            _check(value, expected, source, dotted + ".")
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            names = getattr(expected, "__name__", None) or " or ".join(t.__name__ for t in expected)
+            raise ConfigError(f"{source}: key {dotted!r}: expected {names}, got {value!r}")
+
+
+def _read_secret(path: str, source: str, key: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{source}: key {key!r}: cannot read {path}: {exc.strerror}") from None
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
+    """Read ``cloud.toml`` (optional) and apply command-line ``overrides``.
+
+    Overrides use the same dotted keys as the file: ``repository``,
+    ``http.port``, ``mqtt.url`` ...; a value of None leaves the file's value.
+    """
+    data: dict[str, Any] = {}
+    source = str(path) if path else "command line"
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        _check(data, _SCHEMA, source)
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        table = data
+        *parents, leaf = dotted.split(".")
+        for parent in parents:
+            table = table.setdefault(parent, {})
+        table[leaf] = value
+    if "repository" not in data:
+        raise ConfigError(f"{source}: key 'repository' is required (or pass --repository)")
+    base = Path(path).parent if path else Path.cwd()
+    repository = (
+        (base / data["repository"]).resolve() if path else Path(data["repository"]).resolve()
+    )
+
+    http_data = data.get("http", {})
+    http = None
+    if http_data.get("enabled", True):
+        tokens = http_data.get("tokens_file")
+        http = HttpConfig(
+            host=http_data.get("host", "127.0.0.1"),
+            port=http_data.get("port", 8000),
+            tokens_file=Path(tokens) if tokens else None,
+            open_metrics=http_data.get("open_metrics", True),
+        )
+    mqtt = None
+    mqtt_data = data.get("mqtt", {})
+    if mqtt_data.get("url"):
+        broker = parse_broker_url(mqtt_data["url"])
+        if mqtt_data.get("username"):
+            broker = replace(broker, username=mqtt_data["username"])
+        if mqtt_data.get("password_file"):
+            secret = _read_secret(mqtt_data["password_file"], source, "mqtt.password_file")
+            broker = replace(broker, password=secret)
+
+        def opt_path(key: str) -> Path | None:
+            return Path(mqtt_data[key]) if mqtt_data.get(key) else None
+
+        mqtt = MqttConfig(
+            broker=broker,
+            client_id=mqtt_data.get("client_id") or None,
+            ca_file=opt_path("ca_file"),
+            cert_file=opt_path("cert_file"),
+            key_file=opt_path("key_file"),
+            tls_insecure=mqtt_data.get("tls_insecure", False),
+            status_interval_s=float(mqtt_data.get("status_interval_s", 5.0)),
+            keepalive_s=mqtt_data.get("keepalive_s", 30),
+        )
+    limits_data = data.get("limits", {})
+    limits = Limits(**{k: v for k, v in limits_data.items()})
+    models = data.get("models")
+    if models is not None and (not models or "*" in models):
+        models = None
+    config = CloudConfig(
+        repository=repository,
+        node=data.get("node") or socket.gethostname(),
+        models=tuple(models) if models is not None else None,
+        http=http,
+        mqtt=mqtt,
+        limits=limits,
+        shutdown_grace_s=float(data.get("shutdown_grace_s", 30.0)),
+    )
+    if config.http is None and config.mqtt is None:
+        raise ConfigError(f"{source}: neither HTTP nor MQTT is enabled; nothing would serve")
+    return config

@@ -1,0 +1,237 @@
+"""The cloud node's HTTP front: KServe V2 with Triton's extensions, on aiohttp.
+
+A thin adapter: decode with :mod:`shared.v2`, call the dataplane, encode.
+Errors leave as ``{"error": message, "code": code}`` with the status from
+:data:`shared.errors.HTTP_STATUS` (and ``Retry-After`` when overloaded);
+the process stays up whatever the body holds.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from cloud.dataplane import DataPlane
+from shared import v2
+from shared.errors import ConfigError, FerryError, InvalidInput, PayloadTooLarge, Unauthenticated
+from shared.repository import validate_model_name
+from shared.tensors import Limits
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "ferry"
+SERVER_VERSION = "0.1.0"
+EXTENSIONS = [
+    "classification_none",
+    "binary_tensor_data",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "model_configuration",
+    "statistics",
+    "schedule_policy",
+    "metrics",
+]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+DATAPLANE: web.AppKey[DataPlane] = web.AppKey("dataplane", DataPlane)
+
+
+def load_tokens(path: Path) -> list[bytes]:
+    """Bearer tokens, one per line (blank lines and # comments ignored)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read tokens file: {exc.strerror}") from None
+    tokens = [line.strip().encode() for line in lines if line.strip() and not line.startswith("#")]
+    if not tokens:
+        raise ConfigError(f"{path}: tokens file holds no token")
+    return tokens
+
+
+def error_response(exc: FerryError) -> web.Response:
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    body = json.dumps({"error": exc.message, "code": exc.code.value})
+    return web.Response(
+        status=exc.http_status, text=body, content_type="application/json", headers=headers
+    )
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=json.dumps(data), content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except FerryError as exc:
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(PayloadTooLarge(exc.text or "request body too large"))
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            code = "not_found" if exc.status == 404 else "invalid_argument"
+            return web.Response(
+                status=exc.status,
+                text=json.dumps({"error": exc.reason, "code": code}),
+                content_type="application/json",
+            )
+        raise
+    except Exception:  # the server stays up whatever a handler hits
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.Response(
+            status=500,
+            text=json.dumps({"error": "internal server error", "code": "internal"}),
+            content_type="application/json",
+        )
+
+
+def _auth(tokens: list[bytes], open_metrics: bool) -> Any:
+    open_prefixes = ("/v2/health/",) + (("/metrics",) if open_metrics else ())
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith(open_prefixes):
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            given = token.strip().encode()
+            # Compare against every token so timing does not reveal which matched.
+            ok = False
+            for candidate in tokens:
+                ok |= hmac.compare_digest(given, candidate)
+            if scheme.lower() != "bearer" or not ok:
+                return error_response(Unauthenticated("missing or invalid bearer token"))
+        return await handler(request)
+
+    return check
+
+
+class HttpFront:
+    """Routes of the V2 protocol bound to one dataplane."""
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        *,
+        limits: Limits,
+        tokens: list[bytes] | None = None,
+        open_metrics: bool = True,
+        metrics: Callable[[], tuple[bytes, str]] | None = None,
+    ) -> None:
+        self.dataplane = dataplane
+        self.limits = limits
+        self.tokens = tokens
+        self.open_metrics = open_metrics
+        self.metrics = metrics
+
+    def build_app(self) -> web.Application:
+        middlewares = [_errors]
+        if self.tokens:
+            middlewares.append(_auth(self.tokens, self.open_metrics))
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=middlewares)
+        app[DATAPLANE] = self.dataplane
+        r = app.router
+        r.add_get("/v2", self.server_metadata)
+        r.add_get("/v2/health/live", self.live)
+        r.add_get("/v2/health/ready", self.ready)
+        r.add_post("/v2/repository/index", self.repository_index)
+        r.add_post("/v2/repository/models/{model}/load", self.load)
+        r.add_post("/v2/repository/models/{model}/unload", self.unload)
+        r.add_get("/v2/models/stats", self.stats)
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            r.add_get(base, self.model_metadata)
+            r.add_get(base + "/ready", self.model_ready)
+            r.add_get(base + "/config", self.model_config)
+            r.add_get(base + "/stats", self.stats)
+            r.add_post(base + "/infer", self.infer)
+        if self.metrics is not None:
+            r.add_get("/metrics", self.render_metrics)
+        return app
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return _json({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ready = self.dataplane.is_ready()
+        return _json({"ready": ready}, 200 if ready else 503)
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        return _json(self.dataplane.metadata(m["model"], m.get("version")))
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        ready = self.dataplane.model_ready(m["model"], m.get("version"))
+        return _json({"name": m["model"], "ready": ready}, 200 if ready else 503)
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        return _json(self.dataplane.model_config(m["model"], m.get("version")))
+
+    async def stats(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        return _json(self.dataplane.statistics(m.get("model"), m.get("version")))
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        ready_only = False
+        if request.can_read_body:
+            body = await self._json_body(request)
+            ready_only = bool(body.get("ready", False))
+        return _json(self.dataplane.index(ready_only))
+
+    async def load(self, request: web.Request) -> web.Response:
+        name = validate_model_name(request.match_info["model"])
+        if request.can_read_body:
+            await self._json_body(request)  # parameters (config overrides) are not supported yet
+        await self.dataplane.load(name)
+        return _json({})
+
+    async def unload(self, request: web.Request) -> web.Response:
+        name = validate_model_name(request.match_info["model"])
+        await self.dataplane.unload(name)
+        return _json({})
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidInput("request body must be a JSON object")
+        return body
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        m = request.match_info
+        body = await request.read()
+        header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
+        decoded = v2.decode_request(body, header_length, self.limits)
+        response = await self.dataplane.infer(m["model"], decoded, version=m.get("version"))
+        chunks, out_header_length = v2.encode_response(response, decoded)
+        if out_header_length is None:
+            return web.Response(body=chunks[0], content_type="application/json")
+        return web.Response(
+            body=v2.join(chunks),
+            content_type=v2.BINARY_CONTENT_TYPE,
+            headers={v2.HEADER_LENGTH: str(out_header_length)},
+        )
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        assert self.metrics is not None
+        body, content_type = self.metrics()
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
+        return response

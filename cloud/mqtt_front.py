@@ -1,0 +1,238 @@
+"""The cloud node's MQTT v5 front: shared subscriptions in, replies out.
+
+paho-mqtt runs its network loop in its own thread; each message is handed to
+the asyncio loop with ``call_soon_threadsafe`` and answered from there on the
+request's Response Topic with its Correlation Data.  Message Expiry becomes
+the request's deadline.  paho reconnects by itself; ``on_connect``
+re-subscribes, so a broker restart needs nothing from the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import ssl
+import time
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from cloud.config import MqttConfig
+from cloud.dataplane import DataPlane
+from shared import envelope
+from shared.errors import FerryError, InternalError, InvalidInput
+from shared.mqtt import model_from_topic, shared_request_topic, status_topic
+from shared.tensors import Limits
+
+log = logging.getLogger(__name__)
+
+
+def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    """Nagle off: a 1 KB round trip drops from 88 ms to 0.69 ms (DESIGN.md 2)."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # pragma: no cover - non-TCP transports
+        pass
+
+
+class MqttFront:
+    def __init__(self, dataplane: DataPlane, config: MqttConfig, limits: Limits, node: str) -> None:
+        self.dataplane = dataplane
+        self.config = config
+        self.limits = limits
+        self.node = node
+        self.client_id = config.client_id or f"ferry-cloud-{node}"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: mqtt.Client | None = None
+        self._subscribed: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._status_task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self._accepting = True
+        self.replies_sent = 0
+
+    # ---- lifecycle --------------------------------------------------------------
+    async def start(self, wait_s: float = 5.0) -> None:
+        self._loop = asyncio.get_running_loop()
+        client = mqtt.Client(
+            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5,
+        )
+        broker = self.config.broker
+        if broker.username:
+            client.username_pw_set(broker.username, broker.password)
+        if broker.tls:
+            context = ssl.create_default_context(
+                cafile=str(self.config.ca_file) if self.config.ca_file else None
+            )
+            if self.config.cert_file:
+                context.load_cert_chain(
+                    str(self.config.cert_file),
+                    str(self.config.key_file) if self.config.key_file else None,
+                )
+            if self.config.tls_insecure:
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            client.tls_set_context(context)
+        client.on_socket_open = _nodelay
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.reconnect_delay_set(min_delay=1, max_delay=5)
+        client.will_set(
+            status_topic(self.node),
+            json.dumps({"node": self.node, "state": "offline"}),
+            qos=1,
+            retain=True,
+        )
+        self._client = client
+        self.dataplane.on_models_changed.append(self._models_changed)
+        client.connect_async(broker.host, broker.port, keepalive=self.config.keepalive_s)
+        client.loop_start()
+        try:
+            await asyncio.wait_for(self._connected.wait(), wait_s)
+        except asyncio.TimeoutError:
+            log.warning(
+                "MQTT broker %s:%s not reachable yet; retrying in the background",
+                broker.host,
+                broker.port,
+            )
+        self._status_task = asyncio.create_task(self._status_loop())
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests, answer those in flight, then leave the broker."""
+        self._accepting = False
+        if self._models_changed in self.dataplane.on_models_changed:
+            self.dataplane.on_models_changed.remove(self._models_changed)
+        client = self._client
+        if client is not None:
+            for topic in list(self._subscribed):
+                client.unsubscribe(topic)
+            self._subscribed.clear()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
+        if self._status_task is not None:
+            self._status_task.cancel()
+        if client is not None:
+            info = client.publish(
+                status_topic(self.node),
+                json.dumps({"node": self.node, "state": "offline"}),
+                qos=1,
+                retain=True,
+            )
+            await asyncio.to_thread(_wait_published, info, 2.0)
+            client.disconnect()
+            client.loop_stop()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    # ---- paho callbacks (network thread) ------------------------------------------
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if reason.is_failure:
+            log.warning("MQTT connect refused: %s", reason)
+            return
+        self._subscribed.clear()
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._after_connect)
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._connected.clear)
+        if self._accepting:
+            log.warning("MQTT disconnected (%s); paho reconnects", reason)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        received = time.monotonic()
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._spawn, message, received)
+
+    # ---- on the event loop ----------------------------------------------------------
+    def _after_connect(self) -> None:
+        self._connected.set()
+        self._sync_subscriptions()
+        self._publish_status()
+
+    def _models_changed(self) -> None:
+        if self._connected.is_set():
+            self._sync_subscriptions()
+            self._publish_status()
+
+    def _sync_subscriptions(self) -> None:
+        if self._client is None or not self._accepting:
+            return
+        wanted = {shared_request_topic(name) for name in self.dataplane.loaded_names()}
+        for topic in sorted(wanted - self._subscribed):
+            self._client.subscribe(topic, qos=1)
+        for topic in sorted(self._subscribed - wanted):
+            self._client.unsubscribe(topic)
+        self._subscribed = wanted
+
+    def _spawn(self, message: mqtt.MQTTMessage, received: float) -> None:
+        task = asyncio.create_task(self._handle(message, received))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, message: mqtt.MQTTMessage, received: float) -> None:
+        props = message.properties
+        response_topic = getattr(props, "ResponseTopic", None)
+        correlation = getattr(props, "CorrelationData", None)
+        expiry = getattr(props, "MessageExpiryInterval", None)
+        deadline = received + expiry if expiry else None
+        payload = message.payload
+        request_id = None
+        try:
+            model = model_from_topic(message.topic)
+            if model is None:
+                raise InvalidInput(f"not a request topic: {message.topic!r}")
+            request = envelope.decode_request(payload, self.limits)
+            request_id = request.id
+            response = await self.dataplane.infer(model, request, deadline=deadline)
+            reply = envelope.encode_reply(response)
+        except FerryError as exc:
+            request_id = request_id or envelope.peek_request_id(payload) or ""
+            reply = envelope.encode_error_reply(request_id, exc)
+        except Exception as exc:  # never let one message take the front down
+            log.exception("MQTT request failed")
+            request_id = request_id or envelope.peek_request_id(payload) or ""
+            reply = envelope.encode_error_reply(request_id, InternalError(str(exc)))
+        if not response_topic:
+            log.warning(
+                "request %s on %s has no Response Topic; no reply sent", request_id, message.topic
+            )
+            return
+        out = Properties(PacketTypes.PUBLISH)
+        if correlation is not None:
+            out.CorrelationData = correlation
+        assert self._client is not None
+        self._client.publish(response_topic, reply, qos=1, properties=out)
+        self.replies_sent += 1
+
+    def _publish_status(self) -> None:
+        if self._client is None:
+            return
+        status = self.dataplane.status()
+        self._client.publish(status_topic(self.node), json.dumps(status), qos=1, retain=True)
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.status_interval_s)
+            if self._connected.is_set():
+                self._publish_status()
+
+
+def _wait_published(info: mqtt.MQTTMessageInfo, timeout: float) -> None:
+    try:
+        info.wait_for_publish(timeout)
+    except (RuntimeError, ValueError):
+        pass

@@ -1,0 +1,103 @@
+"""The cloud node's lifecycle: build the layers, serve, shut down in order.
+
+Start: repository -> dataplane (models loaded) -> metrics -> HTTP site ->
+MQTT front.  Stop (SIGTERM/SIGINT) runs the reverse: fronts stop taking new
+requests, in-flight requests finish, then runtimes close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from cloud.config import CloudConfig
+from cloud.dataplane import DataPlane
+from cloud.gpu import GpuMonitor
+from cloud.http_front import HttpFront, load_tokens
+from cloud.metrics import make_registry, render_metrics
+from cloud.mqtt_front import MqttFront
+from shared.errors import FerryError
+from shared.repository import ModelRepository
+
+log = logging.getLogger(__name__)
+
+
+class CloudServer:
+    def __init__(self, config: CloudConfig) -> None:
+        self.config = config
+        self.dataplane = DataPlane(ModelRepository(config.repository), config.node)
+        self.gpu = GpuMonitor()
+        self.mqtt: MqttFront | None = None
+        self._runner: web.AppRunner | None = None
+        self.http_port: int | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.gpu.start()
+        if not self.gpu.available:
+            log.info("%s", self.gpu.reason)
+        names = (
+            list(cfg.models) if cfg.models is not None else self.dataplane.repository.model_names()
+        )
+        for name in names:
+            try:
+                await self.dataplane.load(name)
+            except FerryError as exc:
+                log.error("model %s not loaded: %s", name, exc.message)
+        if cfg.http is not None:
+            registry = make_registry(self.dataplane.all_stats, self.gpu)
+            tokens = load_tokens(cfg.http.tokens_file) if cfg.http.tokens_file else None
+            front = HttpFront(
+                self.dataplane,
+                limits=cfg.limits,
+                tokens=tokens,
+                open_metrics=cfg.http.open_metrics,
+                metrics=lambda: render_metrics(registry),
+            )
+            self._runner = web.AppRunner(
+                front.build_app(), access_log=None, shutdown_timeout=cfg.shutdown_grace_s
+            )
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port)
+            await site.start()
+            self.http_port = self._runner.addresses[0][1]
+        if cfg.mqtt is not None:
+            self.mqtt = MqttFront(self.dataplane, cfg.mqtt, cfg.limits, cfg.node)
+            await self.mqtt.start()
+
+    async def stop(self) -> None:
+        grace = self.config.shutdown_grace_s
+        if self.mqtt is not None:
+            await self.mqtt.stop(grace)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.dataplane.close()
+        self.gpu.close()
+
+
+async def serve(config: CloudConfig) -> int:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    server = CloudServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    parts = [f"node={config.node}", f"models={','.join(server.dataplane.loaded_names()) or '-'}"]
+    if server.http_port is not None:
+        assert config.http is not None
+        parts.append(f"http=http://{config.http.host}:{server.http_port}")
+    if config.mqtt is not None:
+        parts.append(f"mqtt=mqtt://{config.mqtt.broker.host}:{config.mqtt.broker.port}")
+    # One parseable line: tests and the demo read the bound port from it.
+    print("ferry-cloud ready " + " ".join(parts), flush=True)
+    sys.stdout.flush()
+    await stop.wait()
+    log.info("shutting down")
+    await server.stop()
+    print("ferry-cloud stopped", flush=True)
+    return 0

@@ -1,0 +1,5 @@
+"""Ways to reach the cloud tier, behind one interface (:class:`Transport`)."""
+
+from edge.transports.base import TransferResult, Transport
+
+__all__ = ["TransferResult", "Transport"]

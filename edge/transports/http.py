@@ -1,0 +1,114 @@
+"""HTTP client for the cloud tier's V2 API (aiohttp, binary tensors)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import aiohttp
+
+from edge.transports.base import TransferResult
+from shared import v2
+from shared.errors import (
+    DeadlineExceeded,
+    FerryError,
+    InternalError,
+    ModelNotReady,
+    error_from_code,
+)
+from shared.messages import InferRequest
+from shared.tensors import DEFAULT_LIMITS, Limits
+
+
+class HttpTransport:
+    name = "http"
+
+    def __init__(
+        self, base_url: str, *, token: str | None = None, limits: Limits = DEFAULT_LIMITS
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.limits = limits
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._session is not None and not self._session.closed
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        connector = aiohttp.TCPConnector(limit=64, force_close=False)
+        self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def probe(self, deadline: float) -> float:
+        """Round trip of ``GET /v2/health/live``: a light RTT sample."""
+        if self._session is None:
+            raise ModelNotReady("HTTP transport not started")
+        started = time.monotonic()
+        try:
+            async with self._session.get(
+                f"{self.base_url}/v2/health/live",
+                timeout=aiohttp.ClientTimeout(total=max(deadline - started, 0.001)),
+            ) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise ModelNotReady(f"cloud endpoint answered HTTP {resp.status}")
+        except TimeoutError:
+            raise DeadlineExceeded("HTTP probe timed out") from None
+        except aiohttp.ClientError as exc:
+            raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+        return time.monotonic() - started
+
+    async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
+        if self._session is None:
+            raise ModelNotReady("HTTP transport not started")
+        chunks, header_length = v2.encode_request(request)
+        body = v2.join(chunks)
+        headers = {"Content-Type": v2.BINARY_CONTENT_TYPE}
+        if header_length is not None:
+            headers[v2.HEADER_LENGTH] = str(header_length)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded("deadline passed before the request was sent")
+        url = f"{self.base_url}/v2/models/{model}/infer"
+        started = time.monotonic()
+        try:
+            async with self._session.post(
+                url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=remaining)
+            ) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    raise _http_error(resp.status, payload)
+                response = v2.decode_response(
+                    payload,
+                    v2.parse_header_length(resp.headers.get(v2.HEADER_LENGTH), len(payload)),
+                    self.limits,
+                )
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"no HTTP reply from model {model!r} within the deadline"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+        return TransferResult(response, len(body), len(payload), started, time.monotonic())
+
+
+def _http_error(status: int, payload: bytes) -> FerryError:
+    try:
+        doc = json.loads(payload)
+        message = str(doc.get("error", payload[:200]))
+        code = doc.get("code")
+    except (ValueError, AttributeError):
+        message, code = payload[:200].decode(errors="replace"), None
+    if code:
+        return error_from_code(code, message)
+    return {
+        404: error_from_code("not_found", message),
+        503: ModelNotReady(message),
+        504: DeadlineExceeded(message),
+    }.get(status, InternalError(f"HTTP {status}: {message}"))

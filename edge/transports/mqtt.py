@@ -1,0 +1,235 @@
+"""MQTT v5 request/response client (paho-mqtt), as the edge agent uses it.
+
+Requests carry a Response Topic (``ferry/v1/replies/{client_id}``), their id
+as Correlation Data and the deadline as Message Expiry.  Pending requests
+live in ``dict[correlation, Future]``; after a reconnect every unanswered
+request is published again (the server may answer twice: the second answer
+finds no pending entry and is dropped), so a broker restart costs latency,
+not answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+import ssl
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edge.transports.base import TransferResult
+from shared import envelope
+from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotReady
+from shared.messages import InferRequest, InferResponse
+from shared.mqtt import BrokerAddress, reply_topic, request_topic
+from shared.tensors import DEFAULT_LIMITS, Limits
+
+log = logging.getLogger(__name__)
+
+
+def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # pragma: no cover
+        pass
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[tuple[InferResponse, int]]
+    topic: str
+    payload: bytes
+    deadline: float
+
+
+class MqttTransport:
+    name = "mqtt"
+
+    def __init__(
+        self,
+        broker: BrokerAddress,
+        *,
+        client_id: str | None = None,
+        ca_file: str | None = None,
+        tls_insecure: bool = False,
+        limits: Limits = DEFAULT_LIMITS,
+        keepalive_s: int = 30,
+    ) -> None:
+        self.broker = broker
+        self.client_id = client_id or f"ferry-edge-{uuid.uuid4().hex[:12]}"
+        self.reply_topic = reply_topic(self.client_id)
+        self.ca_file = ca_file
+        self.tls_insecure = tls_insecure
+        self.limits = limits
+        self.keepalive_s = keepalive_s
+        self._pending: dict[bytes, _Pending] = {}
+        self._probes: dict[bytes, asyncio.Future[float]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: mqtt.Client | None = None
+        self._ready = asyncio.Event()
+        self.republished = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._ready.is_set()
+
+    async def start(self, wait_s: float = 5.0) -> None:
+        self._loop = asyncio.get_running_loop()
+        client = mqtt.Client(
+            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5,
+        )
+        if self.broker.username:
+            client.username_pw_set(self.broker.username, self.broker.password)
+        if self.broker.tls:
+            context = ssl.create_default_context(cafile=self.ca_file)
+            if self.tls_insecure:
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            client.tls_set_context(context)
+        client.on_socket_open = _nodelay
+        client.on_connect = self._on_connect
+        client.on_subscribe = self._on_subscribe
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.reconnect_delay_set(min_delay=1, max_delay=4)
+        self._client = client
+        client.connect_async(self.broker.host, self.broker.port, keepalive=self.keepalive_s)
+        client.loop_start()
+        try:
+            await asyncio.wait_for(self._ready.wait(), wait_s)
+        except asyncio.TimeoutError:
+            log.warning("broker %s:%s not reachable yet", self.broker.host, self.broker.port)
+
+    async def close(self) -> None:
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(ModelNotReady("MQTT transport closed"))
+        self._pending.clear()
+        if self._client is not None:
+            self._client.disconnect()
+            await asyncio.to_thread(self._client.loop_stop)
+            self._client = None
+
+    async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
+        if self._client is None or self._loop is None:
+            raise ModelNotReady("MQTT transport not started")
+        if not self._ready.is_set():
+            raise ModelNotReady(f"not connected to broker {self.broker.host}:{self.broker.port}")
+        request_id = request.id or uuid.uuid4().hex
+        request.id = request_id
+        payload = envelope.encode_request(request)
+        if len(payload) > self.limits.max_body_bytes:
+            raise InvalidInput(f"request of {len(payload)} bytes exceeds the payload limit")
+        correlation = request_id.encode()
+        future: asyncio.Future[tuple[InferResponse, int]] = self._loop.create_future()
+        pending = _Pending(future, request_topic(model), payload, deadline)
+        self._pending[correlation] = pending
+        started = time.monotonic()
+        try:
+            self._publish(correlation, pending)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded("deadline passed before the request was sent")
+            try:
+                response, received = await asyncio.wait_for(future, remaining)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(
+                    f"no MQTT reply from model {model!r} within the deadline"
+                ) from None
+        finally:
+            self._pending.pop(correlation, None)
+        return TransferResult(response, len(payload), received, started, time.monotonic())
+
+    async def probe(self, deadline: float) -> float:
+        """Round trip through the broker to our own reply topic: a light RTT sample."""
+        if self._client is None or self._loop is None or not self._ready.is_set():
+            raise ModelNotReady("MQTT transport not connected")
+        correlation = b"probe:" + uuid.uuid4().hex.encode()
+        future: asyncio.Future[float] = self._loop.create_future()
+        self._probes[correlation] = future
+        started = time.monotonic()
+        props = Properties(PacketTypes.PUBLISH)
+        props.CorrelationData = correlation
+        try:
+            self._client.publish(self.reply_topic, b"", qos=1, properties=props)
+            await asyncio.wait_for(future, max(deadline - started, 0.001))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded("MQTT probe timed out") from None
+        finally:
+            self._probes.pop(correlation, None)
+        return time.monotonic() - started
+
+    def _publish(self, correlation: bytes, pending: _Pending) -> None:
+        assert self._client is not None
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = self.reply_topic
+        props.CorrelationData = correlation
+        props.MessageExpiryInterval = max(1, math.ceil(pending.deadline - time.monotonic()))
+        self._client.publish(pending.topic, pending.payload, qos=1, properties=props)
+
+    # ---- paho callbacks (network thread) ----------------------------------------
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if reason.is_failure:
+            log.warning("MQTT connect refused: %s", reason)
+            return
+        client.subscribe(self.reply_topic, qos=1)
+
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any
+    ) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._after_subscribe)
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._ready.clear)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        correlation = getattr(message.properties, "CorrelationData", None)
+        if correlation is None or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._resolve, bytes(correlation), message.payload)
+
+    # ---- event loop -------------------------------------------------------------
+    def _after_subscribe(self) -> None:
+        was_ready = self._ready.is_set()
+        self._ready.set()
+        if was_ready:
+            return
+        now = time.monotonic()
+        for correlation, pending in list(self._pending.items()):
+            if not pending.future.done() and pending.deadline > now:
+                self._publish(correlation, pending)
+                self.republished += 1
+
+    def _resolve(self, correlation: bytes, payload: bytes) -> None:
+        probe = self._probes.get(correlation)
+        if probe is not None:
+            if not probe.done():
+                probe.set_result(time.monotonic())
+            return
+        pending = self._pending.get(correlation)
+        if pending is None or pending.future.done():
+            return  # a duplicate answer after a resend, or one that came too late
+        try:
+            _, result = envelope.decode_reply(payload, self.limits)
+        except FerryError as exc:
+            pending.future.set_exception(exc)
+            return
+        if isinstance(result, FerryError):
+            pending.future.set_exception(result)
+        else:
+            pending.future.set_result((result, len(payload)))

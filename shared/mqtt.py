@@ -1,0 +1,73 @@
+"""MQTT naming and settings both tiers agree on (no sockets here).
+
+Topics follow DESIGN.md section 2.  Cloud nodes subscribe to a model's request
+topic through the shared subscription group ``ferry`` so the broker spreads
+requests over every node that hosts the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from shared.errors import ConfigError
+
+PREFIX = "ferry/v1"
+SHARE_GROUP = "ferry"
+PLACEMENT_TOPIC = f"{PREFIX}/placement"
+
+
+def request_topic(model: str) -> str:
+    return f"{PREFIX}/models/{model}/infer"
+
+
+def shared_request_topic(model: str) -> str:
+    return f"$share/{SHARE_GROUP}/{request_topic(model)}"
+
+
+def model_from_topic(topic: str) -> str | None:
+    """The model name in a request topic, or None when the topic is not one."""
+    head = f"{PREFIX}/models/"
+    if topic.startswith(head) and topic.endswith("/infer"):
+        model = topic[len(head) : -len("/infer")]
+        return model if model and "/" not in model else None
+    return None
+
+
+def reply_topic(client_id: str) -> str:
+    return f"{PREFIX}/replies/{client_id}"
+
+
+def status_topic(node: str) -> str:
+    return f"{PREFIX}/nodes/{node}/status"
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where a broker is and how to reach it (from ``mqtt://`` / ``mqtts://`` URLs)."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+        raise ConfigError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
+    tls = parts.scheme in ("mqtts", "ssl")
+    if not parts.hostname:
+        raise ConfigError(f"broker URL {url!r} has no host")
+    try:
+        port = parts.port or (8883 if tls else 1883)
+    except ValueError:
+        raise ConfigError(f"broker URL {url!r} has a bad port") from None
+    return BrokerAddress(
+        host=parts.hostname,
+        port=port,
+        tls=tls,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )

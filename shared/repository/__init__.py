@@ -1,0 +1,38 @@
+"""The model repository: folder layout, ``config.toml`` schema, Triton rendering.
+
+``ModelRepository(root)`` reads folders; :func:`parse_config` and
+:func:`complete_config` turn a config file plus a loaded session into a
+checked :class:`ModelConfig`; :func:`triton_model_config` renders it for
+Triton-speaking tools.
+"""
+
+from shared.repository.config import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DynamicBatching,
+    InstanceGroup,
+    ModelConfig,
+    RuntimeConfig,
+    VersionPolicy,
+    parse_config,
+    parse_config_dict,
+)
+from shared.repository.legacy import parse_legacy_config
+from shared.repository.repository import ModelRepository, complete_config, validate_model_name
+from shared.repository.triton import triton_datatype, triton_model_config
+
+__all__ = [
+    "DEFAULT_MAX_BATCH_SIZE",
+    "DynamicBatching",
+    "InstanceGroup",
+    "ModelConfig",
+    "ModelRepository",
+    "RuntimeConfig",
+    "VersionPolicy",
+    "complete_config",
+    "parse_config",
+    "parse_config_dict",
+    "parse_legacy_config",
+    "triton_datatype",
+    "triton_model_config",
+    "validate_model_name",
+]

@@ -1,0 +1,352 @@
+"""The model configuration schema (``<repo>/<model>/config.toml``).
+
+Every key is optional where the model file can tell it: a folder holding
+only ``1/model.onnx`` serves with the defaults below, and
+:func:`complete_config` fills backend, tensors and batching from the loaded
+session.  Anything the file cannot tell is checked strictly: an unknown key
+or a wrong value is a :class:`~shared.errors.ConfigError` naming the file,
+the dotted key and what was expected, because a silently ignored typo in a
+serving config is found only in production.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, NoReturn
+
+from shared.datatypes import DATATYPES
+from shared.errors import ConfigError
+from shared.runtimes import BACKENDS
+from shared.runtimes.base import RuntimeOptions, TensorSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+#: max_batch_size given to a model whose config leaves it out and whose every
+#: tensor has a dynamic first dimension (raised to the largest preferred batch
+#: size when that is larger).  Triton's auto-complete picks 4; 32 suits the
+#: small CNNs Ferry serves on CPUs, whose throughput keeps rising up to ~32.
+DEFAULT_MAX_BATCH_SIZE = 32
+
+INSTANCE_KINDS = ("cpu", "gpu")
+#: values of ``runtime.precision_hint`` (OpenVINO's INFERENCE_PRECISION_HINT)
+PRECISION_HINTS = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    """``[dynamic_batching]``; priority 1 is the highest, 0 in a limit means none."""
+
+    max_queue_delay_us: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 0
+    priority_levels: int = 1
+    default_priority_level: int = 1
+    default_timeout_us: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceGroup:
+    count: int = 1
+    kind: str = "cpu"
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which version folders to serve; ``specific`` wins over ``all``, which wins over ``latest``."""
+
+    latest: int | None = 1
+    all: bool = False
+    specific: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve, ascending; a missing ``specific`` version is an error
+        (serving a different version than the one asked for would be worse)."""
+        versions = sorted(set(available))
+        if self.specific:
+            missing = sorted(set(self.specific) - set(versions))
+            if missing:
+                raise ConfigError(
+                    f"version policy names versions {missing} that do not exist; "
+                    f"available versions are {versions}"
+                )
+            return sorted(set(self.specific))
+        if self.all:
+            return versions
+        n = self.latest if self.latest is not None else 1
+        return versions[-n:] if n > 0 else []
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """``[runtime]``: ``threads = 0`` means the cores given to the process."""
+
+    threads: int = 0
+    precision_hint: str | None = None
+    allow_spinning: bool = False
+
+    def to_options(self, device: str = "cpu") -> RuntimeOptions:
+        return RuntimeOptions(
+            threads=self.threads or None,
+            device=device,
+            precision_hint=self.precision_hint,
+            allow_spinning=self.allow_spinning,
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model's configuration.
+
+    Before :func:`complete_config`, ``backend`` and ``max_batch_size`` may be
+    None and the tensors empty (the file will tell).  When ``max_batch_size``
+    is above 0 the tensor dims leave out the batch dimension.
+    """
+
+    name: str
+    backend: str | None = None
+    max_batch_size: int | None = None
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    dynamic_batching: DynamicBatching | None = None
+    instance_group: InstanceGroup = field(default_factory=InstanceGroup)
+    version_policy: VersionPolicy = field(default_factory=VersionPolicy)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    source: Path | None = None
+
+
+# ---- checks shared with the legacy reader ------------------------------------------------
+
+
+def fail(source: str, key: str, expected: str, value: object) -> NoReturn:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise ConfigError(f"{source}: key {key!r}: expected {expected}, got {shown}")
+
+
+def check_table(value: object, source: str, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        fail(source, key, "a table", value)
+    for k in value:
+        if k not in allowed:
+            dotted = f"{key}.{k}" if key else str(k)
+            raise ConfigError(
+                f"{source}: unknown key {dotted!r}; expected one of {sorted(allowed)}"
+            )
+    return value
+
+
+def check_int(value: object, source: str, key: str, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        wanted = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}"
+        )
+        fail(source, key, wanted, value)
+    return value
+
+
+def check_bool(value: object, source: str, key: str) -> bool:
+    if not isinstance(value, bool):
+        fail(source, key, "true or false", value)
+    return value
+
+
+def check_choice(value: object, source: str, key: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        fail(source, key, "one of " + ", ".join(repr(c) for c in choices), value)
+    return value
+
+
+def check_int_list(value: object, source: str, key: str, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        fail(source, key, "a list of integers", value)
+    return tuple(check_int(v, source, f"{key}[{i}]", minimum) for i, v in enumerate(value))
+
+
+def check_dims(value: object, source: str, key: str) -> tuple[int, ...]:
+    expected = "a list of dimensions (positive integers, or -1 for a dynamic one)"
+    if not isinstance(value, list):
+        fail(source, key, expected, value)
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
+            fail(source, key, expected, value)
+    return tuple(value)
+
+
+def check_name(value: object, source: str, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        fail(source, key, "a non-empty string", value)
+    return value
+
+
+def check_unique(specs: tuple[TensorSpec, ...], source: str, key: str) -> None:
+    seen: set[str] = set()
+    for i, spec in enumerate(specs):
+        if spec.name in seen:
+            raise ConfigError(f"{source}: key '{key}[{i}].name': {spec.name!r} is declared twice")
+        seen.add(spec.name)
+
+
+# ---- config.toml -------------------------------------------------------------------------
+
+_TOP = (
+    "backend",
+    "max_batch_size",
+    "input",
+    "output",
+    "dynamic_batching",
+    "instance_group",
+    "version_policy",
+    "runtime",
+)
+_TENSOR = ("name", "datatype", "dims")
+_BATCHING = (  # preferred_batch_sizes first: the others are integers
+    "preferred_batch_sizes",
+    "max_queue_delay_us",
+    "max_queue_size",
+    "priority_levels",
+    "default_priority_level",
+    "default_timeout_us",
+)
+
+
+def parse_config(path: Path, name: str) -> ModelConfig:
+    """Read and check ``config.toml``; errors name ``path``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ConfigError(f"{path}: cannot read: {reason}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return replace(parse_config_dict(data, str(path), name), source=path)
+
+
+def parse_config_dict(data: dict, source: str, name: str) -> ModelConfig:
+    """Check an already-decoded config; ``source`` names it in error messages."""
+    check_table(data, source, "", _TOP)
+    backend = None
+    if "backend" in data:
+        backend = check_choice(data["backend"], source, "backend", tuple(BACKENDS))
+    max_batch_size = None
+    if "max_batch_size" in data:
+        max_batch_size = check_int(data["max_batch_size"], source, "max_batch_size")
+    inputs = _tensors(data.get("input", []), source, "input")
+    outputs = _tensors(data.get("output", []), source, "output")
+    batching = None
+    if "dynamic_batching" in data:
+        batching = _batching(data["dynamic_batching"], source)
+        check_preferred(batching, max_batch_size, source)
+    return ModelConfig(
+        name=name,
+        backend=backend,
+        max_batch_size=max_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+        dynamic_batching=batching,
+        instance_group=_instance_group(data.get("instance_group", {}), source),
+        version_policy=_version_policy(data.get("version_policy", {}), source),
+        runtime=_runtime(data.get("runtime", {}), source),
+    )
+
+
+def _tensors(value: object, source: str, key: str) -> tuple[TensorSpec, ...]:
+    if not isinstance(value, list):
+        fail(source, key, f"an array of tables ([[{key}]])", value)
+    specs = []
+    for i, item in enumerate(value):
+        at = f"{key}[{i}]"
+        table = check_table(item, source, at, _TENSOR)
+        for required in _TENSOR:
+            if required not in table:
+                raise ConfigError(f"{source}: key '{at}.{required}' is required")
+        specs.append(
+            TensorSpec(
+                name=check_name(table["name"], source, f"{at}.name"),
+                datatype=check_choice(
+                    table["datatype"], source, f"{at}.datatype", tuple(sorted(DATATYPES))
+                ),
+                dims=check_dims(table["dims"], source, f"{at}.dims"),
+            )
+        )
+    result = tuple(specs)
+    check_unique(result, source, key)
+    return result
+
+
+def _batching(value: object, source: str) -> DynamicBatching:
+    t = check_table(value, source, "dynamic_batching", _BATCHING)
+    k = "dynamic_batching."
+    ints = {f: check_int(t[f], source, k + f) for f in _BATCHING[1:] if f in t}
+    preferred = check_int_list(
+        t.get("preferred_batch_sizes", []), source, k + "preferred_batch_sizes", 1
+    )
+    batching = DynamicBatching(preferred_batch_sizes=tuple(sorted(set(preferred))), **ints)
+    levels, default = batching.priority_levels, batching.default_priority_level
+    if levels > 0 and not 1 <= default <= levels:
+        fail(source, k + "default_priority_level", f"a level from 1 to {levels}", default)
+    return batching
+
+
+def check_preferred(
+    batching: DynamicBatching | None, max_batch_size: int | None, source: str
+) -> None:
+    """Preferred batch sizes must fit the batch dimension (once it is known)."""
+    if batching is None or max_batch_size is None or not batching.preferred_batch_sizes:
+        return
+    too_big = [p for p in batching.preferred_batch_sizes if p > max_batch_size]
+    if too_big:
+        raise ConfigError(
+            f"{source}: key 'dynamic_batching.preferred_batch_sizes': expected sizes up to "
+            f"max_batch_size ({max_batch_size}), got {too_big}"
+        )
+
+
+def _instance_group(value: object, source: str) -> InstanceGroup:
+    t = check_table(value, source, "instance_group", ("count", "kind"))
+    return InstanceGroup(
+        count=check_int(t.get("count", 1), source, "instance_group.count", 1),
+        kind=check_choice(t.get("kind", "cpu"), source, "instance_group.kind", INSTANCE_KINDS),
+    )
+
+
+def _version_policy(value: object, source: str) -> VersionPolicy:
+    t = check_table(value, source, "version_policy", ("latest", "all", "specific"))
+    given = [k for k in ("latest", "all", "specific") if k in t]
+    if len(given) > 1:
+        raise ConfigError(
+            f"{source}: key 'version_policy': expected exactly one of 'latest', 'all' or "
+            f"'specific', got {given}"
+        )
+    if "all" in t:
+        if not check_bool(t["all"], source, "version_policy.all"):
+            fail(source, "version_policy.all", "true (or use 'latest' / 'specific')", False)
+        return VersionPolicy(latest=None, all=True)
+    if "specific" in t:
+        versions = check_int_list(t["specific"], source, "version_policy.specific")
+        if not versions:
+            fail(source, "version_policy.specific", "a non-empty list of versions", [])
+        return VersionPolicy(latest=None, specific=tuple(sorted(set(versions))))
+    return VersionPolicy(latest=check_int(t.get("latest", 1), source, "version_policy.latest", 1))
+
+
+def _runtime(value: object, source: str) -> RuntimeConfig:
+    t = check_table(value, source, "runtime", ("threads", "precision_hint", "allow_spinning"))
+    hint = t.get("precision_hint")
+    return RuntimeConfig(
+        threads=check_int(t.get("threads", 0), source, "runtime.threads"),
+        precision_hint=(
+            None
+            if hint is None
+            else check_choice(hint, source, "runtime.precision_hint", PRECISION_HINTS)
+        ),
+        allow_spinning=check_bool(t.get("allow_spinning", False), source, "runtime.allow_spinning"),
+    )

@@ -1,0 +1,279 @@
+"""The model repository on disk.
+
+Layout::
+
+    <root>/<model>/config.toml          (or dl_inference's config.txt, or nothing)
+    <root>/<model>/<version>/model.onnx | model.xml (+ model.bin) | model.tflite | model.plan
+
+Model names arrive from clients (URLs, MQTT topics), so every name is checked
+by :func:`validate_model_name` before it touches the file system: a name can
+never leave ``root``.  Reading is all this class does; loading sessions and
+keeping state belongs to each tier's dataplane.  :func:`complete_config`
+checks a config against the session loaded from the version's file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ConfigError, InvalidInput, ModelNotFound
+from shared.repository.config import (
+    DEFAULT_MAX_BATCH_SIZE,
+    ModelConfig,
+    check_preferred,
+    parse_config,
+)
+from shared.repository.legacy import parse_legacy_config
+from shared.runtimes import BACKENDS, MODEL_FILES
+from shared.runtimes.base import Session, TensorSpec
+
+MAX_NAME_LENGTH = 128
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+CONFIG_FILE = "config.toml"
+LEGACY_CONFIG_FILE = "config.txt"
+
+
+def validate_model_name(name: str) -> str:
+    """Return ``name`` if it is a safe folder name, else raise InvalidInput.
+
+    Allowed: 1-128 of ``[A-Za-z0-9_.-]``, not starting with ``.`` and never
+    containing ``..``, so no name is a path separator, a parent reference or
+    a hidden folder.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidInput("model name must be a non-empty string")
+    shown = repr(name if len(name) <= 40 else name[:37] + "...")
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidInput(f"model name {shown} is longer than {MAX_NAME_LENGTH} characters")
+    if not _NAME.fullmatch(name):
+        raise InvalidInput(f"model name {shown} may only contain letters, digits, '_', '.' and '-'")
+    if name.startswith(".") or ".." in name:
+        raise InvalidInput(f"model name {shown} may not start with '.' or contain '..'")
+    return name
+
+
+def _is_version(path: Path) -> bool:
+    """A version folder is named by a plain number ("01" is not: it would alias "1")."""
+    name = path.name
+    return name.isascii() and name.isdigit() and name == str(int(name)) and path.is_dir()
+
+
+class ModelRepository:
+    """Read-only view of a model repository folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    # ---- models --------------------------------------------------------------------------
+    def _is_model(self, folder: Path) -> bool:
+        if not folder.is_dir():
+            return False
+        if (folder / CONFIG_FILE).is_file() or (folder / LEGACY_CONFIG_FILE).is_file():
+            return True
+        return any(_is_version(p) for p in folder.iterdir())
+
+    def model_names(self) -> list[str]:
+        """Sorted names of the folders that look like models (others are ignored)."""
+        if not self.root.is_dir():
+            raise ConfigError(f"model repository {self.root} is not a folder")
+        names = []
+        for folder in self.root.iterdir():
+            try:
+                validate_model_name(folder.name)
+            except InvalidInput:
+                continue
+            if self._is_model(folder):
+                names.append(folder.name)
+        return sorted(names)
+
+    def model_dir(self, name: str) -> Path:
+        """The model's folder; ModelNotFound when no such model exists."""
+        folder = self.root / validate_model_name(name)
+        if not self._is_model(folder):
+            raise ModelNotFound(f"model {name!r} is not in the repository {self.root}")
+        return folder
+
+    def read_config(self, name: str) -> ModelConfig:
+        """``config.toml``, else ``config.txt`` (dl_inference), else all defaults."""
+        folder = self.model_dir(name)
+        if (folder / CONFIG_FILE).is_file():
+            return parse_config(folder / CONFIG_FILE, name)
+        if (folder / LEGACY_CONFIG_FILE).is_file():
+            return parse_legacy_config(folder / LEGACY_CONFIG_FILE, name)
+        return ModelConfig(name=name)
+
+    # ---- versions ------------------------------------------------------------------------
+    def available_versions(self, name: str) -> list[int]:
+        """Numeric version folders that hold a model file, ascending."""
+        folder = self.model_dir(name)
+        return sorted(
+            int(p.name)
+            for p in folder.iterdir()
+            if _is_version(p) and any((p / f).is_file() for f in MODEL_FILES)
+        )
+
+    def selected_versions(self, name: str, config: ModelConfig | None = None) -> list[int]:
+        """The versions the model's version policy serves."""
+        config = config or self.read_config(name)
+        try:
+            return config.version_policy.select(self.available_versions(name))
+        except ConfigError as exc:
+            where = config.source or self.root / name
+            raise ConfigError(f"{where}: key 'version_policy.specific': {exc.message}") from None
+
+    def model_file(self, name: str, version: int, backend: str | None = None) -> tuple[str, Path]:
+        """``(backend, path)`` of the file to load (the ``.xml`` for OpenVINO).
+
+        With several model files in one version folder, ``backend`` (the
+        config's) picks; without it the order is onnx, xml, tflite, plan.
+        """
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError(
+                f"model {name!r}: unknown backend {backend!r}; expected one of {sorted(BACKENDS)}"
+            )
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidInput(f"model version must be a non-negative integer, got {version!r}")
+        folder = self.model_dir(name) / str(version)
+        present = [(b, folder / f) for f, b in MODEL_FILES.items() if (folder / f).is_file()]
+        if not present:
+            raise ModelNotFound(f"model {name!r} has no version {version} with a model file")
+        if backend is None:
+            return present[0]
+        for found_backend, path in present:
+            if found_backend == backend:
+                return found_backend, path
+        files = ", ".join(f"{p.name} ({b})" for b, p in present)
+        raise ConfigError(
+            f"model {name!r}: the config says backend {backend!r} but version {version} "
+            f"has only {files}"
+        )
+
+    # ---- index ---------------------------------------------------------------------------
+    def index(self) -> list[dict[str, Any]]:
+        """One entry per available version (``version`` is a string, as in Triton's
+        index); a model without any gets one entry with ``version`` "" and the reason.
+        State is UNAVAILABLE here: only the dataplane knows what is loaded."""
+        entries: list[dict[str, Any]] = []
+        for name in self.model_names():
+            versions = self.available_versions(name)
+            if not versions:
+                entries.append(
+                    {
+                        "name": name,
+                        "version": "",
+                        "state": "UNAVAILABLE",
+                        "reason": "no version folder holds a model file",
+                    }
+                )
+            for version in versions:
+                entries.append(
+                    {"name": name, "version": str(version), "state": "UNAVAILABLE", "reason": ""}
+                )
+        return entries
+
+
+# ---- completion from the model file --------------------------------------------------------
+
+
+def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
+    """Fill what the model file tells and check what the config claims against it.
+
+    ``max_batch_size`` left out becomes :data:`DEFAULT_MAX_BATCH_SIZE` when
+    every input and output of the file has a dynamic (-1) first dimension,
+    else 0.  Declared inputs must match the file's exactly (names, datatypes,
+    fixed dims); declared outputs may be a subset (the rest stay hidden).
+    """
+    where = str(config.source) if config.source else f"model {config.name!r}"
+    if config.backend is not None and config.backend != session.backend:
+        raise ConfigError(
+            f"{where}: key 'backend': config says {config.backend!r} but the model file "
+            f"was loaded by {session.backend!r}"
+        )
+    found = list(session.inputs) + list(session.outputs)
+    max_batch_size = config.max_batch_size
+    if max_batch_size is None:
+        batchable = bool(found) and all(t.dims and t.dims[0] == -1 for t in found)
+        preferred = config.dynamic_batching.preferred_batch_sizes if config.dynamic_batching else ()
+        max_batch_size = max((DEFAULT_MAX_BATCH_SIZE, *preferred)) if batchable else 0
+    if max_batch_size > 0:
+        for t in found:
+            if not t.dims or t.dims[0] != -1:
+                raise ConfigError(
+                    f"{where}: key 'max_batch_size': {max_batch_size} needs a dynamic (-1) first "
+                    f"dimension, but tensor {t.name!r} in the model file has dims {list(t.dims)}; "
+                    "set max_batch_size = 0 to serve it without a batch dimension"
+                )
+        strip = 1
+    else:
+        strip = 0
+    file_in = [TensorSpec(t.name, t.datatype, tuple(t.dims[strip:])) for t in session.inputs]
+    file_out = [TensorSpec(t.name, t.datatype, tuple(t.dims[strip:])) for t in session.outputs]
+    note = " (batch dimension left out)" if strip else ""
+    inputs = _merge(config.inputs, file_in, "input", where, note, exhaustive=True)
+    outputs = _merge(config.outputs, file_out, "output", where, note, exhaustive=False)
+    if (
+        max_batch_size == 0
+        and config.dynamic_batching
+        and config.dynamic_batching.preferred_batch_sizes
+    ):
+        raise ConfigError(
+            f"{where}: key 'dynamic_batching.preferred_batch_sizes': the model has no batch "
+            "dimension (max_batch_size = 0), so preferred batch sizes cannot apply"
+        )
+    check_preferred(config.dynamic_batching, max_batch_size, where)
+    return replace(
+        config,
+        backend=session.backend,
+        max_batch_size=max_batch_size,
+        inputs=inputs,
+        outputs=outputs,
+    )
+
+
+def _merge(
+    declared: tuple[TensorSpec, ...],
+    found: list[TensorSpec],
+    kind: str,
+    where: str,
+    note: str,
+    *,
+    exhaustive: bool,
+) -> tuple[TensorSpec, ...]:
+    if not declared:
+        return tuple(found)
+    by_name = {t.name: t for t in found}
+    merged = []
+    for i, spec in enumerate(declared):
+        key = f"{kind}[{i}]"
+        actual = by_name.get(spec.name)
+        if actual is None:
+            raise ConfigError(
+                f"{where}: key '{key}.name': the model file has no {kind} {spec.name!r}; "
+                f"its {kind}s are {sorted(by_name)}"
+            )
+        if spec.datatype != actual.datatype:
+            raise ConfigError(
+                f"{where}: key '{key}.datatype': {kind} {spec.name!r} is {actual.datatype} "
+                f"in the model file, not {spec.datatype}"
+            )
+        mismatch = len(spec.dims) != len(actual.dims) or any(
+            c != a and c != -1 and a != -1 for c, a in zip(spec.dims, actual.dims, strict=False)
+        )
+        if mismatch:
+            raise ConfigError(
+                f"{where}: key '{key}.dims': {kind} {spec.name!r} has dims {list(actual.dims)} "
+                f"in the model file{note}, not {list(spec.dims)}"
+            )
+        dims = tuple(c if c != -1 else a for c, a in zip(spec.dims, actual.dims, strict=True))
+        merged.append(TensorSpec(spec.name, spec.datatype, dims))
+    if exhaustive:
+        undeclared = [n for n in by_name if n not in {t.name for t in declared}]
+        if undeclared:
+            raise ConfigError(
+                f"{where}: key '{kind}': the model file also has {kind}s {undeclared} "
+                "that the config does not declare"
+            )
+    return tuple(merged)

@@ -1,0 +1,74 @@
+"""Render a :class:`ModelConfig` in Triton's JSON model-configuration shape.
+
+``GET /v2/models/{m}/config`` answers with this so tools written against
+Triton (tritonclient, perf_analyzer, model_analyzer) read Ferry's models
+unchanged.  Numbers are JSON numbers, as Triton itself prints them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.repository.config import ModelConfig
+from shared.runtimes.base import TensorSpec
+
+#: Ferry backend -> Triton platform string
+PLATFORMS: dict[str, str] = {
+    "onnxruntime": "onnxruntime_onnx",
+    "openvino": "openvino",
+    "tensorrt": "tensorrt_plan",
+    "litert": "tflite",
+}
+
+
+def triton_datatype(datatype: str) -> str:
+    """Triton's ``data_type`` for a V2 datatype (BYTES is TYPE_STRING there)."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def _tensor(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "data_type": triton_datatype(spec.datatype), "dims": list(spec.dims)}
+
+
+def triton_model_config(config: ModelConfig, platform_hint: str | None = None) -> dict[str, Any]:
+    """Triton's JSON for ``config``; ``platform_hint`` overrides the platform
+    (for a config not yet completed, whose backend is still unknown)."""
+    backend = config.backend or ""
+    platform = platform_hint or PLATFORMS.get(backend, "")
+    policy = config.version_policy
+    if policy.specific:
+        version_policy: dict[str, Any] = {"specific": {"versions": list(policy.specific)}}
+    elif policy.all:
+        version_policy = {"all": {}}
+    else:
+        latest = policy.latest if policy.latest is not None else 1
+        version_policy = {"latest": {"num_versions": latest}}
+    group = config.instance_group
+    result: dict[str, Any] = {
+        "name": config.name,
+        "platform": platform,
+        "backend": backend,
+        "version_policy": version_policy,
+        "max_batch_size": config.max_batch_size or 0,
+        "input": [_tensor(t) for t in config.inputs],
+        "output": [_tensor(t) for t in config.outputs],
+        "instance_group": [
+            {"name": config.name, "kind": f"KIND_{group.kind.upper()}", "count": group.count}
+        ],
+    }
+    batching = config.dynamic_batching
+    if batching is not None:
+        result["dynamic_batching"] = {
+            "preferred_batch_size": list(batching.preferred_batch_sizes),
+            "max_queue_delay_microseconds": batching.max_queue_delay_us,
+            "preserve_ordering": False,
+            "priority_levels": batching.priority_levels,
+            "default_priority_level": batching.default_priority_level,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": batching.default_timeout_us,
+                "allow_timeout_override": True,
+                "max_queue_size": batching.max_queue_size,
+            },
+        }
+    return result

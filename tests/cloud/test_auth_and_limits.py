@@ -1,0 +1,122 @@
+"""Bearer-token auth, body limits and graceful shutdown of a real server process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from shared import v2
+from shared.messages import InferRequest
+from shared.tensors import Tensor
+from tests.support import cloud_server
+
+
+def _call(
+    url: str, body: bytes | None = None, token: str | None = None, headers: dict | None = None
+):
+    h = dict(headers or {})
+    if token:
+        h["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(
+        url, data=body, headers=h, method="POST" if body is not None else "GET"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _infer_body(rows: int = 1) -> tuple[bytes, dict]:
+    req = InferRequest(inputs=[Tensor.from_array("x", np.ones((rows, 4), np.float32))])
+    chunks, hl = v2.encode_request(req)
+    return v2.join(chunks), {v2.HEADER_LENGTH: str(hl)}
+
+
+@pytest.fixture(scope="module")
+def guarded(test_repository, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("auth")
+    (folder / "tokens.txt").write_text("# tokens\nsecret-one\nsecret-two\n")
+    (folder / "cloud.toml").write_text(
+        f'repository = "{test_repository}"\nmodels = ["linear"]\n'
+        f'[http]\nport = 0\ntokens_file = "{folder / "tokens.txt"}"\nopen_metrics = false\n'
+        "[limits]\nmax_body_bytes = 4096\nmax_elements = 512\n"
+    )
+    proc = cloud_server(test_repository, "--config", str(folder / "cloud.toml")).start()
+    yield proc
+    proc.terminate()
+
+
+def test_requests_without_a_valid_token_are_refused(guarded):
+    body, headers = _infer_body()
+    url = guarded.http_url + "/v2/models/linear/infer"
+    status, payload = _call(url, body, headers=headers)
+    assert status == 401 and json.loads(payload)["code"] == "unauthenticated"
+    assert _call(url, body, token="wrong", headers=headers)[0] == 401
+    assert _call(url, body, token="secret-two", headers=headers)[0] == 200
+    assert _call(guarded.http_url + "/metrics")[0] == 401
+    assert _call(guarded.http_url + "/metrics", token="secret-one")[0] == 200
+
+
+def test_health_stays_open_with_auth_on(guarded):
+    assert _call(guarded.http_url + "/v2/health/live")[0] == 200
+    assert _call(guarded.http_url + "/v2/health/ready")[0] == 200
+
+
+def test_oversized_body_gets_413_and_the_server_stays_up(guarded):
+    body, headers = _infer_body(rows=300)  # 4.8 KB of tensor data > 4096
+    status, payload = _call(
+        guarded.http_url + "/v2/models/linear/infer", body, token="secret-one", headers=headers
+    )
+    assert status == 413 and json.loads(payload)["code"] == "payload_too_large"
+    doc = {
+        "inputs": [
+            {
+                "name": "x",
+                "shape": [1000, 4],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": 0},
+            }
+        ]
+    }
+    status, payload = _call(
+        guarded.http_url + "/v2/models/linear/infer",
+        json.dumps(doc).encode(),
+        token="secret-one",
+        headers={v2.HEADER_LENGTH: str(len(json.dumps(doc)))},
+    )
+    assert status == 413, payload
+    assert _call(guarded.http_url + "/v2/health/live")[0] == 200
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits(test_repository):
+    proc = cloud_server(test_repository, "--models", "linear").start()
+    url = proc.http_url + "/v2/models/linear/infer"
+    body, headers = _infer_body()
+    results: list[int] = []
+
+    def client() -> None:
+        for _ in range(30):
+            try:
+                results.append(_call(url, body, headers=headers)[0])
+            except OSError:
+                results.append(-1)  # connection refused after the listener closed
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while len(results) < 10:
+        threading.Event().wait(0.01)
+    code = proc.terminate()
+    for t in threads:
+        t.join()
+    assert code == 0
+    assert "ferry-cloud stopped" in proc.output()
+    # Every request that reached the server was answered with a result, never cut off.
+    assert all(status in (200, -1, 503) for status in results)
+    assert results.count(200) >= 10

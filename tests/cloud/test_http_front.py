@@ -1,0 +1,272 @@
+"""The HTTP front against real V2 clients (tritonclient.http and raw requests)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.cloud.conftest import IDENTITY_TYPES
+from tests.support import linear_reference, write_linear_model
+
+
+def _host(server) -> str:
+    return server.http_url.removeprefix("http://")
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+
+
+def _sample(datatype: str) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    if datatype == "BYTES":
+        return np.array([[b"a", b"\x00bin\x01", "h\u00e9".encode()]] * 2, dtype=object)
+    if datatype == "BOOL":
+        return rng.random((2, 3)) > 0.5
+    if datatype == "BF16":
+        from ml_dtypes import bfloat16
+
+        return rng.standard_normal((2, 3)).astype(bfloat16)
+    dtype = triton.triton_to_np_dtype(datatype)
+    return (rng.random((2, 3)) * 100).astype(dtype)
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("datatype", sorted(IDENTITY_TYPES))
+def test_tritonclient_round_trips_every_datatype(server, datatype, binary):
+    if datatype == "BF16" and not binary:
+        pytest.skip("tritonclient sends BF16 only as binary data")
+    if datatype == "BYTES" and not binary:
+        data = np.array([[b"a", b"bc", "h\u00e9".encode()]] * 2, dtype=object)
+    else:
+        data = _sample(datatype)
+    client = triton.InferenceServerClient(_host(server))
+    inp = triton.InferInput("x", list(data.shape), datatype)
+    inp.set_data_from_numpy(data, binary_data=binary)
+    out = triton.InferRequestedOutput("y", binary_data=binary)
+    result = client.infer(f"echo_{datatype.lower()}", [inp], outputs=[out])
+    got = result.as_numpy("y")
+    if datatype == "BF16":
+        assert got.tobytes() == data.tobytes()
+    elif datatype == "BYTES" and not binary:  # tritonclient hands JSON strings back as str
+        assert [g.encode() for g in got.reshape(-1)] == list(data.reshape(-1))
+    else:
+        np.testing.assert_array_equal(got, data)
+
+
+def test_tritonclient_metadata_config_ready_and_stats(server):
+    client = triton.InferenceServerClient(_host(server))
+    assert client.is_server_live() and client.is_server_ready()
+    meta = client.get_server_metadata()
+    assert "binary_tensor_data" in meta["extensions"] and "model_repository" in meta["extensions"]
+    model = client.get_model_metadata("linear")
+    assert model["versions"] == ["1", "2"]
+    assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    config = client.get_model_config("linear")
+    assert config["max_batch_size"] == 16
+    assert config["input"][0]["data_type"] == "TYPE_FP32"
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 20000
+    assert client.is_model_ready("linear", "2")
+    auto = client.get_model_config("auto")  # only 1/model.onnx: completed from the file
+    assert [i["name"] for i in auto["input"]] == ["x"] and auto["max_batch_size"] > 0
+    x = np.ones((2, 4), np.float32)
+    inp = triton.InferInput("x", [2, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    client.infer("linear", [inp], model_version="1")
+    stats = client.get_inference_statistics("linear", "1")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] >= 1
+    assert stats["inference_count"] >= 2
+
+
+def test_versions_serve_their_own_weights(server, tmp_path):
+    w1, b1 = write_linear_model(tmp_path / "a.onnx", seed=1)
+    w2, b2 = write_linear_model(tmp_path / "b.onnx", seed=2)
+    client = triton.InferenceServerClient(_host(server))
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    inp = triton.InferInput("x", [3, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    for version, (w, b) in {"1": (w1, b1), "2": (w2, b2)}.items():
+        got = client.infer("linear", [inp], model_version=version).as_numpy("y")
+        np.testing.assert_allclose(got, linear_reference(x, w, b), rtol=1e-5, atol=1e-5)
+    latest = client.infer("linear", [inp]).get_response()
+    assert latest["model_version"] == "2"
+
+
+def test_concurrent_clients_are_merged_into_batches(server):
+    """Asserted from the statistics extension, not from timing."""
+    host = _host(server)
+
+    def one(i: int) -> None:
+        client = triton.InferenceServerClient(host)
+        inp = triton.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.full((1, 4), i, np.float32))
+        client.infer("linear", [inp], model_version="1")
+
+    before = triton.InferenceServerClient(host).get_inference_statistics("linear", "1")[
+        "model_stats"
+    ][0]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(64)))
+    after = triton.InferenceServerClient(host).get_inference_statistics("linear", "1")[
+        "model_stats"
+    ][0]
+    requests = (
+        after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
+    )
+    executions = after["execution_count"] - before["execution_count"]
+    assert requests == 64
+    assert executions < requests
+    assert any(b["batch_size"] > 1 for b in after["batch_stats"])
+
+
+def test_repository_load_unload_while_another_model_serves(server, test_repository):
+    host = _host(server)
+    client = triton.InferenceServerClient(host)
+    write_linear_model(test_repository / "hot" / "1" / "model.onnx", seed=9)
+    stop = False
+    errors: list[Exception] = []
+
+    def keep_serving() -> int:
+        c = triton.InferenceServerClient(host)
+        inp = triton.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 4), np.float32))
+        n = 0
+        while not stop:
+            try:
+                c.infer("auto", [inp])
+                n += 1
+            except Exception as exc:
+                errors.append(exc)
+        return n
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(keep_serving)
+        client.load_model("hot")
+        assert client.is_model_ready("hot")
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+        assert index["hot"]["state"] == "READY"
+        client.unload_model("hot")
+        assert not client.is_model_ready("hot")
+        client.load_model("linear")  # hot reload of a loaded model
+        stop = True
+        served = fut.result()
+    assert served > 0 and errors == []
+    with pytest.raises(InferenceServerException):
+        inp = triton.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 4), np.float32))
+        client.infer("hot", [inp])
+
+
+@pytest.mark.parametrize(
+    "path, body, status, code",
+    [
+        ("/v2/models/linear/infer", b"{bad json", 400, "invalid_argument"),
+        (
+            "/v2/models/linear/infer",
+            json.dumps(
+                {"inputs": [{"name": "x", "shape": [1, 5], "datatype": "FP32", "data": [0] * 5}]}
+            ).encode(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "/v2/models/linear/infer",
+            json.dumps(
+                {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP64", "data": [0] * 4}]}
+            ).encode(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "/v2/models/linear/infer",
+            json.dumps(
+                {"inputs": [{"name": "x", "shape": [99, 4], "datatype": "FP32", "data": [0] * 396}]}
+            ).encode(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "/v2/models/nope/infer",
+            json.dumps(
+                {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}]}
+            ).encode(),
+            404,
+            "not_found",
+        ),
+        (
+            "/v2/models/linear/versions/7/infer",
+            json.dumps(
+                {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}]}
+            ).encode(),
+            404,
+            "not_found",
+        ),
+        ("/v2/repository/models/..%2F..%2Fetc/load", b"", 400, "invalid_argument"),
+        ("/v2/repository/models/missing/load", b"", 404, "not_found"),
+    ],
+    ids=[
+        "bad-json",
+        "bad-shape",
+        "bad-dtype",
+        "batch-too-big",
+        "unknown-model",
+        "unknown-version",
+        "traversal",
+        "missing-model",
+    ],
+)
+def test_malformed_requests_get_a_clear_4xx_and_the_server_stays_up(
+    server, path, body, status, code
+):
+    got_status, _, doc = _post(server.http_url + path, body)
+    assert got_status == status
+    assert doc["code"] == code and doc["error"]
+    assert _get(server.http_url + "/v2/health/live")[0] == 200
+
+
+def test_binary_header_length_past_the_body_is_rejected(server):
+    status, _, doc = _post(
+        server.http_url + "/v2/models/linear/infer",
+        b'{"inputs": []}',
+        {"Inference-Header-Content-Length": "999"},
+    )
+    assert status == 400 and "Inference-Header-Content-Length" in doc["error"]
+
+
+def test_metrics_use_triton_names(server):
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for name in (
+        "nv_inference_request_success",
+        "nv_inference_request_failure",
+        "nv_inference_count",
+        "nv_inference_exec_count",
+        "nv_inference_request_duration_us",
+        "nv_inference_queue_duration_us",
+        "nv_inference_compute_infer_duration_us",
+        "nv_inference_pending_request_count",
+        "ferry_inference_batch_size",
+    ):
+        assert f"\n{name}" in text or text.startswith(name), name
+    assert 'model="linear"' in text
+    assert "ferry_gpu_available 0.0" in text  # no NVIDIA driver here: reported, no crash

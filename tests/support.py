@@ -1,0 +1,251 @@
+"""Real parts for tests: a Mosquitto broker, server processes, tiny models.
+
+Everything binds 127.0.0.1 on a free port; nothing reaches a public broker.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER_CONF = ROOT / "examples" / "mosquitto.conf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def mosquitto_binary() -> str:
+    found = shutil.which("mosquitto") or (
+        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+    )
+    if not found:
+        raise RuntimeError("mosquitto is not installed: run scripts/setup.sh")
+    return found
+
+
+class Broker:
+    """A Mosquitto process with the project's config on a free loopback port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+        # Mosquitto drops root privileges; its persistence folder must stay writable.
+        os.chmod(workdir, 0o777)
+        self.conf = workdir / "mosquitto.conf"
+        self.conf.write_text(
+            BROKER_CONF.read_text()
+            + f"\nlistener {self.port} 127.0.0.1\npersistence_location {workdir}/\n"
+        )
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = open(self.workdir / "mosquitto.log", "ab")
+        self.proc = subprocess.Popen(
+            [mosquitto_binary(), "-c", str(self.conf)], stdout=log, stderr=subprocess.STDOUT
+        )
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self, down_s: float = 0.5) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+class ServerProcess:
+    """A ``ferry-cloud`` (or ``ferry-edge``) process; reads its ready line."""
+
+    def __init__(
+        self, args: list[str], ready_prefix: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.args = args
+        self.ready_prefix = ready_prefix
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen[str] | None = None
+        self.ready_line = ""
+        self.lines: list[str] = []
+
+    def start(self, timeout: float = 60.0) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith(self.ready_prefix) and not ready.is_set():
+                    self.ready_line = line.strip()
+                    ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("server did not start:\n" + "".join(self.lines[-40:]))
+        return self
+
+    def field(self, key: str) -> str:
+        match = re.search(rf"\b{key}=(\S+)", self.ready_line)
+        if not match:
+            raise KeyError(key)
+        return match.group(1)
+
+    @property
+    def http_url(self) -> str:
+        return self.field("http")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def cloud_server(repository: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(
+        ["-m", "cloud.cli", "serve", "--repository", str(repository), "--http-port", "0", *extra],
+        "ferry-cloud ready",
+    )
+
+
+# ---- tiny models built with the onnx helper API ---------------------------------------
+def write_linear_model(
+    path: Path,
+    n_in: int = 4,
+    n_out: int = 3,
+    seed: int = 0,
+    input_name: str = "x",
+    output_name: str = "y",
+) -> tuple[np.ndarray, np.ndarray]:
+    """y = relu(x @ W + b) with a dynamic batch dimension; returns (W, b)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_in, n_out)).astype(np.float32)
+    b = rng.standard_normal(n_out).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", [input_name, "W"], ["xw"]),
+            helper.make_node("Add", ["xw", "B"], ["pre"]),
+            helper.make_node("Relu", ["pre"], [output_name]),
+        ],
+        "linear",
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["N", n_in])],
+        [helper.make_tensor_value_info(output_name, TensorProto.FLOAT, ["N", n_out])],
+        initializer=[numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "B")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return w, b
+
+
+def linear_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.maximum(x @ w + b, 0)
+
+
+def write_identity_model(
+    path: Path, onnx_type: int, name_in: str = "x", name_out: str = "y"
+) -> None:
+    """y = x for one datatype (exercises every V2 datatype end to end)."""
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [name_in], [name_out])],
+        "identity",
+        [helper.make_tensor_value_info(name_in, onnx_type, ["N", 3])],
+        [helper.make_tensor_value_info(name_out, onnx_type, ["N", 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+def edge_agent(config: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(
+        ["-m", "edge.cli", "run", "--config", str(config), "--api-port", "0", *extra],
+        "ferry-edge ready",
+    )
+
+
+def write_softmax_model(path: Path, n: int = 4) -> None:
+    """probs = softmax(x): the input sets the top-1 confidence exactly (cascade tests)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["probs"], axis=1)],
+        "softmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", n])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["N", n])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
