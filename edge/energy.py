@@ -1,0 +1,107 @@
+"""Energy of one request, run locally or offloaded (DESIGN.md section 4).
+
+Local: the device runs the model at its whole-device compute power,
+``E = compute_power_w * t_exec``.
+
+Offloaded: the radio model of Huang et al., "A Close Examination of
+Performance and Power Characteristics of 4G LTE Networks", MobiSys 2012
+(its WiFi and 3G figures come from the same paper).  While a radio moves
+data at ``r`` Mbps it draws ``base + alpha * r`` watts, so
+
+    E = (base + alpha_up * r_up) * t_up + (base + alpha_down * r_down) * t_down
+        + (device idle + base) * wait
+        + device idle * (t_up + t_down)        # the device stays on meanwhile
+        + promotion + tail
+
+with ``t = bytes * 8 / bps`` and ``wait`` the time between the last byte
+sent and the first byte received (network RTT and cloud queue + compute).
+The device's idle power is charged for the whole request, not only the
+wait: the local option's ``compute_power_w`` is whole-device power, so the
+cloud option must carry the device's baseline too, or a slow upload would
+look cheaper than it is.  A radio that had gone idle (``radio_idle_s`` None
+or at least ``tail_s``) pays a promotion (``promotion_s`` at
+``promotion_power_w``), and every burst leaves a tail (``tail_s`` at
+``tail_power_w``) before the radio sleeps.  When a request follows the
+previous transfer within its tail, the radio is still connected: no
+promotion, and the tail already charged to the previous request is only
+extended, by ``radio_idle_s`` (the part of it that ran), since a full new
+tail starts after this transfer in place of the remainder of the old one.
+For LTE the tail (~1.06 W for 11.6 s, ~12 J) dwarfs the transfer of a
+small request, which is why batching requests within the tail pays off.
+
+These are pure arithmetic on purpose: the policy calls them for every
+option of every request, so each costs a microsecond or so.
+"""
+
+from __future__ import annotations
+
+from devices.profiles import DeviceProfile, LinkProfile
+from shared.errors import InvalidInput
+
+
+def local_energy_j(device: DeviceProfile, t_exec_s: float) -> float:
+    """Joules to run a model locally for ``t_exec_s`` seconds."""
+    return device.compute_power_w * max(t_exec_s, 0.0)
+
+
+def transfer_energy_j(
+    link: LinkProfile,
+    up_bytes: int,
+    down_bytes: int,
+    up_bps: float,
+    down_bps: float,
+    wait_s: float,
+    device: DeviceProfile,
+    radio_idle_s: float | None = None,
+) -> float:
+    """Joules the device spends to offload one request over ``link`` (see the module doc).
+
+    ``up_bps``/``down_bps`` are the throughputs expected (or measured) for
+    this transfer; ``radio_idle_s`` is how long ago the previous transfer
+    ended (None: never, or unknown, so the radio is assumed asleep).
+    """
+    base = link.base_power_w
+    t_up = t_down = 0.0
+    energy = 0.0
+    if up_bytes > 0:
+        if not up_bps > 0:
+            raise InvalidInput(f"uplink throughput must be > 0 bps to send bytes, got {up_bps}")
+        t_up = up_bytes * 8.0 / up_bps
+        energy += (base + link.alpha_up_w_per_mbps * up_bps / 1e6) * t_up
+    if down_bytes > 0:
+        if not down_bps > 0:
+            raise InvalidInput(f"downlink throughput must be > 0 bps to receive, got {down_bps}")
+        t_down = down_bytes * 8.0 / down_bps
+        energy += (base + link.alpha_down_w_per_mbps * down_bps / 1e6) * t_down
+    wait = max(wait_s, 0.0)
+    energy += (device.idle_power_w + base) * wait + device.idle_power_w * (t_up + t_down)
+    if radio_idle_s is None or radio_idle_s >= link.tail_s:
+        energy += link.promotion_power_w * link.promotion_s
+        energy += device.idle_power_w * link.promotion_s  # the request waits for the radio
+        energy += link.tail_power_w * link.tail_s
+    else:
+        energy += link.tail_power_w * max(radio_idle_s, 0.0)
+    return energy
+
+
+class RadioState:
+    """When the radio last finished a transfer, to tell the energy model how idle it is.
+
+    The agent calls :meth:`transfer_done` with ``time.monotonic()`` after each
+    offload and :meth:`radio_idle_s` when it prices the next one.  Plain
+    attribute writes: safe to share between the event loop and threads.
+    """
+
+    def __init__(self) -> None:
+        self._last_end: float | None = None
+
+    def transfer_done(self, now: float) -> None:
+        """Record that a transfer ended at ``now`` (a ``time.monotonic()`` value)."""
+        if self._last_end is None or now > self._last_end:
+            self._last_end = now
+
+    def radio_idle_s(self, now: float) -> float | None:
+        """Seconds since the last transfer ended, or None if there has been none."""
+        if self._last_end is None:
+            return None
+        return max(now - self._last_end, 0.0)
