@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import resource
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,27 +38,55 @@ from shared.messages import InferRequest  # noqa: E402
 from shared.mqtt import parse_broker_url  # noqa: E402
 from shared.repository import ModelRepository  # noqa: E402
 from shared.runtimes import RuntimeOptions, load_session  # noqa: E402
+from shared.runtimes.base import available_cpus  # noqa: E402
 from shared.tensors import Tensor  # noqa: E402
 from tests.support import Broker, cloud_server  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 64)
 
 
-def raw_runtime(model_file: Path, seconds: float) -> dict[int, float]:
-    """Images per second of the bare session for each batch size."""
-    session = load_session("onnxruntime", model_file, RuntimeOptions())
-    name = session.inputs[0].name
-    out: dict[int, float] = {}
-    for batch in (1, 2, 4, 8, 16, 32):
-        x = np.random.default_rng(0).random((batch, 3, 224, 224), dtype=np.float32)
-        session.run({name: x})
-        n = 0
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds / 3:
-            session.run({name: x})
-            n += batch
-        out[batch] = n / (time.perf_counter() - start)
-    session.close()
+def _parallel_throughput(pool: list, name: str, x: np.ndarray, seconds: float) -> float:
+    """Items per second with every session driven by its own thread."""
+    counts = [0] * len(pool)
+    stop_at = time.perf_counter() + seconds
+
+    def work(i: int) -> None:
+        while time.perf_counter() < stop_at:
+            pool[i].run({name: x})
+            counts[i] += len(x)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(pool))]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def raw_runtime(model_file: Path, seconds: float) -> dict[tuple[int, int], float]:
+    """Images per second of bare sessions for each layout and batch size.
+
+    Layouts: one session with an intra-op thread per core, and one
+    single-threaded session per core driven from its own thread.  The
+    limit is the best of all, so the server is held to the fastest way the
+    runtime alone can use this machine.
+    """
+    cores = available_cpus()
+    out: dict[tuple[int, int], float] = {}
+    for sessions, threads in ((1, cores), (cores, 1)):
+        pool = [
+            load_session("onnxruntime", model_file, RuntimeOptions(threads=threads))
+            for _ in range(sessions)
+        ]
+        name = pool[0].inputs[0].name
+        for batch in (1, 2, 4, 8, 16, 32):
+            x = np.random.default_rng(0).random((batch, 3, 224, 224), dtype=np.float32)
+            for s in pool:
+                s.run({name: x})
+            out[(sessions, batch)] = _parallel_throughput(pool, name, x, seconds / 4)
+        for s in pool:
+            s.close()
     return out
 
 
@@ -109,6 +140,17 @@ async def closed_loop(transport, model: str, clients: int, seconds: float) -> di
     }
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def make_repository(source: Path, model: str, folder: Path) -> tuple[Path, int]:
     """``bench`` (the example's batching config) and ``bench-nobatch`` (no dynamic batching)."""
     src = source / model
@@ -134,25 +176,29 @@ def _without_batching(text: str) -> str:
 
 def _row(label: str, r: dict[str, float]) -> str:
     errors = f"   errors={int(r['errors'])}" if r["errors"] else ""
-    return f"  {label:<34} {r['throughput']:>9.1f} {r['p50']:>9.1f} {r['p99']:>9.1f}{errors}"
+    return (
+        f"  {label:<34} {r['throughput']:>9.1f} {r['p50']:>9.1f} {r['p99']:>9.1f}"
+        f" {r.get('server_cpu_ms', float('nan')):>18.2f} {r.get('client_cpu_ms', float('nan')):>18.2f}{errors}"
+    )
 
 
-async def run_http(url: str, model: str, seconds: float) -> dict[int, dict[str, float]]:
-    transport = HttpTransport(url)
+async def run_points(
+    transport, model: str, seconds: float, server_pid: int
+) -> dict[int, dict[str, float]]:
+    """Closed-loop points; each also records server and client CPU per request."""
     await transport.start()
+    out = {}
     try:
-        return {c: await closed_loop(transport, model, c, seconds) for c in CONCURRENCY}
+        for c in CONCURRENCY:
+            server0, client0 = process_cpu_s(server_pid), self_cpu_s()
+            point = await closed_loop(transport, model, c, seconds)
+            served = max(point["throughput"] * seconds, 1.0)
+            point["server_cpu_ms"] = (process_cpu_s(server_pid) - server0) / served * 1000
+            point["client_cpu_ms"] = (self_cpu_s() - client0) / served * 1000
+            out[c] = point
     finally:
         await transport.close()
-
-
-async def run_mqtt(url: str, model: str, seconds: float) -> dict[int, dict[str, float]]:
-    transport = MqttTransport(parse_broker_url(url))
-    await transport.start()
-    try:
-        return {c: await closed_loop(transport, model, c, seconds) for c in CONCURRENCY}
-    finally:
-        await transport.close()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     raw = raw_runtime(model_file, args.seconds)
     best_batch = max(raw, key=raw.get)
     b1 = batch1_latency_ms(model_file)
-    print("\n(a) raw ONNX Runtime session (images/s by batch size)")
-    for batch, ips in raw.items():
-        print(f"  batch {batch:>3}: {ips:8.1f}/s{'   <- best' if batch == best_batch else ''}")
+    cores = available_cpus()
+    print("\n(a) raw ONNX Runtime (images/s by layout and batch size)")
+    for (sessions, batch), ips in raw.items():
+        layout = f"{sessions} session x {cores // sessions} thread(s)"
+        print(
+            f"  {layout:<24} batch {batch:>3}: {ips:8.1f}/s{'   <- best' if (sessions, batch) == best_batch else ''}"
+        )
     print(f"  batch-1 latency p50: {b1:.1f} ms")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,15 +233,26 @@ def main(argv: list[str] | None = None) -> int:
             server = cloud_server(repo, "--node", "bench", "--mqtt", broker.url)
         server.start()
         try:
-            batched = asyncio.run(run_http(server.http_url, "bench", args.seconds))
-            unbatched = asyncio.run(run_http(server.http_url, "bench-nobatch", args.seconds))
-            mqtt = asyncio.run(run_mqtt(broker.url, "bench", args.seconds)) if broker else None
+            pid = server.proc.pid
+            batched = asyncio.run(
+                run_points(HttpTransport(server.http_url), "bench", args.seconds, pid)
+            )
+            unbatched = asyncio.run(
+                run_points(HttpTransport(server.http_url), "bench-nobatch", args.seconds, pid)
+            )
+            mqtt = None
+            if broker:
+                mqtt = asyncio.run(
+                    run_points(
+                        MqttTransport(parse_broker_url(broker.url)), "bench", args.seconds, pid
+                    )
+                )
         finally:
             server.terminate()
             if broker:
                 broker.stop()
 
-    header = f"  {'':<34} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}"
+    header = f"  {'':<34} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'server CPU ms/req':>18} {'client CPU ms/req':>18}"
     print("\n(b) server, dynamic batching, HTTP closed loop\n" + header)
     for c, r in batched.items():
         print(_row(f"{c} clients", r))
@@ -207,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = batched[best_c]["throughput"] / raw[best_batch]
     bound = 3 * b1 + delay_us / 1000
     p99_16 = batched[16]["p99"]
+    floor_16 = 16 / raw[best_batch] * 1000  # Little's law: 16 in flight at the raw limit
     print("\nsummary")
     print(
         f"  (b)/(a) at best concurrency ({best_c} clients): {ratio:.2f}  "
@@ -219,6 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  p99 at 16 clients {p99_16:.1f} ms vs 3 x batch-1 {b1:.1f} ms + queue delay "
         f"{delay_us / 1000:.1f} ms = {bound:.1f} ms ({'meets' if p99_16 <= bound else 'MISSES'})"
+    )
+    raw_cpu_ms = available_cpus() / raw[best_batch] * 1000
+    server_cpu = batched[best_c]["server_cpu_ms"]
+    client_share = batched[best_c]["client_cpu_ms"] * batched[best_c]["throughput"] / 1000
+    print(
+        f"  CPU accounting at {best_c} clients: the raw limit costs {raw_cpu_ms:.2f} CPU-ms per image; "
+        f"the server spends {server_cpu:.2f} CPU-ms per request (efficiency {raw_cpu_ms / server_cpu:.2f}); "
+        f"the load generator in this process takes {client_share:.2f} of the {available_cpus()} cores"
+    )
+    print(
+        f"  (16 clients in a closed loop on a saturated server cannot beat Little's law: "
+        f"16 / raw limit = {floor_16:.1f} ms mean latency; p99 at 16 is {p99_16 / floor_16:.2f}x that floor)"
     )
     if mqtt:
         best_m = max(mqtt, key=lambda c: mqtt[c]["throughput"])

@@ -51,15 +51,17 @@ dims = [4]
 _SERVING = """\
 [dynamic_batching]
 max_queue_delay_us = 2000
-preferred_batch_sizes = [4, 8]
+preferred_batch_sizes = [4]    # this CNN's best batch on 2 cores (bench/cloud_throughput.py)
 max_queue_size = 256
 
+# Two single-threaded sessions beat one two-threaded session on 2 cores:
+# a session that owns every core stalls whenever the event loop needs one.
 [instance_group]
-count = 1
+count = 2
 kind = "cpu"
 
 [runtime]
-threads = 0                    # 0: the cores given to the process
+threads = 1
 allow_spinning = false
 {precision}
 [version_policy]
