@@ -1,0 +1,57 @@
+"""A circuit breaker per cloud endpoint.
+
+closed -> open after ``failures`` consecutive failures; open for a cooldown
+that doubles after each failed trial (up to ``max_cooldown_s``); then
+half-open, where :meth:`allow` grants exactly one trial at a time: its
+success closes the breaker, its failure re-opens it.
+"""
+
+from __future__ import annotations
+
+
+class CircuitBreaker:
+    def __init__(
+        self, failures: int = 3, cooldown_s: float = 2.0, max_cooldown_s: float = 30.0
+    ) -> None:
+        self.failures = failures
+        self.base_cooldown_s = cooldown_s
+        self.max_cooldown_s = max_cooldown_s
+        self.state = "closed"
+        self.opened_count = 0
+        self._consecutive = 0
+        self._cooldown = cooldown_s
+        self._open_until = 0.0
+        self._trial_out = False
+
+    def allow(self, now: float) -> bool:
+        if self.state == "closed":
+            return True
+        if self.state == "open":
+            if now < self._open_until:
+                return False
+            self.state = "half_open"
+            self._trial_out = False
+        if self._trial_out:
+            return False
+        self._trial_out = True
+        return True
+
+    def record_success(self, now: float) -> None:
+        self._consecutive = 0
+        self._cooldown = self.base_cooldown_s
+        self._trial_out = False
+        self.state = "closed"
+
+    def record_failure(self, now: float) -> None:
+        self._consecutive += 1
+        if self.state == "half_open":
+            self._cooldown = min(self._cooldown * 2, self.max_cooldown_s)
+            self._open(now)
+        elif self.state == "closed" and self._consecutive >= self.failures:
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.state = "open"
+        self.opened_count += 1
+        self._open_until = now + self._cooldown
+        self._trial_out = False

@@ -1,0 +1,124 @@
+"""``ferry-edge``: run the agent, emulate a link, evaluate a policy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from shared.errors import FerryError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry-edge", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the edge agent")
+    run.add_argument("--config", type=Path, required=True, help="agent.toml")
+    run.add_argument("--api-port", type=int, help="override api.port (0: any free port)")
+    from edge.linkemu import add_emulate_link_command
+
+    add_emulate_link_command(sub)
+    ev = sub.add_parser(
+        "evaluate", help="replay a workload through a link trace: policy vs baselines vs oracle"
+    )
+    ev.add_argument("--policy", type=Path, required=True, help="agent.toml or a policy-only TOML")
+    ev.add_argument("--device", default="raspberry-pi-4b", help="device profile name or TOML")
+    ev.add_argument("--link", default="lte", help="link profile name or TOML (energy, RTT)")
+    ev.add_argument(
+        "--up",
+        required=True,
+        help="uplink trace (mahimahi or 't mbps'), or steady:MBPS, commute:SEED, markov:SEED",
+    )
+    ev.add_argument("--down", help="downlink trace (default: the uplink trace)")
+    ev.add_argument("--model", required=True, help="model name as the policy file calls it")
+    ev.add_argument(
+        "--workload",
+        type=Path,
+        help="workload TOML (count, arrival, rate_per_s, input_bytes, output_bytes, deadline_ms, seed)",
+    )
+    ev.add_argument("--profile", type=Path, help="compute profile JSON from 'ferry-edge profile'")
+    ev.add_argument("--miss-penalty", type=float, default=1.0, help="cost of one missed deadline")
+    ev.add_argument("--seed", type=int, help="override the workload's seed")
+    ev.add_argument("--out", type=Path, help="folder for report.md and PNG plots")
+    pr = sub.add_parser("profile", help="measure compute profiles on the real runtimes")
+    pr.add_argument("--repository", type=Path, required=True)
+    pr.add_argument("--local-model", required=True)
+    pr.add_argument("--cloud-model", required=True)
+    pr.add_argument("--cloud-repository", type=Path, help="default: --repository")
+    pr.add_argument("--runs", type=int, default=100)
+    pr.add_argument("--threads", type=int, default=1, help="intra-op threads for the local model")
+    pr.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+async def _run(config_path: Path, api_port: int | None) -> int:
+    from dataclasses import replace
+
+    from aiohttp import web
+
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+    from edge.http_front import LocalApi
+
+    config = load_agent_config(config_path)
+    if api_port is not None:
+        config = replace(config, api_port=api_port)
+    agent = Agent(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await agent.start()
+    runner = None
+    parts = [
+        f"local={','.join(agent.local.names()) or '-'}",
+        f"transports={','.join(agent.transports) or '-'}",
+    ]
+    if config.api_port is not None:
+        runner = web.AppRunner(LocalApi(agent).build_app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.api_host, config.api_port)
+        await site.start()
+        parts.append(f"http=http://{config.api_host}:{runner.addresses[0][1]}")
+    print("ferry-edge ready " + " ".join(parts), flush=True)
+    await stop.wait()
+    if runner is not None:
+        await runner.cleanup()
+    await agent.stop()
+    print("ferry-edge stopped", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "run":
+            return asyncio.run(_run(args.config, args.api_port))
+        if args.command == "evaluate":
+            from edge.evaluate_cli import run_evaluate
+
+            return run_evaluate(args)
+        if args.command == "profile":
+            from edge.evaluate_cli import run_profile
+
+            return run_profile(args)
+        if args.command == "emulate-link":
+            from edge.linkemu import run_emulate_link
+
+            return run_emulate_link(args)
+    except FerryError as exc:
+        print(f"ferry-edge: error [{exc.code.value}]: {exc.message}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""Online estimates the policy reads per request, learnt from real traffic.
+
+Local latency per model (EWMA + a P-square high quantile), link bandwidth
+and RTT per transport from each transfer's timing, cloud queue and compute
+time from reply parameters.  Reads are attribute lookups; the state file is
+small JSON written atomically, with ages stored relative to the save so a
+restart (new monotonic clock) keeps their meaning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from edge.quantile import Ewma, P2Quantile
+
+log = logging.getLogger(__name__)
+
+SMALL_BYTES = 4096
+
+
+class LatencyEstimator:
+    def __init__(self, q: float = 0.95, alpha: float = 0.2) -> None:
+        self._ewma = Ewma(alpha)
+        self._q = P2Quantile(q)
+        self.last_update: float | None = None
+
+    @property
+    def mean(self) -> float | None:
+        return self._ewma.value
+
+    @property
+    def quantile(self) -> float | None:
+        return self._q.value
+
+    @property
+    def count(self) -> int:
+        return self._ewma.count
+
+    def add(self, seconds: float, now: float) -> None:
+        if seconds < 0 or seconds != seconds:
+            return
+        self._ewma.add(seconds)
+        self._q.add(seconds)
+        self.last_update = now
+
+    def stale(self, now: float, max_age_s: float) -> bool:
+        return self.last_update is None or now - self.last_update > max_age_s
+
+    def to_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "ewma": self._ewma.to_dict(),
+            "q": self._q.to_dict(),
+            "age_s": None if self.last_update is None else now - self.last_update,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], now: float) -> LatencyEstimator:
+        e = cls()
+        e._ewma = Ewma.from_dict(d["ewma"])
+        e._q = P2Quantile.from_dict(d["q"])
+        age = d.get("age_s")
+        e.last_update = None if age is None else now - float(age)
+        return e
+
+
+class LinkEstimator:
+    """Bandwidth per direction and RTT of one transport, priors until observed."""
+
+    def __init__(
+        self, prior_up_bps: float = 10e6, prior_down_bps: float = 20e6, prior_rtt_s: float = 0.03
+    ) -> None:
+        self._up = Ewma(0.3)
+        self._down = Ewma(0.3)
+        self._rtt = Ewma(0.2)
+        self._rtt_q = P2Quantile(0.95)
+        self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = (
+            prior_up_bps,
+            prior_down_bps,
+            prior_rtt_s,
+        )
+        self.last_update: float | None = None
+        self.consecutive_failures = 0
+        self.samples = 0
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.up_bps = self._up.value or self.prior_up_bps
+        self.down_bps = self._down.value or self.prior_down_bps
+        self.rtt_s = self._rtt.value if self._rtt.value is not None else self.prior_rtt_s
+        q = self._rtt_q.value
+        self.rtt_quantile = max(q, self.rtt_s) if q is not None else self.rtt_s
+
+    def set_prior(self, up_bps: float, down_bps: float, rtt_s: float) -> None:
+        self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = up_bps, down_bps, rtt_s
+        self._refresh()
+
+    def observe(
+        self, sent_bytes: int, received_bytes: int, elapsed_s: float, server_s: float, now: float
+    ) -> None:
+        net = elapsed_s - max(server_s, 0.0)
+        if not net > 0:
+            return
+        self.samples += 1
+        self.consecutive_failures = 0
+        self.last_update = now
+        if sent_bytes < SMALL_BYTES and received_bytes < SMALL_BYTES:
+            self._rtt.add(net)
+            self._rtt_q.add(net)
+        elif sent_bytes >= received_bytes:
+            t = net - self.rtt_s - received_bytes * 8 / self.down_bps
+            self._up.add(sent_bytes * 8 / max(t, net * 0.1, 1e-4))
+        else:
+            t = net - self.rtt_s - sent_bytes * 8 / self.up_bps
+            self._down.add(received_bytes * 8 / max(t, net * 0.1, 1e-4))
+        self._refresh()
+
+    def observe_probe(self, rtt_s: float, now: float) -> None:
+        if rtt_s > 0:
+            self._rtt.add(rtt_s)
+            self._rtt_q.add(rtt_s)
+            self.last_update = now
+            self.consecutive_failures = 0
+            self._refresh()
+
+    def observe_failure(self, now: float) -> None:
+        self.consecutive_failures += 1
+
+    def stale(self, now: float, max_age_s: float) -> bool:
+        return self.last_update is None or now - self.last_update > max_age_s
+
+    def transfer_time(self, up_bytes: int, down_bytes: int) -> float:
+        return self.rtt_s + up_bytes * 8 / self.up_bps + down_bytes * 8 / self.down_bps
+
+    def to_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "up": self._up.to_dict(),
+            "down": self._down.to_dict(),
+            "rtt": self._rtt.to_dict(),
+            "rtt_q": self._rtt_q.to_dict(),
+            "samples": self.samples,
+            "prior": [self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s],
+            "age_s": None if self.last_update is None else now - self.last_update,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], now: float) -> LinkEstimator:
+        e = cls(*[float(x) for x in d["prior"]])
+        e._up, e._down, e._rtt = (
+            Ewma.from_dict(d["up"]),
+            Ewma.from_dict(d["down"]),
+            Ewma.from_dict(d["rtt"]),
+        )
+        e._rtt_q = P2Quantile.from_dict(d["rtt_q"])
+        e.samples = int(d.get("samples", 0))
+        age = d.get("age_s")
+        e.last_update = None if age is None else now - float(age)
+        e._refresh()
+        return e
+
+
+class Estimators:
+    def __init__(self) -> None:
+        self._local: dict[str, LatencyEstimator] = {}
+        self._links: dict[str, LinkEstimator] = {}
+        self._queue: dict[str, LatencyEstimator] = {}
+        self._compute: dict[str, LatencyEstimator] = {}
+
+    def local(self, model: str, batch: int = 1) -> LatencyEstimator:
+        key = model if batch == 1 else f"{model}@{batch}"
+        found = self._local.get(key)
+        if found is None:
+            found = self._local[key] = LatencyEstimator()
+        return found
+
+    def link(self, transport: str) -> LinkEstimator:
+        found = self._links.get(transport)
+        if found is None:
+            found = self._links[transport] = LinkEstimator()
+        return found
+
+    def set_link_prior(self, transport: str, up_bps: float, down_bps: float, rtt_s: float) -> None:
+        self.link(transport).set_prior(up_bps, down_bps, rtt_s)
+
+    def cloud_queue(self, model: str) -> LatencyEstimator:
+        found = self._queue.get(model)
+        if found is None:
+            found = self._queue[model] = LatencyEstimator()
+        return found
+
+    def cloud_compute(self, model: str) -> LatencyEstimator:
+        found = self._compute.get(model)
+        if found is None:
+            found = self._compute[model] = LatencyEstimator()
+        return found
+
+    def observe_reply(self, model: str, queue_us: int, compute_us: int, now: float) -> None:
+        self.cloud_queue(model).add(queue_us / 1e6, now)
+        self.cloud_compute(model).add(compute_us / 1e6, now)
+
+    def stale_links(self, now: float, max_age_s: float) -> list[str]:
+        return [name for name, link in self._links.items() if link.stale(now, max_age_s)]
+
+    def to_dict(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        return {
+            "version": 1,
+            "local": {k: v.to_dict(now) for k, v in self._local.items()},
+            "links": {k: v.to_dict(now) for k, v in self._links.items()},
+            "queue": {k: v.to_dict(now) for k, v in self._queue.items()},
+            "compute": {k: v.to_dict(now) for k, v in self._compute.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], now: float) -> Estimators:
+        e = cls()
+        e._local = {k: LatencyEstimator.from_dict(v, now) for k, v in d.get("local", {}).items()}
+        e._links = {k: LinkEstimator.from_dict(v, now) for k, v in d.get("links", {}).items()}
+        e._queue = {k: LatencyEstimator.from_dict(v, now) for k, v in d.get("queue", {}).items()}
+        e._compute = {
+            k: LatencyEstimator.from_dict(v, now) for k, v in d.get("compute", {}).items()
+        }
+        return e
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        data = json.dumps(self.to_dict()).encode()
+        fd, tmp = tempfile.mkstemp(prefix=".estimates-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path, now: float) -> Estimators:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()), now)
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("estimates in %s unreadable (%s); starting fresh", path, exc)
+            return cls()

@@ -1,0 +1,185 @@
+"""The agent's local API: the same V2 HTTP protocol as the cloud tier.
+
+An app or tritonclient cannot tell where a request ran, except by reading
+the provenance the agent adds to the response parameters.  Request
+parameters steer the agent: ``deadline_ms`` (or Triton's ``timeout`` in
+microseconds), ``priority`` and ``deferrable``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from edge.agent import Agent
+from shared import v2
+from shared.errors import FerryError, InvalidInput, PayloadTooLarge
+from shared.tensors import Limits
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status,
+        text=json.dumps(data, default=str),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except FerryError as exc:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
+        return _json({"error": exc.message, "code": exc.code.value}, exc.http_status, headers)
+    except web.HTTPRequestEntityTooLarge as exc:
+        err = PayloadTooLarge(exc.text or "request body too large")
+        return _json({"error": err.message, "code": err.code.value}, err.http_status)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return _json(
+                {
+                    "error": exc.reason,
+                    "code": "not_found" if exc.status == 404 else "invalid_argument",
+                },
+                exc.status,
+            )
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json({"error": "internal error", "code": "internal"}, 500)
+
+
+def _steering(params: dict[str, Any]) -> tuple[float | None, int | None, bool]:
+    deadline_ms = params.pop("deadline_ms", None)
+    timeout_us = params.pop("timeout", None)
+    if deadline_ms is None and timeout_us:
+        deadline_ms = timeout_us / 1000.0
+    if deadline_ms is not None and (
+        not isinstance(deadline_ms, (int, float))
+        or isinstance(deadline_ms, bool)
+        or deadline_ms <= 0
+    ):
+        raise InvalidInput(f"deadline_ms must be a positive number, got {deadline_ms!r}")
+    priority = params.pop("priority", None)
+    if priority is not None and (type(priority) is not int or priority < 0):
+        raise InvalidInput(f"priority must be a non-negative integer, got {priority!r}")
+    deferrable = params.pop("deferrable", False)
+    if not isinstance(deferrable, bool):
+        raise InvalidInput("deferrable must be true or false")
+    return deadline_ms, priority, deferrable
+
+
+class LocalApi:
+    def __init__(self, agent: Agent, limits: Limits | None = None) -> None:
+        self.agent = agent
+        self.limits = limits or Limits()
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[_errors])
+        r = app.router
+        r.add_get("/v2", self.server_metadata)
+        r.add_get("/v2/health/live", self.live)
+        r.add_get("/v2/health/ready", self.live)
+        r.add_get("/v2/agent/status", self.status)
+        r.add_get("/v2/deferred/{request_id}", self.deferred)
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            r.add_get(base, self.model_metadata)
+            r.add_get(base + "/ready", self.model_ready)
+            r.add_post(base + "/infer", self.infer)
+        return app
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "name": "ferry-edge",
+                "version": "0.1.0",
+                "extensions": ["binary_tensor_data", "deferred"],
+            }
+        )
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json({"live": True})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return _json(self.agent.status())
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        mp = self.agent.dataplane.policy.model_policy(name)
+        if mp.local_model and self.agent.local.has(mp.local_model):
+            model = self.agent.local.get(mp.local_model)
+            batch = [-1] if model.config.max_batch_size else []
+            return _json(
+                {
+                    "name": name,
+                    "versions": [str(model.version)],
+                    "platform": "ferry-edge",
+                    "inputs": [
+                        {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+                        for t in model.config.inputs
+                    ],
+                    "outputs": [
+                        {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+                        for t in model.config.outputs
+                    ],
+                }
+            )
+        if mp.cloud_model and self.agent.transports:
+            return _json(
+                {
+                    "name": name,
+                    "versions": [],
+                    "platform": "ferry-edge (cloud only)",
+                    "inputs": [],
+                    "outputs": [],
+                }
+            )
+        return _json({"error": f"unknown model {name!r}", "code": "not_found"}, 404)
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        mp = self.agent.dataplane.policy.model_policy(name)
+        ready = bool(
+            (mp.local_model and self.agent.local.has(mp.local_model))
+            or (mp.cloud_model and self.agent.transports)
+        )
+        return _json({"name": name, "ready": ready}, 200 if ready else 503)
+
+    async def deferred(self, request: web.Request) -> web.Response:
+        found = self.agent.deferred_result(request.match_info["request_id"])
+        response = found.pop("response", None)
+        if response is not None:
+            chunks, _ = v2.encode_response(response)
+            found["response"] = json.loads(chunks[0])
+        return _json(found)
+
+    async def infer(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
+        decoded = v2.decode_request(body, header_length, self.limits)
+        deadline_ms, priority, deferrable = _steering(decoded.parameters)
+        response = await self.agent.dataplane.infer(
+            request.match_info["model"],
+            decoded,
+            deadline_ms=deadline_ms,
+            priority=priority,
+            deferrable=deferrable,
+        )
+        chunks, out_header_length = v2.encode_response(response, decoded)
+        if out_header_length is None:
+            return web.Response(body=chunks[0], content_type="application/json")
+        return web.Response(
+            body=v2.join(chunks),
+            content_type=v2.BINARY_CONTENT_TYPE,
+            headers={v2.HEADER_LENGTH: str(out_header_length)},
+        )

@@ -1,0 +1,106 @@
+"""Local models on the device: sessions from the local repository.
+
+Each model gets one session and one worker thread (runtimes release the
+GIL), so a long local inference never blocks the agent's event loop and two
+local models do not spin on the same cores at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.errors import ModelNotFound
+from shared.repository import ModelConfig, ModelRepository, complete_config
+from shared.runtimes import RuntimeOptions, Session, load_session
+
+
+@dataclass
+class LocalModel:
+    name: str
+    version: int
+    config: ModelConfig
+    session: Session
+    executor: ThreadPoolExecutor
+
+    def run_sync(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None
+    ) -> tuple[dict[str, np.ndarray], float]:
+        start = time.perf_counter()
+        result = self.session.run(inputs, outputs)
+        return result, time.perf_counter() - start
+
+
+class LocalModels:
+    def __init__(
+        self, repository: ModelRepository, threads: int = 0, slowdown: float = 1.0
+    ) -> None:
+        self.repository = repository
+        self.threads = threads
+        self.slowdown = slowdown
+        self._models: dict[str, LocalModel] = {}
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def has(self, name: str) -> bool:
+        return name in self._models
+
+    def get(self, name: str) -> LocalModel:
+        model = self._models.get(name)
+        if model is None:
+            raise ModelNotFound(f"no local model {name!r}")
+        return model
+
+    def load(self, name: str) -> LocalModel:
+        """Load the newest selected version (blocking: call off the loop)."""
+        if name in self._models:
+            return self._models[name]
+        config = self.repository.read_config(name)
+        versions = self.repository.selected_versions(name, config)
+        if not versions:
+            raise ModelNotFound(f"local model {name!r} has no version with a model file")
+        version = versions[-1]
+        backend, path = self.repository.model_file(name, version, config.backend)
+        options = config.runtime.to_options(device=config.instance_group.kind)
+        if self.threads:
+            options = RuntimeOptions(
+                threads=self.threads,
+                device=options.device,
+                precision_hint=options.precision_hint,
+                allow_spinning=options.allow_spinning,
+            )
+        session = load_session(backend, path, options)
+        model = LocalModel(
+            name,
+            version,
+            complete_config(config, session),
+            session,
+            ThreadPoolExecutor(1, thread_name_prefix=f"local-{name}"),
+        )
+        self._models[name] = model
+        return model
+
+    async def run(
+        self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    ) -> tuple[dict[str, np.ndarray], float]:
+        model = self.get(name)
+        loop = asyncio.get_running_loop()
+        result, seconds = await loop.run_in_executor(
+            model.executor, model.run_sync, inputs, outputs
+        )
+        if self.slowdown > 1.0:  # device emulation (see AgentConfig.local_slowdown)
+            extra = seconds * (self.slowdown - 1.0)
+            await asyncio.sleep(extra)
+            seconds += extra
+        return result, seconds
+
+    def close(self) -> None:
+        for model in self._models.values():
+            model.executor.shutdown(wait=True)
+            model.session.close()
+        self._models.clear()

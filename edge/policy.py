@@ -1,0 +1,224 @@
+"""The per-request cost policy (DESIGN.md section 4).
+
+For each feasible option (run locally, offload over MQTT, offload over HTTP)
+the policy predicts latency (mean and a high quantile), energy in joules,
+bytes and money from the online estimators and the device and link
+profiles, drops options that break a hard constraint, and picks the one
+with the lowest weighted cost.  It is pure arithmetic over numbers the
+estimators keep ready, so one decision takes microseconds; the replay
+evaluator calls this same code, so what a policy author simulates is what
+the agent does.
+
+Hard constraints: the deadline, checked against the latency *quantile*;
+the battery floor (below it, energy becomes the objective); the daily data
+cap; local-only and cloud-only models; no usable link -> local.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from devices.profiles import DeviceProfile, LinkProfile
+from edge.energy import local_energy_j, transfer_energy_j
+from edge.estimators import Estimators
+
+LOCAL = "local"
+MODES = ("cost", "cascade", "local", "cloud")
+TRANSPORTS = ("mqtt", "http")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Cost per unit: a second of latency, a joule, a megabyte, a unit of money."""
+
+    latency_s: float = 1.0
+    energy_j: float = 0.0
+    data_mb: float = 0.0
+    money: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """How one model may run; names map the app's model to local and cloud variants."""
+
+    mode: str = "cost"
+    local_model: str | None = None
+    cloud_model: str | None = None
+    deadline_ms: float | None = None
+    cascade_threshold: float = 0.8
+    cascade_output: str | None = None
+    transports: tuple[str, ...] = TRANSPORTS
+    output_bytes: int = 4096  # reply size prior until one is observed
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    weights: Weights = field(default_factory=Weights)
+    deadline_quantile: float = 0.95
+    battery_floor_percent: float = 15.0
+    data_cap_mb_per_day: float | None = None
+    default_deadline_ms: float = 1000.0
+    models: dict[str, ModelPolicy] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Option:
+    name: str  # "local", "cloud-mqtt", "cloud-http"
+    transport: str | None
+    latency_s: float
+    latency_q_s: float
+    energy_j: float
+    up_bytes: int
+    down_bytes: int
+    money: float
+    cost: float = 0.0
+    feasible: bool = True
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Context:
+    """What the agent knows at decision time besides the estimators."""
+
+    now: float
+    deadline_s: float  # time left for this request
+    in_bytes: int
+    connected: dict[str, bool]  # transport -> usable (connected and breaker allows)
+    battery_percent: float | None = None
+    data_used_mb_today: float = 0.0
+    radio_idle_s: float | None = None
+    out_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    choice: Option | None
+    options: list[Option]
+    reason: str = ""
+
+    @property
+    def where(self) -> str:
+        return self.choice.name if self.choice else "none"
+
+
+class Policy:
+    """Decides where one request runs.  Holds no per-request state."""
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        estimators: Estimators,
+        device: DeviceProfile,
+        links: dict[str, LinkProfile],
+    ) -> None:
+        self.config = config
+        self.est = estimators
+        self.device = device
+        self.links = links  # transport -> the link profile it rides on
+
+    def model_policy(self, model: str) -> ModelPolicy:
+        found = self.config.models.get(model)
+        if found is not None:
+            return found
+        return ModelPolicy(local_model=model, cloud_model=model)
+
+    def local_option(self, mp: ModelPolicy) -> Option | None:
+        if mp.local_model is None:
+            return None
+        est = self.est.local(mp.local_model)
+        mean = est.mean
+        if mean is None:
+            # Never measured: optimistic zero makes the agent try it once and learn.
+            return Option(LOCAL, None, 0.0, 0.0, 0.0, 0, 0, 0.0)
+        q = est.quantile
+        if q is None or q < mean:
+            q = mean
+        return Option(LOCAL, None, mean, q, local_energy_j(self.device, mean), 0, 0, 0.0)
+
+    def cloud_option(self, mp: ModelPolicy, transport: str, ctx: Context) -> Option:
+        link = self.est.link(transport)
+        profile = self.links[transport]
+        up, down = ctx.in_bytes, ctx.out_bytes if ctx.out_bytes is not None else mp.output_bytes
+        model = mp.cloud_model or ""
+        queue = self.est.cloud_queue(model)
+        compute = self.est.cloud_compute(model)
+        server = (queue.mean or 0.0) + (compute.mean or 0.0)
+        server_q = (queue.quantile or queue.mean or 0.0) + (compute.quantile or compute.mean or 0.0)
+        t_up = up * 8.0 / link.up_bps
+        t_down = down * 8.0 / link.down_bps
+        # A radio that went idle (past its tail) must be promoted before it sends.
+        idle = ctx.radio_idle_s
+        promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
+        latency = promotion + link.rtt_s + t_up + t_down + server
+        latency_q = promotion + max(link.rtt_quantile, link.rtt_s) + t_up + t_down + server_q
+        energy = transfer_energy_j(
+            profile,
+            up,
+            down,
+            link.up_bps,
+            link.down_bps,
+            server + link.rtt_s,
+            self.device,
+            ctx.radio_idle_s,
+        )
+        money = (up + down) / 1e6 * profile.cost_per_mb if profile.metered else 0.0
+        return Option(f"cloud-{transport}", transport, latency, latency_q, energy, up, down, money)
+
+    def decide(self, model: str, ctx: Context, mode: str | None = None) -> Decision:
+        mp = self.model_policy(model)
+        mode = mode or mp.mode
+        options: list[Option] = []
+        if mode != "cloud":
+            local = self.local_option(mp)
+            if local is not None:
+                options.append(local)
+        if mode not in ("local",) and mp.cloud_model is not None:
+            for transport in mp.transports:
+                if transport in self.links:
+                    options.append(self.cloud_option(mp, transport, ctx))
+        return self.choose(options, ctx)
+
+    def choose(self, options: list[Option], ctx: Context) -> Decision:
+        cfg = self.config
+        w = cfg.weights
+        low_battery = (
+            ctx.battery_percent is not None and ctx.battery_percent < cfg.battery_floor_percent
+        )
+        cap = cfg.data_cap_mb_per_day
+        best: Option | None = None
+        for o in options:
+            if o.transport is not None:
+                if not ctx.connected.get(o.transport, False):
+                    o.feasible, o.reason = False, "no link"
+                elif (
+                    cap is not None
+                    and ctx.data_used_mb_today + (o.up_bytes + o.down_bytes) / 1e6 > cap
+                ):
+                    o.feasible, o.reason = False, "data cap"
+            if o.feasible and o.latency_q_s > ctx.deadline_s:
+                o.feasible, o.reason = False, "deadline"
+            if low_battery:
+                o.cost = o.energy_j
+            else:
+                o.cost = (
+                    w.latency_s * o.latency_s
+                    + w.energy_j * o.energy_j
+                    + w.data_mb * (o.up_bytes + o.down_bytes) / 1e6
+                    + w.money * o.money
+                )
+            if o.feasible and (best is None or o.cost < best.cost):
+                best = o
+        if best is not None:
+            return Decision(
+                best, options, "low battery: least energy" if low_battery else "least cost"
+            )
+        # Nothing meets every constraint: keep the deadline soft, never the link or the cap.
+        usable = [o for o in options if o.reason == "deadline"]
+        if usable:
+            fallback = min(usable, key=lambda o: o.latency_q_s)
+            return Decision(fallback, options, "no option meets the deadline: fastest")
+        return Decision(None, options, "no usable option")
+
+    def cascade_offload(self, model: str, confidence: float) -> bool:
+        """Sedna-style joint inference: offload when the local top-1 is unsure."""
+        return confidence < self.model_policy(model).cascade_threshold

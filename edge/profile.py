@@ -1,0 +1,92 @@
+"""``ferry-edge profile``: measure compute profiles on real runtimes.
+
+The replay evaluator draws local and cloud compute times from these
+samples, so a policy is judged on the model's real latency distribution
+(scaled by the device profile's speed factor for the local side) and on its
+real top-1 confidences (for the cascade baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge.evaluate import ComputeProfile
+from shared.datatypes import numpy_dtype
+from shared.errors import ConfigError
+from shared.repository import ModelRepository, complete_config
+from shared.runtimes import RuntimeOptions, load_session
+
+
+def _inputs(config, n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    spec = config.inputs[0]
+    if len(config.inputs) == 1 and tuple(spec.dims) == (3, 224, 224):
+        from shared.modeltools.samples import orientation_samples
+
+        images, _ = orientation_samples(n, seed=seed)
+        return [{spec.name: images[i : i + 1]} for i in range(n)]
+    out = []
+    for _ in range(n):
+        feed = {}
+        for s in config.inputs:
+            shape = ([1] if config.max_batch_size else []) + [max(d, 1) for d in s.dims]
+            feed[s.name] = rng.random(shape).astype(numpy_dtype(s.datatype))
+        out.append(feed)
+    return out
+
+
+def measure(
+    repository: Path, model: str, runs: int, threads: int = 0, seed: int = 0
+) -> tuple[list[float], list[float]]:
+    """Latency samples (s) and top-1 confidences of ``model`` on batch-1 inputs."""
+    repo = ModelRepository(repository)
+    config = repo.read_config(model)
+    version = repo.selected_versions(model, config)[-1]
+    backend, path = repo.model_file(model, version, config.backend)
+    session = load_session(backend, path, RuntimeOptions(threads=threads or None))
+    config = complete_config(config, session)
+    feeds = _inputs(config, min(runs, 64), seed)
+    session.run(feeds[0])
+    latencies, confidences = [], []
+    for i in range(runs):
+        feed = feeds[i % len(feeds)]
+        t = time.perf_counter()
+        out = session.run(feed)
+        latencies.append(time.perf_counter() - t)
+        scores = np.asarray(next(iter(out.values())), dtype=np.float64).reshape(-1)
+        if scores.size > 1:
+            e = (
+                np.exp(scores - scores.max())
+                if scores.min() < 0 or abs(scores.sum() - 1) > 1e-3
+                else scores
+            )
+            confidences.append(float((e / e.sum()).max()))
+    session.close()
+    return latencies, confidences
+
+
+def write_profile(
+    path: Path, local: list[float], cloud: list[float], confidences: list[float], meta: dict
+) -> None:
+    path.write_text(
+        json.dumps(
+            {"local_s": local, "cloud_s": cloud, "confidences": confidences, **meta}, indent=1
+        )
+    )
+
+
+def read_profile(path: Path, speed_factor: float = 1.0) -> ComputeProfile:
+    try:
+        doc = json.loads(Path(path).read_text())
+        return ComputeProfile(
+            local_s=tuple(float(x) for x in doc["local_s"]),
+            cloud_s=tuple(float(x) for x in doc["cloud_s"]),
+            confidences=tuple(float(x) for x in doc.get("confidences", ())),
+            local_speed_factor=speed_factor,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a compute profile ({exc})") from None

@@ -1,0 +1,134 @@
+"""Durable store for deferrable requests (sqlite in WAL mode).
+
+``put`` returns only after the row is committed with ``synchronous=FULL``,
+so an acknowledged deferral survives ``kill -9`` and power loss.  A request
+is pending -> sending -> delivered (or failed / expired); rows a crash left
+in "sending" go back to pending when the store opens (at-least-once; the
+request id lets a receiver drop duplicates).  Answers stay in the store for
+the app to fetch.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS deferred (
+    request_id   TEXT PRIMARY KEY,
+    model        TEXT NOT NULL,
+    payload      BLOB NOT NULL,
+    created_wall REAL NOT NULL,
+    expires_wall REAL,
+    priority     INTEGER NOT NULL DEFAULT 0,
+    status       TEXT NOT NULL DEFAULT 'pending',
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    result       BLOB,
+    error        TEXT
+);
+CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, created_wall);
+"""
+
+
+@dataclass
+class DeferredItem:
+    request_id: str
+    model: str
+    payload: bytes
+    created_wall: float
+    expires_wall: float | None
+    priority: int
+    attempts: int
+
+
+@dataclass
+class DeferredResult:
+    status: str
+    result: bytes | None
+    error: str | None
+
+
+class DeferredStore:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute("UPDATE deferred SET status = 'pending' WHERE status = 'sending'")
+
+    def put(
+        self,
+        model: str,
+        payload: bytes,
+        *,
+        request_id: str,
+        created_wall: float,
+        expires_wall: float | None,
+        priority: int = 0,
+    ) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO deferred (request_id, model, payload, created_wall, expires_wall, priority)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (request_id, model, payload, created_wall, expires_wall, priority),
+        )
+
+    def pending(self, limit: int = 100, now_wall: float | None = None) -> list[DeferredItem]:
+        rows = self._db.execute(
+            "SELECT request_id, model, payload, created_wall, expires_wall, priority, attempts FROM deferred"
+            " WHERE status = 'pending' AND (expires_wall IS NULL OR ? IS NULL OR expires_wall > ?)"
+            " ORDER BY priority DESC, created_wall LIMIT ?",
+            (now_wall, now_wall, limit),
+        ).fetchall()
+        return [DeferredItem(r[0], r[1], bytes(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
+
+    def mark_sending(self, request_id: str) -> None:
+        self._db.execute(
+            "UPDATE deferred SET status = 'sending', attempts = attempts + 1 WHERE request_id = ?",
+            (request_id,),
+        )
+
+    def mark_pending(self, request_id: str) -> None:
+        self._db.execute(
+            "UPDATE deferred SET status = 'pending' WHERE request_id = ? AND status = 'sending'",
+            (request_id,),
+        )
+
+    def mark_delivered(self, request_id: str, result: bytes | None, error: str | None) -> None:
+        status = "delivered" if error is None else "failed"
+        self._db.execute(
+            "UPDATE deferred SET status = ?, result = ?, error = ? WHERE request_id = ?",
+            (status, result, error, request_id),
+        )
+
+    def result(self, request_id: str) -> DeferredResult | None:
+        row = self._db.execute(
+            "SELECT status, result, error FROM deferred WHERE request_id = ?", (request_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        return DeferredResult(row[0], bytes(row[1]) if row[1] is not None else None, row[2])
+
+    def expire(self, now_wall: float) -> list[str]:
+        rows = self._db.execute(
+            "SELECT request_id FROM deferred WHERE status = 'pending' AND expires_wall IS NOT NULL"
+            " AND expires_wall <= ?",
+            (now_wall,),
+        ).fetchall()
+        ids = [r[0] for r in rows]
+        for request_id in ids:
+            self._db.execute(
+                "UPDATE deferred SET status = 'expired', error = 'deadline_exceeded: no link before the"
+                " deferral expired' WHERE request_id = ?",
+                (request_id,),
+            )
+        return ids
+
+    def counts(self) -> dict[str, int]:
+        return dict(
+            self._db.execute("SELECT status, COUNT(*) FROM deferred GROUP BY status").fetchall()
+        )
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,183 @@
+"""The agent end to end: real cloud server process, real local runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.http as triton
+
+from edge.agent import Agent
+from edge.config import load_agent_config
+from shared.errors import ModelNotReady
+from tests.edge.conftest import agent_toml
+from tests.support import cloud_server, edge_agent, linear_reference, write_linear_model
+
+LIN = '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
+SOFT = '[models.soft]\nlocal = "soft-local"\ncloud = "soft"\nmode = "cascade"\ncascade_threshold = 0.6\n'
+
+
+@pytest.fixture(scope="module")
+def cloud(edge_repos):
+    proc = cloud_server(edge_repos[0], "--node", "cloud-e2e").start()
+    yield proc
+    proc.terminate()
+
+
+async def test_local_and_cloud_answers_agree_and_carry_provenance(tmp_path, edge_repos, cloud):
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "local"'),
+    )
+    x = np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        local = await agent.infer("lin", {"x": x})
+        agent.dataplane.policy = type(agent.dataplane.policy)(
+            agent.dataplane.policy.config.__class__(models={}),
+            agent.estimators,
+            agent.device,
+            agent.links,
+        )
+    w, b = write_linear_model(tmp_path / "ref.onnx", seed=4)
+    np.testing.assert_allclose(
+        local.outputs[0].data, linear_reference(x, w, b), rtol=1e-5, atol=1e-5
+    )
+    p = local.parameters
+    assert (
+        p["where"] == "local" and p["bytes_sent"] == 0 and p["energy_j"] > 0 and p["latency_ms"] > 0
+    )
+
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        remote = await agent.infer("lin", {"x": x})
+    np.testing.assert_allclose(remote.outputs[0].data, local.outputs[0].data, rtol=1e-5, atol=1e-5)
+    p = remote.parameters
+    assert p["where"] == "cloud-http" and p["node"] == "cloud-e2e"
+    assert p["bytes_sent"] > x.nbytes and p["bytes_received"] > 0
+    assert "predicted_latency_ms" in p and p["energy_j"] > 0
+
+
+async def test_slow_local_device_offloads_and_an_outage_moves_work_back_local(
+    tmp_path, edge_repos, cloud
+):
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=LIN,
+        extra="[emulation]\nlocal_slowdown = 3000.0\n",
+    )
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        wheres = [(await agent.infer("lin", {"x": x})).parameters["where"] for _ in range(6)]
+        assert wheres[-1] == "cloud-http", wheres  # the emulated device is slow, the link is good
+        agent.dataplane.breakers["http"].record_failure(time.monotonic())  # not enough to open
+        assert agent.dataplane.breakers["http"].state == "closed"
+        # Link lost: the transport is closed under the agent's feet.
+        await agent.transports["http"].close()
+        answers = [await agent.infer("lin", {"x": x}, deadline_ms=5000) for _ in range(4)]
+    assert all(a.parameters["where"] == "local" for a in answers)
+    assert all(a.outputs[0].data.shape == (1, 3) for a in answers)
+
+
+async def test_cascade_offloads_exactly_the_low_confidence_requests(tmp_path, edge_repos, cloud):
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=SOFT)
+    sure = np.array([[6.0, 0, 0, 0]], np.float32)  # softmax top-1 ~0.99
+    unsure = np.array([[0.2, 0.1, 0, 0]], np.float32)  # ~0.28
+    async with Agent(load_agent_config(cfg)) as agent:
+        seq = [sure, unsure, sure, unsure, unsure, sure]
+        got = [await agent.infer("soft", {"x": x}) for x in seq]
+    wheres = [g.parameters["where"] for g in got]
+    assert wheres == ["local", "cloud-http", "local", "cloud-http", "cloud-http", "local"]
+    assert all(g.parameters["confidence"] < 0.6 for g in got if g.parameters["where"] != "local")
+
+
+async def test_cloud_only_model_without_link_is_a_clear_error(tmp_path, edge_repos):
+    cfg = agent_toml(
+        tmp_path, edge_repos[1], models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n'
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        with pytest.raises(ModelNotReady, match="cannot run now"):
+            await agent.infer("c", {"x": np.ones((1, 4), np.float32)})
+
+
+def test_tritonclient_against_the_local_api(tmp_path, edge_repos, cloud):
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN)
+    agent = edge_agent(cfg).start()
+    try:
+        client = triton.InferenceServerClient(agent.http_url.removeprefix("http://"))
+        assert client.is_server_live() and client.is_model_ready("lin")
+        meta = client.get_model_metadata("lin")
+        assert meta["inputs"][0]["shape"] == [-1, 4]
+        x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+        inp = triton.InferInput("x", [3, 4], "FP32")
+        inp.set_data_from_numpy(x)
+        result = client.infer("lin", [inp], parameters={"deadline_ms": 3000})
+        w, b = write_linear_model(tmp_path / "ref.onnx", seed=4)
+        np.testing.assert_allclose(
+            result.as_numpy("y"), linear_reference(x, w, b), rtol=1e-5, atol=1e-5
+        )
+        assert result.get_response()["parameters"]["where"] in ("local", "cloud-http")
+        with urllib.request.urlopen(agent.http_url + "/v2/agent/status", timeout=5) as r:
+            status = json.loads(r.read())
+        assert (
+            status["local_models"] == ["lin-local", "soft-local"]
+            or "lin-local" in status["local_models"]
+        )
+    finally:
+        agent.terminate()
+
+
+async def test_killed_cloud_every_request_answered_locally_and_breaker_recovers(
+    tmp_path, edge_repos
+):
+    server = cloud_server(edge_repos[0], "--node", "doomed").start()
+    port = server.http_url.rsplit(":", 1)[1]
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=server.http_url,
+        models=LIN,
+        extra="[emulation]\nlocal_slowdown = 3000.0\n",
+    )
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        for _ in range(5):
+            await agent.infer("lin", {"x": x})
+        assert (await agent.infer("lin", {"x": x})).parameters["where"] == "cloud-http"
+        server.kill()
+        answers = []
+        for _ in range(8):
+            t = time.monotonic()
+            a = await agent.infer("lin", {"x": x}, deadline_ms=3000)
+            answers.append((a, time.monotonic() - t))
+        assert all(a.parameters["where"] == "local" for a, _ in answers)
+        assert all(elapsed < 3.0 for _, elapsed in answers)
+        assert any(a.parameters["fallback"] for a, _ in answers)
+        assert agent.dataplane.breakers["http"].state != "closed"
+        # Cloud back on the same port: the probe closes the breaker, work returns.
+        server2 = cloud_server(edge_repos[0], "--node", "reborn")
+        server2.args[server2.args.index("0")] = port
+        server2.start()
+        try:
+            for _ in range(60):
+                await agent.dataplane.probe()
+                if agent.dataplane.breakers["http"].state == "closed":
+                    break
+                await asyncio.sleep(0.25)
+            assert agent.dataplane.breakers["http"].state == "closed"
+            back = [(await agent.infer("lin", {"x": x})).parameters for _ in range(4)]
+            assert back[-1]["where"] == "cloud-http" and back[-1]["node"] == "reborn"
+        finally:
+            server2.terminate()

@@ -1,0 +1,89 @@
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edge.estimators import Estimators, LatencyEstimator, LinkEstimator
+from edge.quantile import Ewma, P2Quantile
+
+
+@pytest.mark.parametrize("kind", ["normal", "lognormal", "sorted"])
+def test_p2_quantile_tracks_numpy_percentile(kind):
+    rng = np.random.default_rng(0)
+    data = {
+        "normal": rng.normal(10, 2, 20_000),
+        "lognormal": rng.lognormal(0, 0.7, 20_000),
+        "sorted": np.sort(rng.random(20_000)),
+    }[kind]
+    q = P2Quantile(0.95)
+    for x in data:
+        q.add(float(x))
+    assert q.value == pytest.approx(np.percentile(data, 95), rel=0.03)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0, 1e3), min_size=1, max_size=5))
+def test_p2_quantile_is_exact_on_few_samples(xs):
+    q = P2Quantile(0.5)
+    for x in xs:
+        q.add(x)
+    assert q.value in xs
+
+
+def test_ewma_moves_towards_new_samples():
+    e = Ewma(0.5)
+    e.add(10)
+    e.add(20)
+    assert e.value == 15 and e.count == 2
+
+
+def test_link_estimator_recovers_a_known_link():
+    rtt, up, down = 0.04, 5e6, 20e6
+    link = LinkEstimator(1e6, 1e6, 0.2)
+    rng = np.random.default_rng(1)
+    for i in range(300):
+        if i % 3 == 0:
+            sent, recv = 300, 500  # small exchanges: RTT samples
+        else:
+            sent, recv = 600_000, 1_000
+        elapsed = rtt + sent * 8 / up + recv * 8 / down + 0.005
+        link.observe(sent, recv, elapsed * rng.uniform(0.97, 1.03), 0.005, float(i))
+    assert link.rtt_s == pytest.approx(rtt, rel=0.1)
+    assert link.up_bps == pytest.approx(up, rel=0.1)
+    assert link.transfer_time(600_000, 1_000) == pytest.approx(rtt + 0.96 + 0.0004, rel=0.1)
+
+
+def test_estimates_go_stale_and_survive_a_restart(tmp_path):
+    est = Estimators()
+    est.set_link_prior("http", 8e6, 16e6, 0.02)
+    for i in range(50):
+        est.local("m").add(0.01 + i * 1e-4, 100.0)
+    est.link("http").observe_probe(0.015, 100.0)
+    est.observe_reply("cloud", 300, 4000, 100.0)
+    assert not est.local("m").stale(110.0, 30.0) and est.local("m").stale(200.0, 30.0)
+    path = tmp_path / "estimates.json"
+    est.save(path)
+    # A new process: a different monotonic clock, the same ages.
+    back = Estimators.load(path, now=5000.0)
+    assert back.local("m").mean == pytest.approx(est.local("m").mean)
+    assert back.local("m").quantile == pytest.approx(est.local("m").quantile)
+    assert back.link("http").rtt_s == pytest.approx(est.link("http").rtt_s)
+    assert back.cloud_compute("cloud").mean == pytest.approx(0.004)
+    assert back.stale_links(5000.0 + 31, 30.0) == ["http"]
+
+
+def test_a_corrupt_state_file_gives_fresh_estimates(tmp_path):
+    path = tmp_path / "estimates.json"
+    path.write_text("{not json")
+    assert Estimators.load(path, 0.0).local("m").count == 0
+    path.write_text(json.dumps({"local": {"m": {"ewma": {}, "q": {"q": 2}}}}))
+    assert Estimators.load(path, 0.0).local("m").count == 0
+
+
+def test_latency_estimator_ignores_garbage():
+    e = LatencyEstimator()
+    e.add(float("nan"), 0.0)
+    e.add(-1.0, 0.0)
+    assert e.count == 0 and e.mean is None
