@@ -88,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     for title, (array, as_request) in payloads.items():
         cases = _cases(array, as_request)
         repeat = args.repeat if as_request else args.repeat * 10
-        results = {name: _median_us(fn, repeat // 10 if name == "V2 JSON" else repeat) for name, fn in cases.items()}
+        results = {
+            name: _median_us(fn, repeat // 10 if name == "V2 JSON" else repeat)
+            for name, fn in cases.items()
+        }
         base = results["bytes(memoryview) copy"]
         print(f"\n{title}: encode + decode, median of runs")
         print(f"  {'path':<24} {'us':>10} {'x copy':>8}")

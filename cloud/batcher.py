@@ -109,7 +109,7 @@ class DynamicBatcher:
         )
         self._max_queue = int(policy.max_queue_size) if policy else 0
         levels = int(policy.priority_levels) if policy else 0
-        self._priorities = levels > 0  # 0: priorities disabled, a client's priority is ignored
+        self._priorities = levels > 1  # one level: a client's priority is ignored, as in Triton
         self._levels = max(1, levels)
         dpl = int(policy.default_priority_level) if policy else 0
         self._default_level = dpl if 1 <= dpl <= self._levels else self._levels

@@ -1,22 +1,35 @@
 """ONNX Runtime backend.
 
-Intra-op threads = the cores given to the process unless configured, and
-spinning off: on small machines spinning threads of two sessions starve each
-other (DESIGN.md section 6).  ``InferenceSession.run`` releases the GIL and
-may be called from several threads.
+Intra-op threads = the cores given to the process unless configured, one
+inter-op thread, and spinning off unless asked for: on small machines the
+spinning threads of two sessions starve each other (DESIGN.md section 6).
+
+``InferenceSession.run`` releases the GIL and is safe to call from several
+threads at once; the dataplanes still give each session one worker thread,
+because two concurrent runs only split the same intra-op threads.
 """
 
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from ml_dtypes import bfloat16
 
-from shared.errors import BackendMissing, InternalError, InvalidInput, ModelNotFound
+from shared.errors import BackendMissing, ConfigError, InternalError, InvalidInput, ModelNotFound
+from shared.runtimes._common import (
+    bytes_array,
+    check_inputs,
+    check_outputs,
+    closed_error,
+    text_array,
+)
 from shared.runtimes.base import RuntimeOptions, TensorSpec
 
-_TYPES = {
+#: ONNX Runtime type strings -> V2 datatypes
+ORT_TYPES: dict[str, str] = {
     "tensor(bool)": "BOOL",
     "tensor(uint8)": "UINT8",
     "tensor(uint16)": "UINT16",
@@ -33,115 +46,153 @@ _TYPES = {
     "tensor(string)": "BYTES",
 }
 
+_BF16_ONNX_TYPE = 16  # onnx.TensorProto.BFLOAT16
 
-def _spec(arg) -> TensorSpec:
-    dims = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in arg.shape)
-    return TensorSpec(arg.name, _TYPES.get(arg.type, arg.type), dims)
+
+def _spec(arg: Any, kind: str, path: Path) -> TensorSpec:
+    datatype = ORT_TYPES.get(arg.type)
+    if datatype is None:
+        raise ConfigError(
+            f"{path}: {kind} {arg.name!r} has type {arg.type}, which Ferry cannot carry; "
+            f"supported: {sorted(ORT_TYPES)}"
+        )
+    shape = arg.shape if isinstance(arg.shape, list) else []
+    dims = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in shape)
+    return TensorSpec(arg.name, datatype, dims)
 
 
 class OnnxRuntimeSession:
+    """One ``InferenceSession``; BYTES tensors travel as object arrays of bytes.
+
+    ONNX Runtime's string tensors hold text, so BYTES inputs must be UTF-8;
+    string outputs come back UTF-8 encoded.
+    """
+
     backend = "onnxruntime"
 
-    def __init__(self, session, ort) -> None:
+    def __init__(self, session: Any, ort: Any, path: Path) -> None:
         self._session = session
         self._ort = ort
-        self.inputs = [_spec(a) for a in session.get_inputs()]
-        self.outputs = [_spec(a) for a in session.get_outputs()]
-        self._input_names = {s.name for s in self.inputs}
+        self.path = path
+        self.inputs = [_spec(a, "input", path) for a in session.get_inputs()]
+        self.outputs = [_spec(a, "output", path) for a in session.get_outputs()]
         self._output_names = [s.name for s in self.outputs]
+        # symbolic dim name -> [(input, axis)]: inputs sharing a symbol must agree
+        self._symbols: dict[str, list[tuple[str, int]]] = {}
+        for arg in session.get_inputs():
+            for axis, dim in enumerate(arg.shape if isinstance(arg.shape, list) else []):
+                if isinstance(dim, str) and dim:
+                    self._symbols.setdefault(dim, []).append((arg.name, axis))
         self._bytes_inputs = {s.name for s in self.inputs if s.datatype == "BYTES"}
         self._bf16 = any(s.datatype == "BF16" for s in self.inputs + self.outputs)
+        if self._bf16 and any(s.datatype == "BYTES" for s in self.inputs + self.outputs):
+            raise ConfigError(
+                f"{path}: onnxruntime's Python API cannot run a model with both bfloat16 "
+                "and string tensors; serve it with another backend or change its I/O types"
+            )
+        state = ort.capi.onnxruntime_pybind11_state
+        self._bad_input_errors = (state.InvalidArgument, state.InvalidGraph)
 
-    def _run_bf16(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """numpy has no bfloat16 ORT knows: pass raw 16-bit words as OrtValues."""
-        from ml_dtypes import bfloat16
+    @property
+    def session_options(self) -> Any:
+        """The ``SessionOptions`` the session runs with (threads, spinning)."""
+        if self._session is None:
+            raise closed_error(self.backend)
+        return self._session.get_session_options()
 
-        bf16_type = 16  # onnx.TensorProto.BFLOAT16
-        values = {}
-        for name, array in feed.items():
-            if array.dtype == np.dtype(bfloat16):
-                values[name] = self._ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                    np.ascontiguousarray(array).view(np.uint16), bf16_type
-                )
-            else:
-                values[name] = self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
-        out = []
-        for value in self._session.run_with_ort_values(names, values):
-            if value.data_type() == "tensor(bfloat16)":
-                shape = tuple(value.shape())
-                count = int(np.prod(shape)) if shape else 1
-                raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
-                out.append(np.frombuffer(raw, np.uint16).copy().view(bfloat16).reshape(shape))
-            else:
-                out.append(value.numpy())
-        return out
+    @property
+    def providers(self) -> list[str]:
+        if self._session is None:
+            raise closed_error(self.backend)
+        return list(self._session.get_providers())
 
     def run(
         self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
     ) -> dict[str, np.ndarray]:
-        unknown = set(inputs) - self._input_names
-        if unknown:
-            raise InvalidInput(
-                f"unknown inputs {sorted(unknown)}; the model takes {sorted(self._input_names)}"
-            )
-        missing = self._input_names - set(inputs)
-        if missing:
-            raise InvalidInput(f"missing inputs {sorted(missing)}")
-        names = outputs or self._output_names
-        bad = [n for n in names if n not in self._output_names]
-        if bad:
-            raise InvalidInput(f"unknown outputs {bad}; the model gives {self._output_names}")
-        feed = {}
-        for name, array in inputs.items():
-            if name in self._bytes_inputs:
-                try:
-                    items = [x.decode() if isinstance(x, bytes) else x for x in array.reshape(-1)]
-                except UnicodeDecodeError:
-                    raise InvalidInput(
-                        f"input {name!r}: onnxruntime string tensors must hold UTF-8 text"
-                    ) from None
-                array = np.array(items, dtype=object).reshape(array.shape)
-            feed[name] = array
+        session = self._session
+        if session is None:
+            raise closed_error(self.backend)
+        feed = check_inputs(self.inputs, inputs)
+        names = check_outputs(self._output_names, outputs)
+        self._check_symbols(feed)
+        for name in self._bytes_inputs:
+            feed[name] = text_array(feed[name], name, self.backend)
         try:
             if self._bf16:
-                result = self._run_bf16(names, feed)
+                result = self._run_ort_values(session, names, feed)
             else:
-                result = self._session.run(names, feed)
-        except (
-            self._ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-            self._ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-        ) as exc:
-            raise InvalidInput(str(exc)) from None
+                result = session.run(names, feed)
+        except self._bad_input_errors as exc:
+            raise InvalidInput(f"onnxruntime rejected the inputs: {exc}") from None
         except Exception as exc:
-            raise InternalError(f"onnxruntime failed: {exc}") from None
-        out = {}
-        for name, array in zip(names, result, strict=True):
-            if array.dtype == object:
-                array = np.array(
-                    [x.encode() if isinstance(x, str) else x for x in array.reshape(-1)],
-                    dtype=object,
-                ).reshape(array.shape)
-            out[name] = array
+            raise InternalError(f"onnxruntime failed: {type(exc).__name__}: {exc}") from None
+        # ORT's outputs are fresh arrays the caller owns; only strings need converting.
+        return {
+            name: bytes_array(array, name) if array.dtype.kind in "OSU" else array
+            for name, array in zip(names, result, strict=True)
+        }
+
+    def _check_symbols(self, feed: dict[str, np.ndarray]) -> None:
+        for symbol, uses in self._symbols.items():
+            sizes = {(name, axis): feed[name].shape[axis] for name, axis in uses}
+            if len(set(sizes.values())) > 1:
+                shown = ", ".join(f"{n}[{a}]={v}" for (n, a), v in sizes.items())
+                raise InvalidInput(
+                    f"dimension {symbol!r} must be the same size everywhere: {shown}"
+                )
+
+    def _run_ort_values(
+        self, session: Any, names: list[str], feed: dict[str, np.ndarray]
+    ) -> list[np.ndarray]:
+        """numpy has no bfloat16 ONNX Runtime knows: pass raw 16-bit words as OrtValues."""
+        ort_value = self._ort.OrtValue
+        values = {}
+        for name, array in feed.items():
+            if array.dtype == np.dtype(bfloat16):
+                values[name] = ort_value.ortvalue_from_numpy_with_onnx_type(
+                    array.view(np.uint16), _BF16_ONNX_TYPE
+                )
+            else:
+                values[name] = ort_value.ortvalue_from_numpy(array)
+        out = []
+        for value in session.run_with_ort_values(names, values):
+            if value.data_type() == "tensor(bfloat16)":
+                shape = tuple(value.shape())
+                count = int(np.prod(shape, dtype=np.int64))
+                words = np.empty(count, dtype=np.uint16)
+                if count:
+                    ctypes.memmove(words.ctypes.data, value.data_ptr(), 2 * count)
+                out.append(words.view(bfloat16).reshape(shape))
+            else:
+                out.append(value.numpy())
         return out
 
     def close(self) -> None:
+        """Drop the session (ORT frees it when the last reference goes)."""
         self._session = None
 
 
 def load(path: Path, options: RuntimeOptions) -> OnnxRuntimeSession:
+    """Load an ``.onnx`` file on CPU (CUDA first when ``options.device == "gpu"`` and present)."""
     try:
         import onnxruntime as ort
     except ImportError:
         raise BackendMissing(
-            "the onnxruntime backend needs onnxruntime: pip install 'ferry[edge]'"
+            "the onnxruntime backend needs onnxruntime: pip install 'ferry[edge]' "
+            "(or pip install onnxruntime)"
         ) from None
-    if not Path(path).is_file():
+    path = Path(path)
+    if not path.is_file():
         raise ModelNotFound(f"model file {path} does not exist")
     so = ort.SessionOptions()
     so.intra_op_num_threads = options.resolved_threads()
     so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.add_session_config_entry(
         "session.intra_op.allow_spinning", "1" if options.allow_spinning else "0"
+    )
+    so.add_session_config_entry(
+        "session.inter_op.allow_spinning", "1" if options.allow_spinning else "0"
     )
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
@@ -152,4 +203,4 @@ def load(path: Path, options: RuntimeOptions) -> OnnxRuntimeSession:
         session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
     except Exception as exc:
         raise InvalidInput(f"onnxruntime cannot load {path}: {exc}") from None
-    return OnnxRuntimeSession(session, ort)
+    return OnnxRuntimeSession(session, ort, path)

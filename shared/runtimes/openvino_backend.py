@@ -1,93 +1,203 @@
-"""OpenVINO backend (CPU by default; reads IR ``.xml`` + ``.bin`` or ``.onnx``).
+"""OpenVINO backend: IR ``.xml`` + ``.bin`` (or an ``.onnx`` file) on CPU or GPU.
 
 OpenVINO picks bf16 on CPUs that have it (fast, small error); set
 ``precision_hint = "f32"`` in the model's ``[runtime]`` when exactness
-matters.  One infer request per session, guarded by a lock: requests are
-not thread-safe, and the batcher gives each session one worker anyway.
+matters.  One infer request per session, guarded by a lock: requests are not
+thread-safe, and the dataplanes give each session one worker anyway.
+
+OpenVINO itself checks little: it converts an FP64 array to FP32 without a
+word and runs a MatMul whose inner dimension is wrong, so every request is
+checked against the port specs before it reaches the request.
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from ml_dtypes import bfloat16
 
-from shared.datatypes import numpy_dtype
-from shared.errors import BackendMissing, InternalError, InvalidInput, ModelNotFound
+from shared.errors import BackendMissing, ConfigError, InternalError, InvalidInput, ModelNotFound
+from shared.runtimes._common import check_inputs, check_outputs, closed_error
 from shared.runtimes.base import RuntimeOptions, TensorSpec
 
-_TYPES = {
-    "boolean": "BOOL", "u8": "UINT8", "u16": "UINT16", "u32": "UINT32", "u64": "UINT64",
-    "i8": "INT8", "i16": "INT16", "i32": "INT32", "i64": "INT64",
-    "f16": "FP16", "f32": "FP32", "f64": "FP64", "bf16": "BF16", "string": "BYTES",
+#: OpenVINO element type names -> V2 datatypes
+OV_TYPES: dict[str, str] = {
+    "boolean": "BOOL",
+    "u8": "UINT8",
+    "u16": "UINT16",
+    "u32": "UINT32",
+    "u64": "UINT64",
+    "i8": "INT8",
+    "i16": "INT16",
+    "i32": "INT32",
+    "i64": "INT64",
+    "f16": "FP16",
+    "f32": "FP32",
+    "f64": "FP64",
+    "bf16": "BF16",
 }
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
-def _spec(port) -> TensorSpec:
+
+def _names(port: Any, fallback: str) -> list[str]:
+    """The port's tensor names, primary (``get_any_name``) first."""
+    names = sorted(port.get_names())
+    if not names:
+        return [fallback]
+    primary = port.get_any_name()
+    return [primary, *(n for n in names if n != primary)]
+
+
+def _spec(port: Any, name: str, kind: str, path: Path) -> TensorSpec:
+    type_name = port.get_element_type().get_type_name()
+    if type_name == "string":
+        # Measured with OpenVINO 2026.4: inferring a string tensor on CPU corrupts the
+        # heap (the process aborts at exit), so such models are refused up front.
+        raise ConfigError(
+            f"{path}: {kind} {name!r} is a string tensor, which the openvino backend does "
+            "not serve; serve this model with onnxruntime"
+        )
+    datatype = OV_TYPES.get(type_name)
+    if datatype is None:
+        raise ConfigError(
+            f"{path}: {kind} {name!r} has element type {type_name}, which Ferry cannot carry"
+        )
     shape = port.get_partial_shape()
+    if shape.rank.is_dynamic:
+        raise ConfigError(
+            f"{path}: {kind} {name!r} has a dynamic rank, which Ferry cannot describe"
+        )
     dims = tuple(d.get_length() if d.is_static else -1 for d in shape)
-    return TensorSpec(port.get_any_name(), _TYPES.get(port.get_element_type().get_type_name(), "FP32"), dims)
+    return TensorSpec(name, datatype, dims)
 
 
 class OpenVinoSession:
+    """A compiled model and its one infer request."""
+
     backend = "openvino"
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled: Any, ov: Any, path: Path, device: str) -> None:
         self._compiled = compiled
+        self._ov = ov
         self._request = compiled.create_infer_request()
         self._lock = threading.Lock()
-        self.inputs = [_spec(p) for p in compiled.inputs]
-        self.outputs = [_spec(p) for p in compiled.outputs]
-        self._in = {s.name: s for s in self.inputs}
-        self._out_index = {s.name: i for i, s in enumerate(self.outputs)}
+        self.path = path
+        self.device = device
+        in_names = [_names(p, f"input_{i}") for i, p in enumerate(compiled.inputs)]
+        out_names = [_names(p, f"output_{i}") for i, p in enumerate(compiled.outputs)]
+        self.inputs = [
+            _spec(p, n[0], "input", path) for p, n in zip(compiled.inputs, in_names, strict=True)
+        ]
+        self.outputs = [
+            _spec(p, n[0], "output", path) for p, n in zip(compiled.outputs, out_names, strict=True)
+        ]
+        self._in_index = {s.name: i for i, s in enumerate(self.inputs)}
+        # every name of an output port finds it, the primary one is reported
+        self._out_index = {name: i for i, names in enumerate(out_names) for name in names}
+        self._output_names = [s.name for s in self.outputs]
+        self._bf16_inputs = {s.name for s in self.inputs if s.datatype == "BF16"}
+        # The CPU plugin computes INT64 as INT32 and wraps larger values silently.
+        self._int64_inputs = (
+            {s.name for s in self.inputs if s.datatype == "INT64"} if device == "CPU" else set()
+        )
 
-    def run(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        unknown = set(inputs) - set(self._in)
-        if unknown:
-            raise InvalidInput(f"unknown inputs {sorted(unknown)}; the model takes {sorted(self._in)}")
-        missing = set(self._in) - set(inputs)
-        if missing:
-            raise InvalidInput(f"missing inputs {sorted(missing)}")
-        names = outputs or list(self._out_index)
-        bad = [n for n in names if n not in self._out_index]
-        if bad:
-            raise InvalidInput(f"unknown outputs {bad}; the model gives {list(self._out_index)}")
-        feed = {}
-        for name, array in inputs.items():
-            spec = self._in[name]
-            if spec.datatype != "BYTES" and array.dtype != numpy_dtype(spec.datatype):
-                raise InvalidInput(f"input {name!r}: expected {spec.datatype}, got {array.dtype}")
-            if len(array.shape) != len(spec.dims) or any(d not in (-1, g) for d, g in zip(spec.dims, array.shape, strict=False)):
-                raise InvalidInput(f"input {name!r}: expected shape {list(spec.dims)}, got {list(array.shape)}")
-            feed[name] = np.ascontiguousarray(array)
-        try:
-            with self._lock:
-                result = self._request.infer(feed)
-                return {n: np.array(result[self._compiled.outputs[self._out_index[n]]], copy=True) for n in names}
-        except (RuntimeError, TypeError, ValueError) as exc:
-            raise InternalError(f"openvino failed: {exc}") from None
+    def property(self, name: str) -> Any:
+        """A property of the compiled model (e.g. ``INFERENCE_NUM_THREADS``)."""
+        if self._compiled is None:
+            raise closed_error(self.backend)
+        return self._compiled.get_property(name)
+
+    def run(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        feed = check_inputs(self.inputs, inputs)
+        names = check_outputs(list(self._out_index), outputs or self._output_names)
+        for name in self._int64_inputs:
+            array = feed[name]
+            if array.size and (array.min() < _INT32_MIN or array.max() > _INT32_MAX):
+                raise InvalidInput(
+                    f"input {name!r}: OpenVINO's CPU plugin computes INT64 as INT32, so values "
+                    f"outside the INT32 range [{_INT32_MIN}, {_INT32_MAX}] would be wrapped"
+                )
+        data: dict[int, Any] = {}
+        for name, array in feed.items():
+            if name in self._bf16_inputs:
+                data[self._in_index[name]] = self._bf16_tensor(array)
+            else:
+                data[self._in_index[name]] = array
+        with self._lock:
+            request = self._request
+            if request is None:
+                raise closed_error(self.backend)
+            try:
+                # share_inputs: the arrays are ours and checked; share_outputs=False:
+                # the results are copies the caller owns past the next run.
+                result = request.infer(data, share_inputs=True, share_outputs=False)
+                values = result.to_tuple()
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise InternalError(f"openvino failed: {exc}") from None
+        out = {}
+        for name in names:
+            index = self._out_index[name]
+            array = values[index]
+            if self.outputs[index].datatype == "BF16":
+                # the Python API hands bf16 back as float16 holding bf16 bits
+                array = array.view(np.uint16).view(bfloat16)
+            out[name] = array
+        return out
+
+    def _bf16_tensor(self, array: np.ndarray) -> Any:
+        tensor = self._ov.Tensor(self._ov.Type.bf16, self._ov.Shape(list(array.shape)))
+        tensor.data[...] = array.view(np.uint16).view(tensor.data.dtype)
+        return tensor
 
     def close(self) -> None:
-        self._request = None
-        self._compiled = None
+        """Drop the request and the compiled model (waits for a run in progress)."""
+        with self._lock:
+            self._request = None
+            self._compiled = None
 
 
 def load(path: Path, options: RuntimeOptions) -> OpenVinoSession:
+    """Read and compile ``path`` (``.xml`` with its ``.bin``, or ``.onnx``)."""
     try:
         import openvino as ov
     except ImportError:
-        raise BackendMissing("the openvino backend needs OpenVINO: pip install 'ferry[cloud]'") from None
-    if not Path(path).is_file():
+        raise BackendMissing(
+            "the openvino backend needs OpenVINO: pip install 'ferry[cloud]' "
+            "(or pip install openvino)"
+        ) from None
+    path = Path(path)
+    if not path.is_file():
         raise ModelNotFound(f"model file {path} does not exist")
     core = ov.Core()
-    config = {"INFERENCE_NUM_THREADS": options.resolved_threads(), "PERFORMANCE_HINT": "LATENCY"}
+    device = "GPU" if options.device == "gpu" else "CPU"
+    if not any(d.split(".")[0] == device for d in core.available_devices):
+        raise BackendMissing(
+            f"OpenVINO has no {device} device here (available: {core.available_devices})"
+        )
+    config: dict[str, Any] = {
+        "INFERENCE_NUM_THREADS": options.resolved_threads(),
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+    }
     if options.precision_hint:
         config["INFERENCE_PRECISION_HINT"] = options.precision_hint
-    device = "GPU" if options.device == "gpu" else "CPU"
     try:
         model = core.read_model(str(path))
+    except RuntimeError as exc:
+        weights = path.with_suffix(".bin")
+        if path.suffix == ".xml" and not weights.is_file():
+            raise ModelNotFound(
+                f"model weights {weights} (next to {path.name}) do not exist"
+            ) from None
+        raise InvalidInput(f"openvino cannot read {path}: {exc}") from None
+    try:
         compiled = core.compile_model(model, device, config)
     except RuntimeError as exc:
-        raise InvalidInput(f"openvino cannot load {path}: {exc}") from None
-    return OpenVinoSession(compiled)
+        raise ConfigError(f"openvino cannot compile {path} for {device}: {exc}") from None
+    return OpenVinoSession(compiled, ov, path, device)
