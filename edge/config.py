@@ -64,6 +64,7 @@ _SCHEMA: dict[str, Any] = {
         "deadline_quantile": _NUM,
         "battery_floor_percent": _NUM,
         "data_cap_mb_per_day": _NUM,
+        "explore_after_s": _NUM,
         "weights": {"latency_s": _NUM, "energy_j": _NUM, "data_mb": _NUM, "money": _NUM},
     },
     "models": dict,
@@ -181,6 +182,7 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         battery_floor_percent=float(pol.get("battery_floor_percent", 15.0)),
         data_cap_mb_per_day=pol.get("data_cap_mb_per_day"),
         default_deadline_ms=float(pol.get("deadline_ms", 1000.0)),
+        explore_after_s=float(pol.get("explore_after_s", 10.0)),
         models=models,
     )
     cloud = data.get("cloud", {})

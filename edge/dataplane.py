@@ -230,7 +230,7 @@ class EdgeDataPlane:
         assert choice.transport is not None and mp.cloud_model is not None
         transport = self.transports[choice.transport]
         # Keep enough of the deadline to answer locally if the cloud lets us down.
-        reserve = local.latency_q_s * 1.2 if local is not None else 0.0
+        reserve = local.latency_q_s * 1.5 if local is not None else 0.0
         cloud_deadline = max(deadline - reserve, time.monotonic() + choice.latency_q_s)
         if local is not None:
             cloud_deadline = min(cloud_deadline, deadline)
@@ -241,7 +241,10 @@ class EdgeDataPlane:
         except FerryError as exc:
             now = time.monotonic()
             self.breakers[choice.transport].record_failure(now)
-            self.est.link(choice.transport).observe_failure(now)
+            if isinstance(exc, DeadlineExceeded):
+                self.est.link(choice.transport).observe_timeout(choice.up_bytes, now - start, now)
+            else:
+                self.est.link(choice.transport).observe_failure(now)
             why = f"{choice.name} failed ({exc.code.value}: {exc.message})"
             if local is not None and deadline - now > 0:
                 log.info("falling back to local: %s", why)

@@ -85,6 +85,8 @@ class LinkEstimator:
             prior_rtt_s,
         )
         self.last_update: float | None = None
+        self.bandwidth_update: float | None = None  # probes refresh RTT, never this
+        self.exploring_since: float | None = None  # one exploring request at a time
         self.consecutive_failures = 0
         self.samples = 0
         self._refresh()
@@ -115,9 +117,11 @@ class LinkEstimator:
         elif sent_bytes >= received_bytes:
             t = net - self.rtt_s - received_bytes * 8 / self.down_bps
             self._up.add(sent_bytes * 8 / max(t, net * 0.1, 1e-4))
+            self.bandwidth_update = now
         else:
             t = net - self.rtt_s - sent_bytes * 8 / self.up_bps
             self._down.add(received_bytes * 8 / max(t, net * 0.1, 1e-4))
+            self.bandwidth_update = now
         self._refresh()
 
     def observe_probe(self, rtt_s: float, now: float) -> None:
@@ -130,6 +134,23 @@ class LinkEstimator:
 
     def observe_failure(self, now: float) -> None:
         self.consecutive_failures += 1
+
+    def observe_timeout(self, sent_bytes: int, elapsed_s: float, now: float) -> None:
+        """A transfer that did not finish in ``elapsed_s``: the uplink is at most that fast.
+
+        A censored sample: it can only lower the estimate, so a link that
+        degraded stops looking fast after one timeout instead of after the
+        breaker opens.
+        """
+        self.consecutive_failures += 1
+        if sent_bytes >= SMALL_BYTES and elapsed_s > 0:
+            bound = sent_bytes * 8 / elapsed_s
+            if bound < self.up_bps:
+                self._up.value = bound
+                self._up.count += 1
+                self.last_update = now
+                self._refresh()
+            self.bandwidth_update = now
 
     def stale(self, now: float, max_age_s: float) -> bool:
         return self.last_update is None or now - self.last_update > max_age_s
@@ -160,6 +181,8 @@ class LinkEstimator:
         e.samples = int(d.get("samples", 0))
         age = d.get("age_s")
         e.last_update = None if age is None else now - float(age)
+        bw_age = d.get("bw_age_s")
+        e.bandwidth_update = None if bw_age is None else now - float(bw_age)
         e._refresh()
         return e
 

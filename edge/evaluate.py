@@ -216,12 +216,13 @@ def run_ours(sim: Simulator, wl: Workload, mp: ModelPolicy, name: str = "ferry")
             est.local(mp.local_model or sim.model).add(out.latency_s, t + out.latency_s)
         else:
             local = next((o for o in decision.options if o.name == LOCAL), None)
-            reserve = local.latency_q_s * 1.2 if local is not None else None
+            reserve = local.latency_q_s * 1.5 if local is not None else None
             out = _cloud_then_fallback(sim, i, t, wl, deadline, reserve)
             done = t + out.latency_s
             if out.fallback or (out.missed and out.where == CLOUD):
                 breaker.record_failure(done)
-                est.link(TRANSPORT).observe_failure(done)
+                spent = deadline - reserve if reserve is not None else out.latency_s
+                est.link(TRANSPORT).observe_timeout(wl.input_bytes, max(spent, 1e-3), done)
                 if out.fallback:
                     est.local(mp.local_model or sim.model).add(sim.draws(i)[0], done)
             else:

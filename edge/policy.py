@@ -58,6 +58,10 @@ class PolicyConfig:
     battery_floor_percent: float = 15.0
     data_cap_mb_per_day: float | None = None
     default_deadline_ms: float = 1000.0
+    # A link estimate older than this is refreshed by routing one request that
+    # can afford it through that link (0: never explore).  Without it, an agent
+    # that stays local never learns that the link got better.
+    explore_after_s: float = 10.0
     models: dict[str, ModelPolicy] = field(default_factory=dict)
 
 
@@ -74,6 +78,7 @@ class Option:
     cost: float = 0.0
     feasible: bool = True
     reason: str = ""
+    stale: bool = False
 
 
 @dataclass(slots=True)
@@ -144,8 +149,20 @@ class Policy:
         compute = self.est.cloud_compute(model)
         server = (queue.mean or 0.0) + (compute.mean or 0.0)
         server_q = (queue.quantile or queue.mean or 0.0) + (compute.quantile or compute.mean or 0.0)
-        t_up = up * 8.0 / link.up_bps
-        t_down = down * 8.0 / link.down_bps
+        explore = self.config.explore_after_s
+        seen, claim = link.bandwidth_update, link.exploring_since
+        stale = (
+            bool(explore)
+            and (seen is None or ctx.now - seen > explore)
+            and (claim is None or ctx.now - claim > explore)
+        )
+        up_bps, down_bps = link.up_bps, link.down_bps
+        if stale:
+            # Optimism under uncertainty: an old estimate (a bad spell long
+            # past) must not keep the option infeasible forever.
+            up_bps, down_bps = max(up_bps, link.prior_up_bps), max(down_bps, link.prior_down_bps)
+        t_up = up * 8.0 / up_bps
+        t_down = down * 8.0 / down_bps
         # A radio that went idle (past its tail) must be promoted before it sends.
         idle = ctx.radio_idle_s
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
@@ -155,14 +172,24 @@ class Policy:
             profile,
             up,
             down,
-            link.up_bps,
-            link.down_bps,
+            up_bps,
+            down_bps,
             server + link.rtt_s,
             self.device,
             ctx.radio_idle_s,
         )
         money = (up + down) / 1e6 * profile.cost_per_mb if profile.metered else 0.0
-        return Option(f"cloud-{transport}", transport, latency, latency_q, energy, up, down, money)
+        return Option(
+            f"cloud-{transport}",
+            transport,
+            latency,
+            latency_q,
+            energy,
+            up,
+            down,
+            money,
+            stale=stale,
+        )
 
     def decide(self, model: str, ctx: Context, mode: str | None = None) -> Decision:
         mp = self.model_policy(model)
@@ -209,6 +236,11 @@ class Policy:
             if o.feasible and (best is None or o.cost < best.cost):
                 best = o
         if best is not None:
+            if not low_battery:
+                for o in options:
+                    if o.stale and o.feasible and o is not best and o.transport is not None:
+                        self.est.link(o.transport).exploring_since = ctx.now
+                        return Decision(o, options, "explore: link estimate is stale")
             return Decision(
                 best, options, "low battery: least energy" if low_battery else "least cost"
             )

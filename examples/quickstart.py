@@ -1,9 +1,17 @@
-"""Quick start: serve the example repository and ask it real questions.
+"""Quick-start demo: an edge agent offloading through a link that changes.
 
-Starts ``ferry-cloud serve`` on ``examples/repository`` as its own process
-(HTTP on a free port, no broker), sends V2 binary inferences of rendered
-document images to each model variant, prints each answer beside the truth,
-then shuts the server down with SIGTERM.
+Starts ``ferry-cloud serve`` and ``ferry-edge run`` as separate processes on
+the example repository.  The agent reaches the cloud through a live link
+emulator (a TCP proxy that shapes real bytes to a rate and a delay), and the
+demo scripts the link: good WiFi, weak LTE, an outage, LTE, WiFi again.  A
+workload of rendered document pages goes to the agent's local V2 API; per
+phase the demo prints where requests ran, p50/p99 latency, energy and bytes,
+so the policy's switching is visible.  HTTP by default (no broker needed);
+``--mqtt`` starts a local Mosquitto and offloads over MQTT instead.
+
+The example device is a Raspberry Pi 4B: this machine is several times
+faster, so the agent emulates the Pi's speed (``[emulation]
+local_slowdown``), the way the link emulator stands in for a radio.
 """
 
 from __future__ import annotations
@@ -12,10 +20,13 @@ import argparse
 import asyncio
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,94 +34,251 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from edge.linkemu import LinkEmulator  # noqa: E402
+from edge.traces import steady  # noqa: E402
 from edge.transports.http import HttpTransport  # noqa: E402
 from shared.messages import InferRequest  # noqa: E402
 from shared.modeltools.samples import orientation_samples  # noqa: E402
 from shared.tensors import Tensor  # noqa: E402
 
-ANGLES = ["0", "90", "180", "270"]
+#: (name, seconds, uplink Mbps, downlink Mbps, one-way delay ms); 0 Mbps = outage
+PHASES = [
+    ("good WiFi", 10, 300.0, 300.0, 2.0),
+    ("weak LTE", 10, 2.0, 8.0, 35.0),
+    ("outage", 8, 0.0, 0.0, 35.0),
+    ("LTE", 10, 12.0, 30.0, 25.0),
+    ("good WiFi", 12, 300.0, 300.0, 2.0),
+]
 
 
-def start_server(repository: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cloud.cli",
-            "serve",
-            "--repository",
-            str(repository),
-            "--http-port",
-            "0",
-            "--node",
-            "quickstart",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+class Proc:
+    def __init__(self, args: list[str], ready: str, label: str) -> None:
+        self.label = label
+        self.p = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        assert self.p.stdout is not None
+        self.line = ""
+        deadline = time.monotonic() + 120
+        for line in self.p.stdout:
+            if line.startswith(ready):
+                self.line = line.strip()
+                print(f"  [{label}] {self.line}")
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self.line:
+            self.stop()
+            raise SystemExit(f"demo: {label} did not start")
+
+    def field(self, key: str) -> str:
+        return re.search(rf"{key}=(\S+)", self.line).group(1)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+
+
+@dataclass
+class PhaseStats:
+    where: list[str] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    energy_j: list[float] = field(default_factory=list)
+    sent: int = 0
+    received: int = 0
+    fallbacks: int = 0
+    errors: int = 0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_broker(folder: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o777)
+    conf = folder / "mosquitto.conf"
+    conf.write_text(
+        (ROOT / "examples" / "mosquitto.conf").read_text()
+        + f"\nlistener {port} 127.0.0.1\npersistence_location {folder}/\n"
     )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        print(f"  [server] {line.rstrip()}")
-        match = re.search(r"http=(\S+)", line)
-        if line.startswith("ferry-cloud ready") and match:
-            return proc, match.group(1)
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit("quickstart: the server did not start")
+    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    proc = subprocess.Popen(
+        [binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    time.sleep(0.5)
+    return proc, port
 
 
-async def ask(url: str, n: int) -> None:
-    images, labels = orientation_samples(n, seed=7)
-    transport = HttpTransport(url)
-    await transport.start()
+async def drive(
+    api_url: str, emulators: list[LinkEmulator], rate: float, deadline_ms: float
+) -> list[tuple[str, PhaseStats]]:
+    images, _ = orientation_samples(16, seed=3)
+    client = HttpTransport(api_url)
+    await client.start()
+    results: list[tuple[str, PhaseStats]] = []
     try:
-        for model in ("orientation", "orientation-int8", "orientation-ov"):
-            correct = 0
-            t0 = time.monotonic()
-            for i in range(n):
-                request = InferRequest(inputs=[Tensor.from_array("x", images[i : i + 1])])
-                result = await transport.infer(model, request, time.monotonic() + 10)
-                probs = result.response.outputs[0].data[0]
-                correct += int(np.argmax(probs) == labels[i])
-                if i < 2:
-                    print(
-                        f"  {model:<17} image {i}: true {ANGLES[labels[i]]:>3} deg -> "
-                        f"predicted {ANGLES[int(np.argmax(probs))]:>3} deg "
-                        f"(p={float(np.max(probs)):.2f}, queue {result.response.parameters['queue_us']} us, "
-                        f"compute {result.response.parameters['compute_us']} us)"
-                    )
-            ms = (time.monotonic() - t0) / n * 1000
-            print(f"  {model:<17} {correct}/{n} correct, {ms:.1f} ms per request over HTTP\n")
+        for name, seconds, up, down, delay in PHASES:
+            for emu in emulators:
+                emu.set_traces(steady(up, 60, name=name), steady(down, 60, name=name))
+                emu.delay_s = delay / 1000.0
+            stats = PhaseStats()
+            results.append((name, stats))
+            print(f"  phase {name:<10} {up:>6.1f} Mbps up, {delay:>4.0f} ms delay ...", flush=True)
+            end = time.monotonic() + seconds
+            pending: set[asyncio.Task[None]] = set()
+            i = 0
+
+            async def one(k: int, st: PhaseStats = stats) -> None:
+                request = InferRequest(
+                    inputs=[Tensor.from_array("x", images[k % 16 : k % 16 + 1])],
+                    parameters={"deadline_ms": deadline_ms},
+                )
+                try:
+                    r = await client.infer("orientation", request, time.monotonic() + 30)
+                except Exception:
+                    st.errors += 1
+                    return
+                p = r.response.parameters
+                st.where.append(p.get("where", "?"))
+                st.latency_ms.append(float(p.get("latency_ms", 0.0)))
+                st.energy_j.append(float(p.get("energy_j", 0.0)))
+                st.sent += int(p.get("bytes_sent", 0))
+                st.received += int(p.get("bytes_received", 0))
+                st.fallbacks += bool(p.get("fallback"))
+
+            while time.monotonic() < end:
+                task = asyncio.create_task(one(i))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                i += 1
+                await asyncio.sleep(1.0 / rate)
+            if pending:
+                await asyncio.wait(pending)
     finally:
-        await transport.close()
+        await client.close()
+    return results
+
+
+def report(results: list[tuple[str, PhaseStats]]) -> None:
+    print(
+        f"\n  {'phase':<11}{'requests':>9}  {'where (local / cloud)':<24}{'fallback':>9}"
+        f"{'p50 ms':>9}{'p99 ms':>9}{'mJ/req':>9}{'MB sent':>9}"
+    )
+    for name, s in results:
+        n = len(s.where)
+        local = s.where.count("local")
+        cloud = sum(w.startswith("cloud") for w in s.where)
+        lat = np.array(s.latency_ms) if s.latency_ms else np.array([np.nan])
+        print(
+            f"  {name:<11}{n:>9}  {f'{local} / {cloud}':<24}{s.fallbacks:>9}"
+            f"{np.percentile(lat, 50):>9.1f}{np.percentile(lat, 99):>9.1f}"
+            f"{(np.mean(s.energy_j) * 1000 if s.energy_j else 0):>9.0f}{s.sent / 1e6:>9.1f}"
+            + (f"   errors={s.errors}" if s.errors else "")
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repository", type=Path, default=ROOT / "examples" / "repository")
-    parser.add_argument("-n", type=int, default=8, help="images per model")
-    args = parser.parse_args(argv)
-    print(f"starting ferry-cloud on {args.repository} ...")
-    proc, url = start_server(args.repository)
-    try:
-        print(f"server at {url}; sending {args.n} rendered document images to each model\n")
-        asyncio.run(ask(url, args.n))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        for line in out.splitlines():
-            print(f"  [server] {line}")
-    print(
-        "done: server shut down cleanly"
-        if proc.returncode == 0
-        else f"server exited {proc.returncode}"
+    parser.add_argument(
+        "--mqtt", action="store_true", help="offload over MQTT through a local Mosquitto"
     )
-    return proc.returncode
+    parser.add_argument("--rate", type=float, default=6.0, help="requests per second")
+    parser.add_argument("--deadline-ms", type=float, default=1500.0)
+    parser.add_argument("--slowdown", type=float, default=12.0, help="emulated device slowdown")
+    args = parser.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="ferry-demo-"))
+    broker = None
+    cloud = agent = None
+    emulators: list[LinkEmulator] = []
+    print("Ferry demo: edge agent + cloud node + a link that changes\n")
+    try:
+        cloud_args = [
+            "-m",
+            "cloud.cli",
+            "serve",
+            "--repository",
+            str(args.repository),
+            "--models",
+            "orientation",
+            "--http-port",
+            "0",
+            "--node",
+            "cloud-1",
+        ]
+        if args.mqtt:
+            broker, broker_port = start_broker(tmp / "broker")
+            cloud_args += ["--mqtt", f"mqtt://127.0.0.1:{broker_port}"]
+        cloud = Proc(cloud_args, "ferry-cloud ready", "cloud")
+        cloud_port = int(cloud.field("http").rsplit(":", 1)[1])
+        target = ("127.0.0.1", broker_port if args.mqtt else cloud_port)
+
+        async def run() -> list[tuple[str, PhaseStats]]:
+            nonlocal agent
+            emu = LinkEmulator(
+                ("127.0.0.1", 0), target, steady(300, 60), steady(300, 60), delay_ms=2.0
+            )
+            await emu.start()
+            emulators.append(emu)
+            scheme = "mqtt" if args.mqtt else "http"
+            cfg = tmp / "agent.toml"
+            cfg.write_text(
+                f'repository = "{args.repository}"\nstate_dir = "{tmp / "state"}"\n'
+                f'device = "raspberry-pi-4b"\nprobe_interval_s = 1.0\n'
+                f"[emulation]\nlocal_slowdown = {args.slowdown}\n"
+                f'[cloud]\n{scheme} = "{scheme}://127.0.0.1:{emu.port}"\n'
+                f'[links]\n{scheme} = "wifi"\n'
+                f"[policy]\ndeadline_ms = {args.deadline_ms}\nexplore_after_s = 3.0\n"
+                "[policy.weights]\nlatency_s = 1.0\nenergy_j = 0.05\ndata_mb = 0.0\n"
+                '[models.orientation]\nlocal = "orientation-int8"\ncloud = "orientation"\n'
+            )
+            agent = await asyncio.to_thread(
+                Proc,
+                ["-m", "edge.cli", "run", "--config", str(cfg), "--api-port", "0"],
+                "ferry-edge ready",
+                "edge",
+            )
+            print(
+                f"  [link] emulator on 127.0.0.1:{emu.port} -> {target[0]}:{target[1]} ({scheme})\n"
+            )
+            try:
+                return await drive(agent.field("http"), emulators, args.rate, args.deadline_ms)
+            finally:
+                await emu.close()
+
+        results = asyncio.run(run())
+        report(results)
+        print(
+            "\nWhere each request ran is the agent's own decision: it learns the link's bandwidth and"
+        )
+        print(
+            "RTT from every transfer, falls back locally when the cloud goes quiet, and probes back."
+        )
+    finally:
+        for proc in (agent, cloud):
+            if proc is not None:
+                proc.stop()
+        if broker is not None:
+            broker.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":

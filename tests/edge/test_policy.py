@@ -34,6 +34,7 @@ def _policy(
     for _ in range(20):
         est.observe_reply("m", 500, int(cloud_ms * 1000), now)
     models = {"m": ModelPolicy(local_model="m-int8", cloud_model="m", **cfg.pop("model", {}))}
+    cfg.setdefault("explore_after_s", 0.0)  # fixed estimates: exploration has its own tests
     config = PolicyConfig(weights=weights or Weights(), models=models, **cfg)
     return Policy(
         config,
@@ -45,7 +46,7 @@ def _policy(
 
 def _ctx(deadline_ms: float = 1000, connected: bool = True, **kw) -> Context:
     return Context(
-        now=time.monotonic(),
+        now=kw.pop("now", time.monotonic()),
         deadline_s=deadline_ms / 1000,
         in_bytes=kw.pop("in_bytes", IMAGE),
         connected={"mqtt": connected, "http": connected},
@@ -147,3 +148,27 @@ def test_decision_takes_microseconds():
 def test_cascade_offloads_only_unsure_answers(confidence, offload):
     p = _policy(model={"mode": "cascade", "cascade_threshold": 0.8})
     assert p.cascade_offload("m", confidence) is offload
+
+
+def test_a_stale_link_is_explored_once_then_the_claim_holds():
+    p = _policy(local_ms=40, up_mbps=5.0, explore_after_s=5.0)  # cost says local
+    ctx = _ctx(deadline_ms=5000)
+    first, second = p.decide("m", ctx), p.decide("m", ctx)  # one per transport
+    assert {first.where, second.where} == {"cloud-mqtt", "cloud-http"}
+    assert "explore" in first.reason and "explore" in second.reason
+    # While those explorations are in flight, requests stay on the cost choice.
+    assert p.decide("m", ctx).where == "local"
+
+
+def test_an_old_bad_estimate_relaxes_to_the_prior_for_exploration():
+    p = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)
+    link = p.est.link("http")
+    link.observe_timeout(IMAGE, 8.0, 0.0)  # a bad spell: at most ~0.6 Mbps
+    assert link.up_bps < 1e6
+    now = time.monotonic()
+    link.bandwidth_update = now  # fresh: offloading would miss the deadline
+    p.est.link("mqtt").bandwidth_update = now
+    assert p.decide("m", _ctx(now=now)).where == "local"
+    later = now + 6.0  # stale: explore with the prior's optimism
+    d = p.decide("m", _ctx(now=later))
+    assert d.where.startswith("cloud-") and "explore" in d.reason

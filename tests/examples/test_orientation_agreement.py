@@ -142,8 +142,8 @@ def test_every_variant_has_a_config_naming_its_backend_and_io(repository: Path) 
         assert config["input"] == [{"name": "x", "datatype": "FP32", "dims": [3, 224, 224]}]
         assert config["output"] == [{"name": "fetch_name_0", "datatype": "FP32", "dims": [4]}]
         assert config["dynamic_batching"]["max_queue_delay_us"] == 2000
-        assert config["instance_group"] == {"count": 1, "kind": "cpu"}
-        assert config["runtime"]["threads"] == 0
+        assert config["instance_group"] == {"count": 2, "kind": "cpu"}
+        assert config["runtime"]["threads"] == 1
         assert "precision_hint" not in config["runtime"]
         model_files = [p.name for p in (repository / name / "1").iterdir() if p.name in MODEL_FILES]
         assert [MODEL_FILES[f] for f in model_files] == [backend]
