@@ -230,7 +230,10 @@ class EdgeDataPlane:
         assert choice.transport is not None and mp.cloud_model is not None
         transport = self.transports[choice.transport]
         # Keep enough of the deadline to answer locally if the cloud lets us down.
+        # (Only when local can still make it: otherwise the cloud gets the whole deadline.)
         reserve = local.latency_q_s * 1.5 if local is not None else 0.0
+        if reserve >= deadline - time.monotonic():
+            reserve, local = 0.0, None
         cloud_deadline = max(deadline - reserve, time.monotonic() + choice.latency_q_s)
         if local is not None:
             cloud_deadline = min(cloud_deadline, deadline)

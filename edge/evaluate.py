@@ -131,14 +131,17 @@ class Simulator:
     ) -> tuple[Outcome, bool]:
         """(outcome, delivered): not delivered when the reply cannot arrive by ``timeout_s``."""
         server = self.draws(i)[1]
-        up_done = self.up.finish_time(t + self.rtt_s / 2, up_bytes)
+        # Requests are independent, so the radio is taken as idle: promotion first
+        # (the same assumption the energy model makes with radio_idle_s=None).
+        start = t + self.link.promotion_s
+        up_done = self.up.finish_time(start + self.rtt_s / 2, up_bytes)
         reply_at = up_done + server + self.rtt_s / 2
         down_done = self.down.finish_time(reply_at, down_bytes)
         latency = down_done - t
         delivered = math.isfinite(latency) and latency <= timeout_s
         spent = latency if delivered else timeout_s
         up_bps = (
-            up_bytes * 8 / max(up_done - t - self.rtt_s / 2, 1e-6)
+            up_bytes * 8 / max(up_done - start - self.rtt_s / 2, 1e-6)
             if delivered
             else self.link.up_mbps * 1e6
         )
@@ -194,7 +197,6 @@ def run_ours(sim: Simulator, wl: Workload, mp: ModelPolicy, name: str = "ferry")
     breaker = CircuitBreaker()
     deadline = wl.deadline_ms / 1000
     result = Result(name)
-    last_transfer: float | None = None
     for i, t in enumerate(wl.arrivals()):
         t = float(t)
         if breaker.state != "closed" and breaker.allow(t):
@@ -206,7 +208,7 @@ def run_ours(sim: Simulator, wl: Workload, mp: ModelPolicy, name: str = "ferry")
             deadline_s=deadline,
             in_bytes=wl.input_bytes,
             connected={TRANSPORT: breaker.state == "closed"},
-            radio_idle_s=None if last_transfer is None else t - last_transfer,
+            radio_idle_s=None,  # the simulator's radio is idle before every request
             out_bytes=wl.output_bytes,
         )
         decision = policy.decide(sim.model, ctx)
@@ -217,6 +219,8 @@ def run_ours(sim: Simulator, wl: Workload, mp: ModelPolicy, name: str = "ferry")
         else:
             local = next((o for o in decision.options if o.name == LOCAL), None)
             reserve = local.latency_q_s * 1.5 if local is not None else None
+            if reserve is not None and reserve >= deadline:
+                reserve = None  # local cannot make it either: the cloud gets the whole deadline
             out = _cloud_then_fallback(sim, i, t, wl, deadline, reserve)
             done = t + out.latency_s
             if out.fallback or (out.missed and out.where == CLOUD):
@@ -229,10 +233,10 @@ def run_ours(sim: Simulator, wl: Workload, mp: ModelPolicy, name: str = "ferry")
                 breaker.record_success(done)
                 server = sim.draws(i)[1]
                 est.observe_reply(mp.cloud_model or sim.model, 0, int(server * 1e6), done)
+                # The transport's timer starts once the radio is up (as in the agent).
                 est.link(TRANSPORT).observe(
-                    out.up_bytes, out.down_bytes, out.latency_s, server, done
+                    out.up_bytes, out.down_bytes, out.latency_s - sim.link.promotion_s, server, done
                 )
-                last_transfer = done
         result.outcomes.append(out)
         result.arrivals.append(t)
     return result
