@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from shared.configcheck import NUMBER, check_keys
 from shared.errors import ConfigError
 from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.tensors import Limits
@@ -58,7 +59,7 @@ _SCHEMA: dict[str, Any] = {
     "repository": str,
     "node": str,
     "models": list,
-    "shutdown_grace_s": (int, float),
+    "shutdown_grace_s": NUMBER,
     "http": {"host": str, "port": int, "tokens_file": str, "open_metrics": bool, "enabled": bool},
     "mqtt": {
         "url": str,
@@ -69,26 +70,11 @@ _SCHEMA: dict[str, Any] = {
         "cert_file": str,
         "key_file": str,
         "tls_insecure": bool,
-        "status_interval_s": (int, float),
+        "status_interval_s": NUMBER,
         "keepalive_s": int,
     },
     "limits": {"max_body_bytes": int, "max_elements": int, "max_tensors": int},
 }
-
-
-def _check(data: dict[str, Any], schema: dict[str, Any], source: str, prefix: str = "") -> None:
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in schema:
-            raise ConfigError(f"{source}: unknown key {dotted!r}; expected one of {sorted(schema)}")
-        expected = schema[key]
-        if isinstance(expected, dict):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key {dotted!r}: expected a table")
-            _check(value, expected, source, dotted + ".")
-        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            names = getattr(expected, "__name__", None) or " or ".join(t.__name__ for t in expected)
-            raise ConfigError(f"{source}: key {dotted!r}: expected {names}, got {value!r}")
 
 
 def _read_secret(path: str, source: str, key: str) -> str:
@@ -113,7 +99,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        _check(data, _SCHEMA, source)
+        check_keys(data, _SCHEMA, source)
     for dotted, value in overrides.items():
         if value is None:
             continue

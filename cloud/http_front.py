@@ -55,13 +55,8 @@ def load_tokens(path: Path) -> list[bytes]:
 
 
 def error_response(exc: FerryError) -> web.Response:
-    headers = {}
-    if exc.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    body = json.dumps({"error": exc.message, "code": exc.code.value})
-    return web.Response(
-        status=exc.http_status, text=body, content_type="application/json", headers=headers
-    )
+    status, headers, body = exc.http_error()
+    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:

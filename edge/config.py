@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weights
+from shared.configcheck import NUMBER, check_keys
 from shared.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -49,7 +50,7 @@ class AgentConfig:
     source: Path | None = None
 
 
-_NUM = (int, float)
+_NUM = NUMBER
 _SCHEMA: dict[str, Any] = {
     "repository": str,
     "state_dir": str,
@@ -82,43 +83,11 @@ _MODEL_SCHEMA: dict[str, Any] = {
 }
 
 
-def _type_name(expected: Any) -> str:
-    if isinstance(expected, tuple):
-        return "a number"
-    return {
-        str: "a string",
-        int: "an integer",
-        bool: "true or false",
-        list: "a list",
-        dict: "a table",
-    }[expected]
-
-
-def _check(data: dict[str, Any], schema: dict[str, Any], source: str, prefix: str = "") -> None:
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in schema:
-            raise ConfigError(f"{source}: unknown key {dotted!r}; expected one of {sorted(schema)}")
-        expected = schema[key]
-        if isinstance(expected, dict):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: key {dotted!r}: expected a table")
-            _check(value, expected, source, dotted + ".")
-        elif isinstance(value, bool) and expected is not bool:
-            raise ConfigError(
-                f"{source}: key {dotted!r}: expected {_type_name(expected)}, got {value!r}"
-            )
-        elif not isinstance(value, expected):
-            raise ConfigError(
-                f"{source}: key {dotted!r}: expected {_type_name(expected)}, got {value!r}"
-            )
-
-
 def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
     key = f"models.{name}"
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: key {key!r}: expected a table")
-    _check(data, _MODEL_SCHEMA, source, key + ".")
+    check_keys(data, _MODEL_SCHEMA, source, key + ".")
     mode = data.get("mode", "cost")
     if mode not in MODES:
         raise ConfigError(
@@ -163,7 +132,7 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    _check(data, _SCHEMA, source)
+    check_keys(data, _SCHEMA, source)
     if "repository" not in data:
         raise ConfigError(f"{source}: key 'repository' is required")
     pol = data.get("policy", {})

@@ -39,8 +39,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except FerryError as exc:
-        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
-        return _json({"error": exc.message, "code": exc.code.value}, exc.http_status, headers)
+        status, headers, body = exc.http_error()
+        return web.Response(
+            status=status, text=body, content_type="application/json", headers=headers
+        )
     except web.HTTPRequestEntityTooLarge as exc:
         err = PayloadTooLarge(exc.text or "request body too large")
         return _json({"error": err.message, "code": err.code.value}, err.http_status)

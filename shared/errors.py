@@ -9,6 +9,7 @@ request travelled.
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 
 
@@ -62,6 +63,17 @@ class FerryError(Exception):
 
     def to_dict(self) -> dict[str, str]:
         return {"code": self.code.value, "message": self.message}
+
+    def http_error(self) -> tuple[int, dict[str, str], str]:
+        """(status, headers, JSON body) as both tiers' HTTP fronts send it."""
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        return (
+            self.http_status,
+            headers,
+            json.dumps({"error": self.message, "code": self.code.value}),
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code.value}: {self.message})"

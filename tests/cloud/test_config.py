@@ -22,7 +22,7 @@ def test_command_line_overrides_the_file(tmp_path: Path):
     "text, message",
     [
         ('repository = "r"\nbogus = 1\n', "unknown key 'bogus'"),
-        ('repository = "r"\n[http]\nport = "80"\n', "'http.port': expected int"),
+        ('repository = "r"\n[http]\nport = "80"\n', "'http.port': expected an integer"),
         ('repository = "r"\n[mqtt]\nurl = "http://x"\n', "mqtt://"),
         ('repository = "r"\n[http]\nenabled = false\n', "nothing would serve"),
         ("[http]\nport = 1\n", "'repository' is required"),
