@@ -1,0 +1,329 @@
+"""Edge agent overheads beside the bare parts, measured in one run.
+
+    python bench/edge_overhead.py [--repeat 200]
+
+(a) p50 of the raw runtime call for the example int8 model vs the agent's
+    local path through the Python API and through the local HTTP API
+    (target: Python API <= 1.05x);
+(b) the policy's decision time (target: <= 20 us median);
+(c) offload round trip for a 1 KB and a 602 KB request over MQTT and HTTP
+    (agent -> cloud echo model -> agent) vs a bare paho echo and a bare
+    aiohttp echo of the same bytes (target: <= 1.5x);
+(d) the agent's RSS after start with the ONNX Runtime int8 variant loaded,
+    and its start-up time to the first local answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edge.agent import Agent  # noqa: E402
+from edge.config import load_agent_config  # noqa: E402
+from edge.policy import Context  # noqa: E402
+from edge.transports.http import HttpTransport  # noqa: E402
+from shared.messages import InferRequest  # noqa: E402
+from shared.repository import ModelRepository  # noqa: E402
+from shared.runtimes import RuntimeOptions, load_session  # noqa: E402
+from shared.tensors import Tensor  # noqa: E402
+from tests.support import Broker, cloud_server, edge_agent  # noqa: E402
+
+
+def p50_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+def agent_toml(folder: Path, repo: Path, models: str, cloud: str = "", extra: str = "") -> Path:
+    path = folder / "agent.toml"
+    path.write_text(
+        f'repository = "{repo}"\nstate_dir = "{folder / "state"}"\ndevice = "x86-laptop"\n'
+        f"local_threads = 1\n{extra}\n{cloud}\n[policy]\ndeadline_ms = 5000\n{models}\n"
+    )
+    return path
+
+
+async def local_paths(repo: Path, folder: Path, repeat: int) -> dict[str, float]:
+    _, model_file = ModelRepository(repo).model_file("orientation-int8", 1)
+    x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+    session = load_session("onnxruntime", model_file, RuntimeOptions(threads=1))
+    cfg = agent_toml(
+        folder, repo, '[models.orientation]\nlocal = "orientation-int8"\nmode = "local"\n'
+    )
+    agent = Agent(load_agent_config(cfg))
+    await agent.start()
+    try:
+        for _ in range(5):
+            session.run({"x": x})
+            await agent.infer("orientation", {"x": x})
+        # Interleaved, one raw call then one agent call, so machine drift hits both alike.
+        raw, api = [], []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            session.run({"x": x})
+            raw.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await agent.infer("orientation", {"x": x})
+            api.append(time.perf_counter() - t)
+        decide = []
+        ctx = Context(
+            now=time.monotonic(),
+            deadline_s=1.0,
+            in_bytes=602_368,
+            connected={"http": True, "mqtt": True},
+        )
+        policy = agent.dataplane.policy
+        for _ in range(20_000):
+            t = time.perf_counter()
+            policy.decide("orientation", ctx)
+            decide.append(time.perf_counter() - t)
+    finally:
+        await agent.stop()
+        session.close()
+
+    proc = edge_agent(cfg)
+    started = time.monotonic()
+    proc.start()
+    url = proc.http_url
+    client = HttpTransport(url)
+    await client.start()
+    try:
+        await client.infer(
+            "orientation", InferRequest(inputs=[Tensor("x", "FP32", x)]), time.monotonic() + 60
+        )
+        first_answer_s = time.monotonic() - started
+        rss = _rss(proc.proc.pid)
+        for _ in range(5):
+            await client.infer(
+                "orientation", InferRequest(inputs=[Tensor("x", "FP32", x)]), time.monotonic() + 30
+            )
+        http = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            await client.infer(
+                "orientation", InferRequest(inputs=[Tensor("x", "FP32", x)]), time.monotonic() + 30
+            )
+            http.append(time.perf_counter() - t)
+    finally:
+        await client.close()
+        proc.terminate()
+    return {
+        "raw": p50_ms(raw),
+        "api": p50_ms(api),
+        "http": p50_ms(http),
+        "decide_us": statistics.median(decide) * 1e6,
+        "rss_mb": rss / 2**20,
+        "first_answer_s": first_answer_s,
+    }
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def bare_aiohttp_echo(sizes: dict[str, int], repeat: int) -> dict[str, float]:
+    import aiohttp
+    from aiohttp import web
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/echo", echo)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    out = {}
+    async with aiohttp.ClientSession() as session:
+        for label, size in sizes.items():
+            body = b"x" * size
+            samples = []
+            for i in range(repeat + 5):
+                t = time.perf_counter()
+                async with session.post(f"http://127.0.0.1:{port}/echo", data=body) as r:
+                    await r.read()
+                if i >= 5:
+                    samples.append(time.perf_counter() - t)
+            out[label] = p50_ms(samples)
+    await runner.cleanup()
+    return out
+
+
+def bare_paho_echo(broker: Broker, sizes: dict[str, int], repeat: int) -> dict[str, float]:
+    import socket
+
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    def nodelay(c, u, sock) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def client(cid: str) -> mqtt.Client:
+        c = mqtt.Client(
+            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+            client_id=cid,
+            protocol=mqtt.MQTTv5,
+        )
+        c.on_socket_open = nodelay
+        c.connect("127.0.0.1", broker.port)
+        return c
+
+    responder = client("bare-echo-responder")
+
+    def on_request(c, u, m) -> None:
+        props = Properties(PacketTypes.PUBLISH)
+        props.CorrelationData = m.properties.CorrelationData
+        c.publish(m.properties.ResponseTopic, m.payload, qos=1, properties=props)
+
+    responder.on_message = on_request
+    responder.subscribe("bare/echo", qos=1)
+    responder.loop_start()
+    requester = client("bare-echo-requester")
+    got = threading.Event()
+    requester.on_message = lambda c, u, m: got.set()
+    requester.subscribe("bare/reply", qos=1)
+    requester.loop_start()
+    time.sleep(0.5)
+    out = {}
+    try:
+        for label, size in sizes.items():
+            body = b"x" * size
+            samples = []
+            for i in range(repeat + 5):
+                props = Properties(PacketTypes.PUBLISH)
+                props.ResponseTopic = "bare/reply"
+                props.CorrelationData = str(i).encode()
+                got.clear()
+                t = time.perf_counter()
+                requester.publish("bare/echo", body, qos=1, properties=props)
+                got.wait(10)
+                if i >= 5:
+                    samples.append(time.perf_counter() - t)
+            out[label] = p50_ms(samples)
+    finally:
+        for c in (requester, responder):
+            c.loop_stop()
+            c.disconnect()
+    return out
+
+
+async def agent_offload(
+    repo: Path, folder: Path, http_url: str, mqtt_url: str, repeat: int
+) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for scheme, url in (("http", http_url), ("mqtt", mqtt_url)):
+        sub = folder / scheme
+        sub.mkdir()
+        models = "".join(
+            f'[models.{m}]\ncloud = "{m}"\nmode = "cloud"\ntransports = ["{scheme}"]\n'
+            for m in ("echo1k", "echo602k")
+        )
+        cfg = agent_toml(sub, repo, models, cloud=f'[cloud]\n{scheme} = "{url}"\n')
+        agent = Agent(load_agent_config(cfg))
+        await agent.start()
+        try:
+            out[scheme] = {}
+            for label, shape in (("1 KB", (1, 256)), ("602 KB", (1, 3, 224, 224))):
+                x = np.random.default_rng(1).random(shape, dtype=np.float32)
+                model = "echo1k" if label == "1 KB" else "echo602k"
+                samples = []
+                for i in range(repeat + 5):
+                    t = time.perf_counter()
+                    reply = await agent.infer(model, {"x": x})
+                    if i >= 5:
+                        samples.append(time.perf_counter() - t)
+                assert reply.parameters["where"] == f"cloud-{scheme}"
+                out[scheme][label] = p50_ms(samples)
+        finally:
+            await agent.stop()
+    return out
+
+
+def write_echo_repo(root: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    for name, dims in (("echo1k", [256]), ("echo602k", [3, 224, 224])):
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            name,
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *dims])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", *dims])],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        (root / name / "1").mkdir(parents=True)
+        onnx.save(model, str(root / name / "1" / "model.onnx"))
+        (root / name / "config.toml").write_text("max_batch_size = 8\n[runtime]\nthreads = 1\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repository", type=Path, default=ROOT / "examples" / "repository")
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        (tmp / "local").mkdir()
+        local = asyncio.run(local_paths(args.repository, tmp / "local", args.repeat))
+        print("(a) local path, orientation-int8, batch 1, 1 intra-op thread (p50)")
+        print(f"  raw runtime call     {local['raw']:8.2f} ms   1.00x")
+        print(
+            f"  agent Python API     {local['api']:8.2f} ms   {local['api'] / local['raw']:.3f}x  (target <= 1.05x)"
+        )
+        print(
+            f"  agent local HTTP API {local['http']:8.2f} ms   {local['http'] / local['raw']:.3f}x"
+        )
+        print(f"\n(b) policy decision: {local['decide_us']:.1f} us median (target <= 20 us)")
+
+        echo_repo = tmp / "echo-repo"
+        write_echo_repo(echo_repo)
+        broker = Broker(tmp / "broker")
+        broker.start()
+        server = cloud_server(echo_repo, "--node", "bench", "--mqtt", broker.url).start()
+        try:
+            sizes = {"1 KB": 1024 + 64, "602 KB": 602_112 + 64}
+            bare_http = asyncio.run(bare_aiohttp_echo(sizes, args.repeat))
+            bare_mqtt = bare_paho_echo(broker, sizes, args.repeat)
+            ferry = asyncio.run(
+                agent_offload(echo_repo, tmp, server.http_url, broker.url, args.repeat)
+            )
+        finally:
+            server.terminate()
+            broker.stop()
+        print(
+            "\n(c) offload round trip (p50): agent -> cloud identity model -> agent vs a bare echo"
+        )
+        for scheme, bare in (("http", bare_http), ("mqtt", bare_mqtt)):
+            for label in sizes:
+                ratio = ferry[scheme][label] / bare[label]
+                print(
+                    f"  {scheme:<4} {label:>6}: ferry {ferry[scheme][label]:7.2f} ms, bare "
+                    f"{'aiohttp' if scheme == 'http' else 'paho'} echo {bare[label]:7.2f} ms, "
+                    f"{ratio:.2f}x ({'meets' if ratio <= 1.5 else 'MISSES'} <= 1.5x)"
+                )
+        print(
+            f"\n(d) agent process: RSS after start {local['rss_mb']:.0f} MiB with the ONNX Runtime int8 variant; "
+            f"start-up to first local answer {local['first_answer_s']:.2f} s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
