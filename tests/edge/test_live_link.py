@@ -44,7 +44,7 @@ async def test_outage_moves_work_local_within_a_few_requests_and_back_after(
     try:
         async with Agent(load_agent_config(cfg)) as agent:
             good = [
-                (await agent.infer("lin", {"x": x}, deadline_ms=1500)).parameters["where"]
+                (await agent.infer("lin", {"x": x}, deadline_ms=3000)).parameters["where"]
                 for _ in range(8)
             ]
             assert good[-3:] == ["cloud-http"] * 3, good
@@ -52,10 +52,10 @@ async def test_outage_moves_work_local_within_a_few_requests_and_back_after(
             emu.set_traces(steady(0.0, 60), steady(0.0, 60))  # the link drops out
             outage = []
             for _ in range(12):
-                p = (await agent.infer("lin", {"x": x}, deadline_ms=1500)).parameters
+                p = (await agent.infer("lin", {"x": x}, deadline_ms=3000)).parameters
                 outage.append((p["where"], p["fallback"], p["latency_ms"]))
             assert all(where == "local" for where, _, _ in outage)  # every one answered locally
-            assert all(ms < 1500 for _, _, ms in outage)  # inside the deadline
+            assert all(ms < 3000 for _, _, ms in outage)  # inside the deadline
             settled = next(i for i, (_, fb, _) in enumerate(outage) if not fb)
             assert settled <= 4, (
                 outage
@@ -66,7 +66,7 @@ async def test_outage_moves_work_local_within_a_few_requests_and_back_after(
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 back.append(
-                    (await agent.infer("lin", {"x": x}, deadline_ms=1500)).parameters["where"]
+                    (await agent.infer("lin", {"x": x}, deadline_ms=3000)).parameters["where"]
                 )
                 if back[-3:] == ["cloud-http"] * 3:
                     break
