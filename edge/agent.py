@@ -90,7 +90,10 @@ class Agent:
                 t, link.up_mbps * 1e6, link.down_mbps * 1e6, link.rtt_ms / 1000
             )
         self.local = LocalModels(
-            ModelRepository(config.repository), config.local_threads, config.local_slowdown
+            ModelRepository(config.repository),
+            config.local_threads,
+            config.local_slowdown,
+            config.local_latency_ms / 1000.0,
         )
         self.store = DeferredStore(config.state_dir / "deferred.db")
         self.deferrer = Deferrer(self.store)

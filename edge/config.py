@@ -47,6 +47,9 @@ class AgentConfig:
     # local inference is followed by a wait of (slowdown - 1) x its real time,
     # the way the link emulator stretches real transfers.  1.0 = off.
     local_slowdown: float = 1.0
+    # Or a fixed device time: every local inference takes at least this long.
+    # Unlike a large slowdown factor, it does not magnify the host's jitter.
+    local_latency_ms: float = 0.0
     source: Path | None = None
 
 
@@ -69,7 +72,7 @@ _SCHEMA: dict[str, Any] = {
         "weights": {"latency_s": _NUM, "energy_j": _NUM, "data_mb": _NUM, "money": _NUM},
     },
     "models": dict,
-    "emulation": {"local_slowdown": _NUM},
+    "emulation": {"local_slowdown": _NUM, "local_latency_ms": _NUM},
 }
 _MODEL_SCHEMA: dict[str, Any] = {
     "local": str,
@@ -163,10 +166,16 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
             raise ConfigError(
                 f"{source}: key 'cloud.token_file': cannot read: {exc.strerror}"
             ) from None
-    slowdown = float(data.get("emulation", {}).get("local_slowdown", 1.0))
+    emulation = data.get("emulation", {})
+    slowdown = float(emulation.get("local_slowdown", 1.0))
     if slowdown < 1.0:
         raise ConfigError(
             f"{source}: key 'emulation.local_slowdown': expected >= 1, got {slowdown}"
+        )
+    floor_ms = float(emulation.get("local_latency_ms", 0.0))
+    if floor_ms < 0:
+        raise ConfigError(
+            f"{source}: key 'emulation.local_latency_ms': expected >= 0, got {floor_ms}"
         )
     api = data.get("api", {})
     links = {"mqtt": "wifi", "http": "wifi", **data.get("links", {})}
@@ -188,6 +197,7 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         local_threads=data.get("local_threads", 0),
         probe_interval_s=float(data.get("probe_interval_s", 5.0)),
         local_slowdown=slowdown,
+        local_latency_ms=floor_ms,
     )
 
 

@@ -37,11 +37,16 @@ class LocalModel:
 
 class LocalModels:
     def __init__(
-        self, repository: ModelRepository, threads: int = 0, slowdown: float = 1.0
+        self,
+        repository: ModelRepository,
+        threads: int = 0,
+        slowdown: float = 1.0,
+        latency_floor_s: float = 0.0,
     ) -> None:
         self.repository = repository
         self.threads = threads
         self.slowdown = slowdown
+        self.latency_floor_s = latency_floor_s
         self._models: dict[str, LocalModel] = {}
 
     def names(self) -> list[str]:
@@ -93,10 +98,11 @@ class LocalModels:
         result, seconds = await loop.run_in_executor(
             model.executor, model.run_sync, inputs, outputs
         )
-        if self.slowdown > 1.0:  # device emulation (see AgentConfig.local_slowdown)
-            extra = seconds * (self.slowdown - 1.0)
-            await asyncio.sleep(extra)
-            seconds += extra
+        # Device emulation (AgentConfig.local_slowdown and local_latency_ms).
+        emulated = max(seconds * self.slowdown, self.latency_floor_s)
+        if emulated > seconds:
+            await asyncio.sleep(emulated - seconds)
+            seconds = emulated
         return result, seconds
 
     def close(self) -> None:

@@ -76,7 +76,7 @@ async def test_slow_local_device_offloads_and_an_outage_moves_work_back_local(
         edge_repos[1],
         http=cloud.http_url,
         models=LIN,
-        extra="[emulation]\nlocal_slowdown = 3000.0\n",
+        extra="[emulation]\nlocal_latency_ms = 500\n",
     )
     x = np.ones((1, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:
@@ -149,7 +149,7 @@ async def test_killed_cloud_every_request_answered_locally_and_breaker_recovers(
         edge_repos[1],
         http=server.http_url,
         models=LIN,
-        extra="[emulation]\nlocal_slowdown = 3000.0\n",
+        extra="[emulation]\nlocal_latency_ms = 500\n",
     )
     x = np.ones((1, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:

@@ -35,6 +35,7 @@ def test_the_shipped_example_agent_config_parses():
         ('repository = "r"\n[models.m]\nlocal = "a"\ncascade_threshold = 2\n', "cascade_threshold"),
         ('repository = "r"\n[policy]\ndeadline_quantile = 1.5\n', "deadline_quantile"),
         ('repository = "r"\n[emulation]\nlocal_slowdown = 0.5\n', "local_slowdown"),
+        ('repository = "r"\n[emulation]\nlocal_latency_ms = -1\n', "local_latency_ms"),
         ("[policy]\n", "'repository' is required"),
         ("repository =\n", "not valid TOML"),
     ],

@@ -38,7 +38,7 @@ async def test_outage_moves_work_local_within_a_few_requests_and_back_after(
         http=f"http://127.0.0.1:{emu.port}",
         models=LIN,
         policy="explore_after_s = 0.5\n",
-        extra="[emulation]\nlocal_slowdown = 3000.0\n",
+        extra="[emulation]\nlocal_latency_ms = 500\n",
     )
     x = np.ones((1, 4), np.float32)
     try:
