@@ -23,6 +23,7 @@ from edge.energy import RadioState
 from edge.estimators import Estimators
 from edge.local import LocalModels
 from edge.policy import LOCAL, Context, Decision, Option, Policy
+from edge.scores import confidence
 from edge.transports.base import TransferResult, Transport
 from shared.errors import (
     DeadlineExceeded,
@@ -52,17 +53,6 @@ class Usage:
 
     def today(self) -> float:
         return self.mb if int(time.time() // 86400) == self.day else 0.0
-
-
-def confidence(values: np.ndarray) -> float:
-    """Top-1 confidence of one row of scores (softmax unless already probabilities)."""
-    row = np.asarray(values, dtype=np.float64).reshape(-1)
-    if row.size == 0:
-        return 0.0
-    if row.min() < 0 or row.max() > 1 or abs(row.sum() - 1.0) > 1e-3:
-        e = np.exp(row - row.max())
-        row = e / e.sum()
-    return float(row.max())
 
 
 class EdgeDataPlane:
@@ -390,4 +380,4 @@ def _provenance(
     return params
 
 
-__all__ = ["DeadlineExceeded", "EdgeDataPlane", "confidence"]
+__all__ = ["DeadlineExceeded", "EdgeDataPlane"]

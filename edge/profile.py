@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.evaluate import ComputeProfile
+from edge.scores import confidence
 from shared.datatypes import numpy_dtype
 from shared.errors import ConfigError
 from shared.repository import ModelRepository, complete_config
@@ -57,14 +58,9 @@ def measure(
         t = time.perf_counter()
         out = session.run(feed)
         latencies.append(time.perf_counter() - t)
-        scores = np.asarray(next(iter(out.values())), dtype=np.float64).reshape(-1)
+        scores = np.asarray(next(iter(out.values()))).reshape(-1)
         if scores.size > 1:
-            e = (
-                np.exp(scores - scores.max())
-                if scores.min() < 0 or abs(scores.sum() - 1) > 1e-3
-                else scores
-            )
-            confidences.append(float((e / e.sum()).max()))
+            confidences.append(confidence(scores))
     session.close()
     return latencies, confidences
 
