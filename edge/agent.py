@@ -102,11 +102,7 @@ class Agent:
             estimators=self.estimators,
             local=self.local,
             transports=self.transports,
-            # Radio links come back within seconds: keep the probe-back cadence short.
-            breakers={
-                t: CircuitBreaker(failures=3, cooldown_s=1.0, max_cooldown_s=8.0)
-                for t in self.transports
-            },
+            breakers={t: CircuitBreaker() for t in self.transports},
             deferrer=self.deferrer,
             battery=Battery(),
         )

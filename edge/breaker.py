@@ -10,8 +10,10 @@ from __future__ import annotations
 
 
 class CircuitBreaker:
+    # Radio links come back within seconds: the agent (and the replay evaluator,
+    # which must behave as the agent does) keep the probe-back cadence short.
     def __init__(
-        self, failures: int = 3, cooldown_s: float = 2.0, max_cooldown_s: float = 30.0
+        self, failures: int = 3, cooldown_s: float = 1.0, max_cooldown_s: float = 8.0
     ) -> None:
         self.failures = failures
         self.base_cooldown_s = cooldown_s

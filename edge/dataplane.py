@@ -22,7 +22,7 @@ from edge.breaker import CircuitBreaker
 from edge.energy import RadioState
 from edge.estimators import Estimators
 from edge.local import LocalModels
-from edge.policy import LOCAL, Context, Decision, Option, Policy
+from edge.policy import LOCAL, Context, Decision, Option, Policy, fallback_plan
 from edge.scores import confidence
 from edge.transports.base import TransferResult, Transport
 from shared.errors import (
@@ -219,14 +219,7 @@ class EdgeDataPlane:
         mp = self.policy.model_policy(model)
         assert choice.transport is not None and mp.cloud_model is not None
         transport = self.transports[choice.transport]
-        # Keep enough of the deadline to answer locally if the cloud lets us down.
-        # (Only when local can still make it: otherwise the cloud gets the whole deadline.)
-        reserve = local.latency_q_s * 1.5 if local is not None else 0.0
-        if reserve >= deadline - time.monotonic():
-            reserve, local = 0.0, None
-        cloud_deadline = max(deadline - reserve, time.monotonic() + choice.latency_q_s)
-        if local is not None:
-            cloud_deadline = min(cloud_deadline, deadline)
+        cloud_deadline, local = fallback_plan(time.monotonic(), deadline, local, choice)
         try:
             result = await transport.infer(mp.cloud_model, request, cloud_deadline)
         except InvalidInput:

@@ -106,6 +106,29 @@ class Decision:
         return self.choice.name if self.choice else "none"
 
 
+# Time kept back from the cloud for a local answer, as a multiple of the local
+# latency quantile (room for the local run's own jitter).
+FALLBACK_RESERVE = 1.5
+
+
+def fallback_plan(
+    now: float, deadline: float, local: Option | None, choice: Option
+) -> tuple[float, Option | None]:
+    """When to give up on the cloud, and the local option to fall back to.
+
+    The cloud gets the deadline minus enough time to answer locally.  When
+    local could not make the deadline anyway, the cloud gets all of it (but
+    local stays the fallback for a cloud that fails fast).  The agent and the
+    replay evaluator both call this, so they give up at the same moment.
+    """
+    if local is None:
+        return max(deadline, now + choice.latency_q_s), None
+    reserve = local.latency_q_s * FALLBACK_RESERVE
+    if reserve >= deadline - now:
+        return deadline, local
+    return min(max(deadline - reserve, now + choice.latency_q_s), deadline), local
+
+
 class Policy:
     """Decides where one request runs.  Holds no per-request state."""
 
