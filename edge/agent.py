@@ -18,17 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from devices.power import read_battery
-from devices.profiles import load_device, load_link
+from devices.power import RaplReader, read_all, read_battery
+from devices.profiles import LinkProfile, load_device, load_link
 from edge.breaker import CircuitBreaker
-from edge.config import AgentConfig, load_agent_config
+from edge.config import RESTART_KEYS, AgentConfig, load_agent_config
 from edge.dataplane import EdgeDataPlane
 from edge.deferred import Deferrer
 from edge.estimators import Estimators
@@ -37,9 +39,9 @@ from edge.policy import LOCAL, Policy
 from edge.store import DeferredStore
 from edge.transports.base import Transport
 from shared.datatypes import numpy_dtype
-from shared.errors import FerryError
+from shared.errors import ConfigError, FerryError, InvalidInput
 from shared.messages import InferRequest, InferResponse, RequestedOutput
-from shared.mqtt import parse_broker_url
+from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.repository import ModelRepository
 from shared.tensors import Tensor
 
@@ -64,31 +66,62 @@ class Battery:
         return self._value
 
 
+def tls_context(
+    ca_file: str | None, insecure: bool, cert: str | None, key: str | None
+) -> ssl.SSLContext:
+    """The client TLS context both transports use (CA, optional client certificate)."""
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+        if cert:
+            context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS setup failed: {exc}") from None
+    if insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def build_transports(config: AgentConfig) -> dict[str, Transport]:
+    cloud = config.cloud
+    transports: dict[str, Transport] = {}
+    if cloud.mqtt_url:
+        from edge.transports.mqtt import MqttTransport
+
+        broker = parse_broker_url(cloud.mqtt_url)
+        if cloud.mqtt_password is not None:
+            broker = BrokerAddress(**{**asdict(broker), "password": cloud.mqtt_password})
+        context = None
+        if broker.tls:
+            context = tls_context(
+                cloud.ca_file, cloud.tls_insecure, cloud.cert_file, cloud.key_file
+            )
+        transports["mqtt"] = MqttTransport(broker, tls_context=context)
+    if cloud.http_url:
+        from edge.transports.http import HttpTransport
+
+        context = None
+        if cloud.http_url.startswith("https://"):
+            context = tls_context(
+                cloud.ca_file, cloud.tls_insecure, cloud.cert_file, cloud.key_file
+            )
+        transports["http"] = HttpTransport(cloud.http_url, token=cloud.token, tls_context=context)
+    return transports
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         config.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_file = config.state_dir / "estimates.json"
-        self.estimators = Estimators.load(self.state_file, time.monotonic())
+        self.estimators = Estimators.load(
+            self.state_file, time.monotonic(), config.policy.deadline_quantile
+        )
         self.device = load_device(config.device)
-        self.transports: dict[str, Transport] = {}
-        if config.cloud.mqtt_url:
-            from edge.transports.mqtt import MqttTransport
-
-            self.transports["mqtt"] = MqttTransport(
-                parse_broker_url(config.cloud.mqtt_url),
-                ca_file=config.cloud.ca_file,
-                tls_insecure=config.cloud.tls_insecure,
-            )
-        if config.cloud.http_url:
-            from edge.transports.http import HttpTransport
-
-            self.transports["http"] = HttpTransport(config.cloud.http_url, token=config.cloud.token)
-        self.links = {t: load_link(config.links[t]) for t in self.transports}
-        for t, link in self.links.items():
-            self.estimators.set_link_prior(
-                t, link.up_mbps * 1e6, link.down_mbps * 1e6, link.rtt_ms / 1000
-            )
+        self.transports = build_transports(config)
+        self.links: dict[str, LinkProfile] = {}
+        for t in self.transports:
+            self._use_link(t, load_link(config.links[t]))
         self.local = LocalModels(
             ModelRepository(config.repository),
             config.local_threads,
@@ -96,7 +129,10 @@ class Agent:
             config.local_latency_ms / 1000.0,
         )
         self.store = DeferredStore(config.state_dir / "deferred.db")
-        self.deferrer = Deferrer(self.store)
+        s = config.store
+        self.deferrer = Deferrer(
+            self.store, ttl_s=s.ttl_s, keep_results_s=s.keep_results_s, max_attempts=s.max_attempts
+        )
         self.dataplane = EdgeDataPlane(
             policy=Policy(config.policy, self.estimators, self.device, self.links),
             estimators=self.estimators,
@@ -108,7 +144,15 @@ class Agent:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._config_mtime = self._mtime()
+        self._rapl = RaplReader()
         self.started_at: float | None = None
+        self.ready = False
+
+    def _use_link(self, transport: str, link: LinkProfile) -> None:
+        self.links[transport] = link
+        self.estimators.set_link_prior(
+            transport, link.up_mbps * 1e6, link.down_mbps * 1e6, link.rtt_ms / 1000
+        )
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -116,14 +160,18 @@ class Agent:
         for transport in self.transports.values():
             await transport.start()
         self._tasks = [
-            asyncio.create_task(self._every(self.config.probe_interval_s, self.dataplane.probe)),
-            asyncio.create_task(self._every(1.0, self.flush_deferred)),
-            asyncio.create_task(self._every(10.0, self._save_estimates)),
-            asyncio.create_task(self._every(1.0, self._watch_config)),
+            asyncio.create_task(
+                self._every(lambda: self.config.probe_interval_s, self.dataplane.probe)
+            ),
+            asyncio.create_task(self._every(lambda: 1.0, self.flush_deferred)),
+            asyncio.create_task(self._every(lambda: 10.0, self._save_estimates)),
+            asyncio.create_task(self._every(lambda: 1.0, self._watch_config)),
         ]
         self.started_at = time.monotonic()
+        self.ready = True
 
     async def stop(self) -> None:
+        self.ready = False
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -133,7 +181,7 @@ class Agent:
         for transport in self.transports.values():
             await transport.close()
         self.local.close()
-        self.store.close()
+        await self.deferrer.close()
 
     async def __aenter__(self) -> Agent:
         await self.start()
@@ -176,9 +224,9 @@ class Agent:
         except FerryError as exc:
             log.warning("warm-up of %s failed: %s", name, exc.message)
 
-    async def _every(self, interval: float, fn: Any) -> None:
+    async def _every(self, interval: Callable[[], float], fn: Any) -> None:
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval())
             try:
                 await fn()
             except Exception:  # a background task must never die
@@ -202,15 +250,51 @@ class Agent:
         assert self.config.source is not None
         try:
             new = load_agent_config(self.config.source)
+            device = load_device(new.device)
+            links = {t: load_link(new.links[t]) for t in self.transports}
             await self._load_local_models(new)
         except FerryError as exc:
             log.error("agent config not reloaded, keeping the running one: %s", exc.message)
             return
-        if new.cloud != self.config.cloud or new.links != self.config.links:
-            log.warning("cloud endpoints and links changed: they take effect after a restart")
+        self.apply(new, device, links)
+        log.info("agent config reloaded from %s", new.source)
+
+    def apply(self, new: AgentConfig, device: Any, links: dict[str, LinkProfile]) -> None:
+        """Swap a validated configuration in; requests in flight keep their snapshot."""
+        waiting = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self.config, k)]
+        if waiting:
+            log.warning("changed %s: takes effect after a restart", ", ".join(waiting))
+        self.device = device
+        for t, link in links.items():
+            if link != self.links.get(t):
+                self._use_link(t, link)
+        self.estimators.set_quantile(new.policy.deadline_quantile)
+        self.local.slowdown = new.local_slowdown
+        self.local.latency_floor_s = new.local_latency_ms / 1000.0
+        s = new.store
+        self.deferrer.ttl_s, self.deferrer.keep_results_s = s.ttl_s, s.keep_results_s
+        self.deferrer.max_attempts = s.max_attempts
         self.dataplane.policy = Policy(new.policy, self.estimators, self.device, self.links)
         self.config = new
-        log.info("agent config reloaded from %s", new.source)
+
+    def set_link(self, transport: str, link: str) -> LinkProfile:
+        """The OS reported a network change (e.g. WiFi -> LTE) under ``transport``.
+
+        The agent learns bandwidth from traffic, but the link's *kind* sets
+        the radio's energy model and the priors, and the device knows it.
+        Estimates restart from the new link's priors.
+        """
+        if transport not in self.transports:
+            raise InvalidInput(f"no transport {transport!r}; configured: {sorted(self.transports)}")
+        try:
+            profile = load_link(link)
+        except ConfigError as exc:
+            raise InvalidInput(exc.message) from None
+        self.estimators.reset_link(transport)
+        self._use_link(transport, profile)
+        self.dataplane.policy = Policy(self.config.policy, self.estimators, self.device, self.links)
+        log.info("transport %s now rides on link %s", transport, profile.name)
+        return profile
 
     async def flush_deferred(self) -> None:
         dp = self.dataplane
@@ -218,21 +302,8 @@ class Agent:
         def can_send() -> bool:
             return any(dp.usable(time.monotonic()).values())
 
-        if not can_send():
-            return
-
-        async def send(model: str, request: InferRequest) -> InferResponse:
-            decision = dp.decide(model, request, 30.0, mode="cloud")
-            if decision.choice is None:
-                from shared.errors import ModelNotReady
-
-                raise ModelNotReady(decision.reason)
-            start = time.monotonic()
-            return await dp._offload(
-                model, request, decision.choice, None, start + 30.0, start, False, "deferred"
-            )
-
-        await self.deferrer.flush(send, can_send)
+        if can_send():
+            await self.deferrer.flush(dp.send_deferred, can_send)
 
     # ---- Python API --------------------------------------------------------------
     async def infer(
@@ -257,17 +328,21 @@ class Agent:
             model, request, deadline_ms=deadline_ms, priority=priority, deferrable=deferrable
         )
 
-    def deferred_result(self, request_id: str) -> dict[str, Any]:
-        return self.deferrer.result(request_id)
+    async def deferred_result(self, request_id: str) -> dict[str, Any]:
+        return await self.deferrer.result(request_id)
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
         now = time.monotonic()
         est = self.estimators
+        power = await asyncio.to_thread(read_all, self._rapl)
         return {
+            "ready": self.ready,
+            "device": self.device.name,
             "local_models": self.local.names(),
             "transports": {
                 name: {
                     "connected": t.connected,
+                    "link": self.links[name].name,
                     "breaker": self.dataplane.breakers[name].state,
                     "up_mbps": round(est.link(name).up_bps / 1e6, 3),
                     "down_mbps": round(est.link(name).down_bps / 1e6, 3),
@@ -278,8 +353,9 @@ class Agent:
             "local_latency_ms": {
                 name: round((est.local(name).mean or 0) * 1000, 3) for name in self.local.names()
             },
-            "deferred": self.store.counts(),
+            "deferred": await self.deferrer.counts(),
             "data_used_mb_today": round(self.dataplane.usage.today(), 3),
+            "power": [{k: v for k, v in asdict(r).items() if v not in (None, "")} for r in power],
             "uptime_s": round(now - (self.started_at or now), 1),
             "where_options": [LOCAL, *(f"cloud-{t}" for t in self.transports)],
         }

@@ -2,7 +2,9 @@
 
 Parsed once into frozen dataclasses; the agent re-reads the file when it
 changes and swaps the new configuration in only if it validates, so a typo
-never takes a running agent down.  Every error names the file and the key.
+never takes a running agent down.  Every error names the file and the key,
+including the ones only a lookup can find (an unknown device or link
+profile, a bad broker URL, an unreadable credentials file).
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from devices.profiles import load_device, load_link
 from edge.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weights
 from shared.configcheck import NUMBER, check_keys
 from shared.errors import ConfigError
+from shared.mqtt import parse_broker_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,6 +34,18 @@ class CloudEndpoints:
     token: str | None = None
     ca_file: str | None = None
     tls_insecure: bool = False
+    cert_file: str | None = None  # client certificate (mutual TLS), MQTT and HTTP
+    key_file: str | None = None
+    mqtt_password: str | None = None  # from password_file; the user name rides in the URL
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Store-and-forward: how long a deferred request waits for a link, how long answers stay."""
+
+    ttl_s: float = 24 * 3600.0
+    keep_results_s: float = 7 * 24 * 3600.0
+    max_attempts: int = 5
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,7 @@ class AgentConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     local_threads: int = 0
     probe_interval_s: float = 5.0
+    store: StoreConfig = field(default_factory=StoreConfig)
     # Demos and tests on a fast machine can emulate a slower device: every
     # local inference is followed by a wait of (slowdown - 1) x its real time,
     # the way the link emulator stretches real transfers.  1.0 = off.
@@ -53,6 +71,10 @@ class AgentConfig:
     source: Path | None = None
 
 
+# Keys a running agent cannot change: a reload that edits them is logged and
+# the new values wait for a restart (everything else is applied live).
+RESTART_KEYS = ("repository", "state_dir", "api_host", "api_port", "cloud", "local_threads")
+
 _NUM = NUMBER
 _SCHEMA: dict[str, Any] = {
     "repository": str,
@@ -61,8 +83,18 @@ _SCHEMA: dict[str, Any] = {
     "local_threads": int,
     "probe_interval_s": _NUM,
     "api": {"host": str, "port": int, "enabled": bool},
-    "cloud": {"mqtt": str, "http": str, "token_file": str, "ca_file": str, "tls_insecure": bool},
+    "cloud": {
+        "mqtt": str,
+        "http": str,
+        "token_file": str,
+        "ca_file": str,
+        "tls_insecure": bool,
+        "cert_file": str,
+        "key_file": str,
+        "password_file": str,
+    },
     "links": {"mqtt": str, "http": str},
+    "store": {"ttl_s": _NUM, "keep_results_s": _NUM, "max_attempts": int},
     "policy": {
         "deadline_ms": _NUM,
         "deadline_quantile": _NUM,
@@ -84,6 +116,27 @@ _MODEL_SCHEMA: dict[str, Any] = {
     "transports": list,
     "output_bytes": int,
 }
+
+
+def _range(
+    source: str,
+    key: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+) -> float:
+    bad = (low is not None and (value <= low if low_open else value < low)) or (
+        high is not None and value > high
+    )
+    if bad:
+        lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+        hi = "" if high is None else f"<= {high}"
+        raise ConfigError(
+            f"{source}: key {key!r}: expected a value {' and '.join(x for x in (lo, hi) if x)}, got {value}"
+        )
+    return value
 
 
 def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
@@ -110,14 +163,13 @@ def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
         raise ConfigError(f"{source}: key '{key}.cloud': mode {mode!r} needs a cloud model")
     if mode == "cascade" and not local:
         raise ConfigError(f"{source}: key '{key}.local': mode 'cascade' needs a local model")
-    threshold = data.get("cascade_threshold", 0.8)
-    if not 0 <= threshold <= 1:
-        raise ConfigError(
-            f"{source}: key '{key}.cascade_threshold': expected 0..1, got {threshold}"
-        )
+    if not local and not cloud:
+        raise ConfigError(f"{source}: key {key!r}: needs a local model, a cloud model or both")
+    threshold = _range(source, f"{key}.cascade_threshold", data.get("cascade_threshold", 0.8), 0, 1)
     deadline = data.get("deadline_ms")
-    if deadline is not None and deadline <= 0:
-        raise ConfigError(f"{source}: key '{key}.deadline_ms': expected a positive number")
+    if deadline is not None:
+        _range(source, f"{key}.deadline_ms", deadline, 0, low_open=True)
+    output_bytes = int(_range(source, f"{key}.output_bytes", data.get("output_bytes", 4096), 0))
     return ModelPolicy(
         mode=mode,
         local_model=local,
@@ -126,7 +178,99 @@ def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
         cascade_threshold=float(threshold),
         cascade_output=data.get("cascade_output"),
         transports=transports,
-        output_bytes=data.get("output_bytes", 4096),
+        output_bytes=output_bytes,
+    )
+
+
+def _policy(data: dict[str, Any], source: str) -> PolicyConfig:
+    pol = data.get("policy", {})
+    weights = Weights(**{k: float(v) for k, v in pol.get("weights", {}).items()})
+    if any(v < 0 for v in (weights.latency_s, weights.energy_j, weights.data_mb, weights.money)):
+        raise ConfigError(f"{source}: key 'policy.weights': weights must be non-negative")
+    quantile = float(pol.get("deadline_quantile", 0.95))
+    if not 0.5 <= quantile < 1:
+        raise ConfigError(
+            f"{source}: key 'policy.deadline_quantile': expected 0.5..0.999, got {quantile}"
+        )
+    cap = pol.get("data_cap_mb_per_day")
+    if cap is not None:
+        _range(source, "policy.data_cap_mb_per_day", cap, 0)
+    models = {name: _model_policy(name, m, source) for name, m in data.get("models", {}).items()}
+    return PolicyConfig(
+        weights=weights,
+        deadline_quantile=quantile,
+        battery_floor_percent=_range(
+            source,
+            "policy.battery_floor_percent",
+            float(pol.get("battery_floor_percent", 15.0)),
+            0,
+            100,
+        ),
+        data_cap_mb_per_day=cap,
+        default_deadline_ms=_range(
+            source, "policy.deadline_ms", float(pol.get("deadline_ms", 1000.0)), 0, low_open=True
+        ),
+        explore_after_s=_range(
+            source, "policy.explore_after_s", float(pol.get("explore_after_s", 10.0)), 0
+        ),
+        models=models,
+    )
+
+
+def _profile(kind: str, value: str, key: str, source: str, base: Path) -> str:
+    """A device/link name, or a path resolved against the config's folder; checked now."""
+    is_path = value.endswith(".toml") or "/" in value or "\\" in value
+    resolved = str((base / value).resolve()) if is_path else value
+    try:
+        (load_device if kind == "device" else load_link)(resolved)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: key {key!r}: {exc.message}") from None
+    return resolved
+
+
+def _read_secret(base: Path, value: str, key: str, source: str) -> str:
+    try:
+        return (base / value).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{source}: key {key!r}: cannot read: {exc.strerror}") from None
+
+
+def _existing(base: Path, value: str | None, key: str, source: str) -> str | None:
+    if value is None:
+        return None
+    path = (base / value).resolve()
+    if not path.is_file():
+        raise ConfigError(f"{source}: key {key!r}: no such file {str(path)!r}")
+    return str(path)
+
+
+def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
+    cloud = data.get("cloud", {})
+    mqtt_url, http_url = cloud.get("mqtt"), cloud.get("http")
+    if mqtt_url is not None:
+        try:
+            parse_broker_url(mqtt_url)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: key 'cloud.mqtt': {exc.message}") from None
+    if http_url is not None:
+        parts = urlsplit(http_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"{source}: key 'cloud.http': expected an http:// or https:// URL, got {http_url!r}"
+            )
+    token = cloud.get("token_file")
+    password = cloud.get("password_file")
+    return CloudEndpoints(
+        mqtt_url=mqtt_url,
+        http_url=http_url,
+        token=_read_secret(base, token, "cloud.token_file", source) if token else None,
+        ca_file=_existing(base, cloud.get("ca_file"), "cloud.ca_file", source),
+        tls_insecure=cloud.get("tls_insecure", False),
+        cert_file=_existing(base, cloud.get("cert_file"), "cloud.cert_file", source),
+        key_file=_existing(base, cloud.get("key_file"), "cloud.key_file", source),
+        mqtt_password=(
+            _read_secret(base, password, "cloud.password_file", source) if password else None
+        ),
     )
 
 
@@ -138,64 +282,40 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
     check_keys(data, _SCHEMA, source)
     if "repository" not in data:
         raise ConfigError(f"{source}: key 'repository' is required")
-    pol = data.get("policy", {})
-    weights = Weights(**{k: float(v) for k, v in pol.get("weights", {}).items()})
-    if any(v < 0 for v in (weights.latency_s, weights.energy_j, weights.data_mb, weights.money)):
-        raise ConfigError(f"{source}: key 'policy.weights': weights must be non-negative")
-    quantile = float(pol.get("deadline_quantile", 0.95))
-    if not 0.5 <= quantile < 1:
-        raise ConfigError(
-            f"{source}: key 'policy.deadline_quantile': expected 0.5..0.999, got {quantile}"
-        )
-    models = {name: _model_policy(name, m, source) for name, m in data.get("models", {}).items()}
-    policy = PolicyConfig(
-        weights=weights,
-        deadline_quantile=quantile,
-        battery_floor_percent=float(pol.get("battery_floor_percent", 15.0)),
-        data_cap_mb_per_day=pol.get("data_cap_mb_per_day"),
-        default_deadline_ms=float(pol.get("deadline_ms", 1000.0)),
-        explore_after_s=float(pol.get("explore_after_s", 10.0)),
-        models=models,
-    )
-    cloud = data.get("cloud", {})
-    token = None
-    if cloud.get("token_file"):
-        try:
-            token = (base / cloud["token_file"]).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"{source}: key 'cloud.token_file': cannot read: {exc.strerror}"
-            ) from None
     emulation = data.get("emulation", {})
-    slowdown = float(emulation.get("local_slowdown", 1.0))
-    if slowdown < 1.0:
-        raise ConfigError(
-            f"{source}: key 'emulation.local_slowdown': expected >= 1, got {slowdown}"
-        )
-    floor_ms = float(emulation.get("local_latency_ms", 0.0))
-    if floor_ms < 0:
-        raise ConfigError(
-            f"{source}: key 'emulation.local_latency_ms': expected >= 0, got {floor_ms}"
-        )
+    slowdown = float(
+        _range(source, "emulation.local_slowdown", emulation.get("local_slowdown", 1.0), 1)
+    )
+    floor_ms = float(
+        _range(source, "emulation.local_latency_ms", emulation.get("local_latency_ms", 0.0), 0)
+    )
     api = data.get("api", {})
+    port = int(_range(source, "api.port", api.get("port", 8080), 0, 65535))
     links = {"mqtt": "wifi", "http": "wifi", **data.get("links", {})}
+    links = {t: _profile("link", name, f"links.{t}", source, base) for t, name in links.items()}
+    store = data.get("store", {})
     return AgentConfig(
         repository=(base / data["repository"]).resolve(),
         state_dir=(base / data.get("state_dir", ".ferry-edge")).resolve(),
-        device=data.get("device", "x86-laptop"),
+        device=_profile("device", data.get("device", "x86-laptop"), "device", source, base),
         api_host=api.get("host", "127.0.0.1"),
-        api_port=api.get("port", 8080) if api.get("enabled", True) else None,
-        cloud=CloudEndpoints(
-            mqtt_url=cloud.get("mqtt"),
-            http_url=cloud.get("http"),
-            token=token,
-            ca_file=cloud.get("ca_file"),
-            tls_insecure=cloud.get("tls_insecure", False),
-        ),
+        api_port=port if api.get("enabled", True) else None,
+        cloud=_cloud(data, source, base),
         links=links,
-        policy=policy,
-        local_threads=data.get("local_threads", 0),
-        probe_interval_s=float(data.get("probe_interval_s", 5.0)),
+        policy=_policy(data, source),
+        local_threads=int(_range(source, "local_threads", data.get("local_threads", 0), 0)),
+        probe_interval_s=float(
+            _range(source, "probe_interval_s", data.get("probe_interval_s", 5.0), 0, low_open=True)
+        ),
+        store=StoreConfig(
+            ttl_s=float(
+                _range(source, "store.ttl_s", store.get("ttl_s", 86400.0), 0, low_open=True)
+            ),
+            keep_results_s=float(
+                _range(source, "store.keep_results_s", store.get("keep_results_s", 604800.0), 0)
+            ),
+            max_attempts=int(_range(source, "store.max_attempts", store.get("max_attempts", 5), 1)),
+        ),
         local_slowdown=slowdown,
         local_latency_ms=floor_ms,
     )
@@ -220,6 +340,5 @@ def load_policy_file(path: Path) -> PolicyConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    if "repository" not in data:
-        text = 'repository = "."\n' + text
-    return parse_agent_config(text, str(path), Path(path).resolve().parent).policy
+    check_keys(data, _SCHEMA, str(path))
+    return _policy(data, str(path))

@@ -6,6 +6,9 @@ result (local or cloud), a deferred receipt (stored durably, answered
 later), or a typed error.  Each answer carries its provenance in
 ``parameters``: where it ran, predicted vs actual latency, estimated energy
 and bytes moved, and whether a fallback happened.
+
+A request reads the model's policy once, on arrival, so a configuration
+reloaded while it is in flight cannot change its mapping half-way.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from edge.breaker import CircuitBreaker
-from edge.energy import RadioState
+from edge.energy import RadioState, local_energy_j
 from edge.estimators import Estimators
 from edge.local import LocalModels
-from edge.policy import LOCAL, Context, Decision, Option, Policy, fallback_plan
+from edge.policy import LOCAL, Context, Decision, ModelPolicy, Option, Policy, fallback_plan
 from edge.scores import confidence
+from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
 from shared.errors import (
     DeadlineExceeded,
@@ -31,28 +35,62 @@ from shared.errors import (
     InvalidInput,
     ModelNotFound,
     ModelNotReady,
+    Overloaded,
 )
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import Tensor
 
 log = logging.getLogger(__name__)
 
+# Errors that say the endpoint (not this request) is in trouble: only these
+# count towards a transport's circuit breaker.  A 404 or a bad input says
+# nothing about whether the next request to another model will succeed.
+ENDPOINT_FAILURES = (ModelNotReady, DeadlineExceeded, Overloaded)
+# How long a cloud that answered "no such model" is not asked for it again.
+MISSING_MODEL_COOLDOWN_S = 30.0
+# Framing bytes of a V2 binary request besides the tensor data (JSON header).
+REQUEST_OVERHEAD_BYTES = 256
+
 
 @dataclass
 class Usage:
-    """Bytes moved today (for the data cap), reset at the first request of a new day."""
+    """Megabytes moved today (for the daily data cap), by the device's local calendar day.
 
-    day: int = 0
-    mb: float = 0.0
+    Lives in ``store`` (the estimators' persisted extras) so a restart does
+    not reset the cap.
+    """
+
+    store: dict[str, Any]
+
+    @staticmethod
+    def _today() -> str:
+        return time.strftime("%Y-%m-%d", time.localtime())
 
     def add(self, nbytes: int) -> None:
-        today = int(time.time() // 86400)
-        if today != self.day:
-            self.day, self.mb = today, 0.0
-        self.mb += nbytes / 1e6
+        today = self._today()
+        if self.store.get("day") != today:
+            self.store["day"], self.store["mb"] = today, 0.0
+        self.store["mb"] = float(self.store.get("mb", 0.0)) + nbytes / 1e6
 
     def today(self) -> float:
-        return self.mb if int(time.time() // 86400) == self.day else 0.0
+        return float(self.store.get("mb", 0.0)) if self.store.get("day") == self._today() else 0.0
+
+
+def request_bytes(request: InferRequest) -> int:
+    """Bytes an offload of ``request`` puts on the wire (tensor data plus framing)."""
+    total = REQUEST_OVERHEAD_BYTES
+    for t in request.inputs:
+        if t.datatype == "BYTES":
+            total += sum(4 + len(x) for x in t.data.reshape(-1))
+        else:
+            total += t.data.nbytes
+    return total
+
+
+def _batch_rows(request: InferRequest) -> int:
+    for t in request.inputs:
+        return int(t.data.shape[0]) if t.data.ndim else 1
+    return 1
 
 
 class EdgeDataPlane:
@@ -75,35 +113,51 @@ class EdgeDataPlane:
         self.deferrer = deferrer
         self.battery = battery  # callable -> percent | None
         self.radio = RadioState()
-        self.usage = Usage()
+        self.usage = Usage(estimators.extra.setdefault("usage", {}))
+        self.stats = AgentStats()
         self._out_bytes: dict[str, int] = {}
+        self._missing: dict[tuple[str, str], float] = {}  # (transport, cloud model) -> until
 
     # ---- the decision ---------------------------------------------------------
-    def usable(self, now: float) -> dict[str, bool]:
+    def usable(self, now: float, cloud_model: str | None = None) -> dict[str, bool]:
+        """Transports a request for ``cloud_model`` may take now."""
         out = {}
         for name, transport in self.transports.items():
-            breaker = self.breakers[name]
-            out[name] = transport.connected and breaker.state == "closed"
+            ok = transport.connected and self.breakers[name].state == "closed"
+            if ok and cloud_model is not None:
+                ok = self._missing.get((name, cloud_model), 0.0) <= now
+                serves = getattr(transport, "serves", None)
+                ok = ok and (serves is None or serves(cloud_model) is not False)
+            out[name] = ok
         return out
 
-    def context(self, model: str, request: InferRequest, deadline_s: float, now: float) -> Context:
-        in_bytes = sum(t.data.nbytes if t.datatype != "BYTES" else 64 for t in request.inputs) + 256
+    def context(
+        self, mp: ModelPolicy, model: str, request: InferRequest, deadline_s: float, now: float
+    ) -> Context:
         return Context(
             now=now,
             deadline_s=deadline_s,
-            in_bytes=in_bytes,
-            connected=self.usable(now),
+            in_bytes=request_bytes(request),
+            connected=self.usable(now, mp.cloud_model),
             battery_percent=self.battery() if self.battery else None,
             data_used_mb_today=self.usage.today(),
             radio_idle_s=self.radio.radio_idle_s(now),
             out_bytes=self._out_bytes.get(model),
+            batch=_batch_rows(request),
+            local_backlog=self.local.backlog(mp.local_model) if mp.local_model else 0,
         )
 
     def decide(
-        self, model: str, request: InferRequest, deadline_s: float, mode: str | None = None
+        self,
+        model: str,
+        request: InferRequest,
+        deadline_s: float,
+        mode: str | None = None,
+        mp: ModelPolicy | None = None,
     ) -> Decision:
+        mp = mp or self.policy.model_policy(model)
         now = time.monotonic()
-        return self.policy.decide(model, self.context(model, request, deadline_s, now), mode)
+        return self.policy.decide(model, self.context(mp, model, request, deadline_s, now), mode)
 
     # ---- serving --------------------------------------------------------------
     async def infer(
@@ -116,20 +170,33 @@ class EdgeDataPlane:
         deferrable: bool = False,
     ) -> InferResponse:
         start = time.monotonic()
-        mp = self.policy.model_policy(model)
-        if (
-            mp.local_model is not None
-            and not self.local.has(mp.local_model)
-            and mp.cloud_model is None
-        ):
-            raise ModelNotFound(f"unknown model {model!r}")
+        try:
+            response = await self._infer(model, request, start, deadline_ms, priority, deferrable)
+        except FerryError as exc:
+            self.stats.failure(model, time.monotonic() - start, exc.code.value)
+            raise
+        params = response.parameters
+        self.stats.success(model, params.get("where", "?"), time.monotonic() - start)
+        return response
+
+    async def _infer(
+        self,
+        model: str,
+        request: InferRequest,
+        start: float,
+        deadline_ms: float | None,
+        priority: int | None,
+        deferrable: bool,
+    ) -> InferResponse:
+        policy = self.policy  # one snapshot for the whole request
+        mp = policy.model_policy(model)
         if mp.local_model is not None and not self.local.has(mp.local_model):
-            mp_local = None
-        else:
-            mp_local = mp.local_model
-        if mp_local is None and mp.cloud_model is None:
+            mp = ModelPolicy(**{**mp.__dict__, "local_model": None})
+        if mp.local_model is None and mp.cloud_model is None:
             raise ModelNotFound(f"unknown model {model!r}")
-        budget_ms = deadline_ms or mp.deadline_ms or self.policy.config.default_deadline_ms
+        if mp.local_model is None and mp.mode == "local":
+            raise ModelNotReady(f"model {model!r} is local-only and its local variant is missing")
+        budget_ms = deadline_ms or mp.deadline_ms or policy.config.default_deadline_ms
         if budget_ms <= 0:
             raise InvalidInput(f"deadline_ms must be positive, got {budget_ms}")
         deadline = start + budget_ms / 1000.0
@@ -137,10 +204,12 @@ class EdgeDataPlane:
         if priority is not None:
             request.parameters = {**request.parameters, "priority": priority}
 
-        mode = mp.mode if mp_local is not None else "cloud"
+        mode = mp.mode if mp.local_model is not None else "cloud"
         if mode == "cascade":
-            return await self._cascade(model, request, deadline, start, deferrable)
-        decision = self.decide(model, request, deadline - start, mode)
+            return await self._cascade(model, mp, request, deadline, start)
+        decision = policy.decide(
+            model, self.context(mp, model, request, deadline - start, start), mode
+        )
         choice = decision.choice
         if choice is None:
             if deferrable and self.deferrer is not None:
@@ -152,62 +221,59 @@ class EdgeDataPlane:
                 f"({', '.join(f'{o.name}: {o.reason}' for o in decision.options) or 'no options'})"
             )
         if choice.name == LOCAL:
-            return await self._run_local(model, request, choice, start, decision.reason)
+            return await self._run_local(model, mp, request, choice, start, decision.reason)
         local = next((o for o in decision.options if o.name == LOCAL), None)
+        if local is None and mode == "cloud":
+            # Cloud by choice, but a local variant still beats an error when the cloud fails.
+            local = policy.local_option(mp)
         return await self._offload(
-            model, request, choice, local, deadline, start, deferrable, decision.reason
+            model, mp, request, choice, local, deadline, start, deferrable, decision.reason
         )
 
     async def _run_local(
         self,
         model: str,
+        mp: ModelPolicy,
         request: InferRequest,
         option: Option | None,
         start: float,
         reason: str,
         fallback: bool = False,
+        attempt: Option | None = None,
     ) -> InferResponse:
-        mp = self.policy.model_policy(model)
         assert mp.local_model is not None
         local = self.local.get(mp.local_model)
         outputs, seconds = await self.local.run(
             mp.local_model, request.input_dict(), request.output_names()
         )
         now = time.monotonic()
-        self.est.local(mp.local_model).add(seconds, now)
+        self.est.local(mp.local_model, _batch_rows(request)).add(seconds, now)
         names = request.output_names() or list(outputs)
         specs = {t.name: t.datatype for t in local.config.outputs}
         tensors = [
             Tensor(n, specs[n], outputs[n]) if n in specs else Tensor.from_array(n, outputs[n])
             for n in names
         ]
-        energy = option.energy_j if option and option.energy_j else self._local_energy(seconds)
+        energy = local_energy_j(self.policy.device, seconds)
+        extra: dict[str, Any] = {"compute_us": int(seconds * 1e6)}
+        if attempt is not None:
+            # The failed offload kept the radio on and sent bytes a metered link bills.
+            energy += attempt.energy_j
+            extra["bytes_attempted"] = attempt.up_bytes
         return InferResponse(
             model_name=model,
             model_version=str(local.version),
             id=request.id,
             outputs=tensors,
             parameters=_provenance(
-                LOCAL,
-                option,
-                now - start,
-                energy,
-                0,
-                0,
-                reason,
-                fallback,
-                compute_us=int(seconds * 1e6),
+                LOCAL, option, now - start, energy, 0, 0, reason, fallback, **extra
             ),
         )
-
-    def _local_energy(self, seconds: float) -> float:
-        from edge.energy import local_energy_j
-
-        return local_energy_j(self.policy.device, seconds)
 
     async def _offload(
         self,
         model: str,
+        mp: ModelPolicy,
         request: InferRequest,
         choice: Option,
         local: Option | None,
@@ -216,32 +282,53 @@ class EdgeDataPlane:
         deferrable: bool,
         reason: str,
     ) -> InferResponse:
-        mp = self.policy.model_policy(model)
         assert choice.transport is not None and mp.cloud_model is not None
         transport = self.transports[choice.transport]
         cloud_deadline, local = fallback_plan(time.monotonic(), deadline, local, choice)
+        if mp.local_model is None:
+            local = None
         try:
             result = await transport.infer(mp.cloud_model, request, cloud_deadline)
         except InvalidInput:
             raise
         except FerryError as exc:
             now = time.monotonic()
-            self.breakers[choice.transport].record_failure(now)
-            if isinstance(exc, DeadlineExceeded):
-                self.est.link(choice.transport).observe_timeout(choice.up_bytes, now - start, now)
-            else:
-                self.est.link(choice.transport).observe_failure(now)
+            self._learn_failure(choice, mp.cloud_model, exc, start, now)
             why = f"{choice.name} failed ({exc.code.value}: {exc.message})"
             if local is not None and deadline - now > 0:
                 log.info("falling back to local: %s", why)
-                return await self._run_local(model, request, local, start, why, fallback=True)
+                return await self._run_local(model, mp, request, local, start, why, True, choice)
             if deferrable and self.deferrer is not None:
                 return await self.deferrer.defer(model, request, deadline_ms=None, reason=why)
             raise
-        return self._learn(model, choice, result, start, reason)
+        return self._learn(model, mp, choice, result, start, reason)
+
+    def _learn_failure(
+        self, choice: Option, cloud_model: str, exc: FerryError, start: float, now: float
+    ) -> None:
+        assert choice.transport is not None
+        transport = choice.transport
+        # Bytes that left the device count against the daily cap even without an answer.
+        self.usage.add(choice.up_bytes)
+        if isinstance(exc, ModelNotFound):
+            self._missing[(transport, cloud_model)] = now + MISSING_MODEL_COOLDOWN_S
+            return
+        if not isinstance(exc, ENDPOINT_FAILURES):
+            return  # this request's own failure; the endpoint is fine
+        self.breakers[transport].record_failure(now)
+        if isinstance(exc, DeadlineExceeded):
+            self.est.link(transport).observe_timeout(choice.up_bytes, now - start, now)
+        else:
+            self.est.link(transport).observe_failure(now)
 
     def _learn(
-        self, model: str, choice: Option, result: TransferResult, start: float, reason: str
+        self,
+        model: str,
+        mp: ModelPolicy,
+        choice: Option,
+        result: TransferResult,
+        start: float,
+        reason: str,
     ) -> InferResponse:
         now = time.monotonic()
         assert choice.transport is not None
@@ -249,8 +336,7 @@ class EdgeDataPlane:
         params = result.response.parameters
         queue_us = int(params.get("queue_us", 0) or 0)
         compute_us = int(params.get("compute_us", 0) or 0)
-        cloud_model = self.policy.model_policy(model).cloud_model or model
-        self.est.observe_reply(cloud_model, queue_us, compute_us, now)
+        self.est.observe_reply(mp.cloud_model or model, queue_us, compute_us, now)
         self.est.link(choice.transport).observe(
             result.sent_bytes,
             result.received_bytes,
@@ -279,12 +365,11 @@ class EdgeDataPlane:
         return response
 
     async def _cascade(
-        self, model: str, request: InferRequest, deadline: float, start: float, deferrable: bool
+        self, model: str, mp: ModelPolicy, request: InferRequest, deadline: float, start: float
     ) -> InferResponse:
-        mp = self.policy.model_policy(model)
         local_opt = self.policy.local_option(mp)
         local_answer = await self._run_local(
-            model, request, local_opt, start, "cascade: local first"
+            model, mp, request, local_opt, start, "cascade: local first"
         )
         scores = local_answer.outputs[0].data
         if mp.cascade_output:
@@ -294,18 +379,20 @@ class EdgeDataPlane:
             for row in np.asarray(scores).reshape(scores.shape[0] if scores.ndim > 1 else 1, -1)
         )
         local_answer.parameters["confidence"] = round(conf, 4)
-        if not self.policy.cascade_offload(model, conf):
+        if conf >= mp.cascade_threshold:
             return local_answer
         now = time.monotonic()
-        decision = self.decide(model, request, deadline - now, mode="cloud")
+        decision = self.decide(model, request, deadline - now, mode="cloud", mp=mp)
         if decision.choice is None:
             local_answer.parameters["cascade"] = (
                 f"unsure ({conf:.2f}) but no cloud: {decision.reason}"
             )
             return local_answer
+        cloud_only = ModelPolicy(**{**mp.__dict__, "local_model": None})
         try:
             answer = await self._offload(
                 model,
+                cloud_only,
                 request,
                 decision.choice,
                 None,
@@ -322,6 +409,35 @@ class EdgeDataPlane:
             answer.parameters.get("energy_j", 0.0) + local_answer.parameters.get("energy_j", 0.0), 6
         )
         return answer
+
+    async def send_deferred(self, model: str, request: InferRequest) -> InferResponse:
+        """Offload a stored request now (the store-and-forward flusher's sender).
+
+        The request id travels as the cloud's idempotency key: a request
+        resent after a crash between the cloud's answer and the store's
+        bookkeeping is answered from the cloud's cache, not run twice.
+        """
+        mp = self.policy.model_policy(model)
+        if mp.cloud_model is None:
+            raise ModelNotFound(f"model {model!r} has no cloud variant to send deferred work to")
+        assert request.id is not None
+        request.parameters = {**request.parameters, "idempotency_key": request.id}
+        cloud_only = ModelPolicy(**{**mp.__dict__, "local_model": None})
+        decision = self.decide(model, request, 30.0, mode="cloud", mp=cloud_only)
+        if decision.choice is None:
+            raise ModelNotReady(decision.reason)
+        start = time.monotonic()
+        return await self._offload(
+            model,
+            cloud_only,
+            request,
+            decision.choice,
+            None,
+            start + 30.0,
+            start,
+            False,
+            "deferred",
+        )
 
     async def probe(self) -> None:
         """Refresh stale link estimates and give open breakers their trial."""
@@ -373,4 +489,4 @@ def _provenance(
     return params
 
 
-__all__ = ["DeadlineExceeded", "EdgeDataPlane"]
+__all__ = ["DeadlineExceeded", "EdgeDataPlane", "request_bytes"]

@@ -1,41 +1,76 @@
 """Store-and-forward for ``deferrable`` requests.
 
 A request that cannot run now is written to the sqlite store (WAL, durable
-when ``put`` returns) and answered with a receipt; the flusher sends stored
+when ``defer`` returns) and answered with a receipt; the flusher sends stored
 requests when a link is usable and keeps each answer in the store for the
 app to fetch.  Requests left mid-send by a crash go back to pending when the
-store reopens, so nothing is lost across ``kill -9``.
+store reopens, so nothing is lost across ``kill -9``; the sender passes the
+request id as the cloud's idempotency key, so a resend after such a crash is
+answered from the cloud's cache instead of running twice.
+
+Every store call runs on one dedicated thread: a durable commit is an fsync,
+which must not stall the event loop, and one sqlite connection must not be
+used from two threads at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 from edge.store import DeferredStore
 from shared import envelope
-from shared.errors import FerryError, InvalidInput, ModelNotFound
+from shared.errors import (
+    DeadlineExceeded,
+    FerryError,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    Unauthenticated,
+)
 from shared.messages import InferRequest, InferResponse
 
 log = logging.getLogger(__name__)
 
 Sender = Callable[[str, InferRequest], Awaitable[InferResponse]]
+T = TypeVar("T")
+
+# The link or the endpoint is down (or refuses us): keep the request, stop this flush.
+_RETRY_LATER = (ModelNotReady, DeadlineExceeded, Overloaded, Unauthenticated)
 
 
 class Deferrer:
-    def __init__(self, store: DeferredStore, *, ttl_s: float = 24 * 3600.0) -> None:
+    def __init__(
+        self,
+        store: DeferredStore,
+        *,
+        ttl_s: float = 24 * 3600.0,
+        keep_results_s: float = 7 * 24 * 3600.0,
+        max_attempts: int = 5,
+    ) -> None:
         self.store = store
         self.ttl_s = ttl_s
+        self.keep_results_s = keep_results_s
+        self.max_attempts = max_attempts
         self.delivered = 0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="ferry-store")
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io, partial(fn, *args, **kwargs))
 
     async def defer(
         self, model: str, request: InferRequest, *, deadline_ms: float | None, reason: str
     ) -> InferResponse:
         assert request.id is not None
         now = time.time()
-        self.store.put(
+        await self._call(
+            self.store.put,
             model,
             envelope.encode_request(request),
             request_id=request.id,
@@ -56,34 +91,47 @@ class Deferrer:
         )
 
     async def flush(self, send: Sender, can_send: Callable[[], bool], limit: int = 50) -> int:
-        """Send what is stored while a link is usable; returns how many were answered."""
-        for request_id in self.store.expire(time.time()):
+        """Send what is stored while a link is usable; returns how many were answered.
+
+        A request the cloud refuses for its own reasons (bad input, unknown
+        model, an internal error on it) fails alone, after ``max_attempts``
+        for the transient kinds, and never blocks the queue behind it.
+        """
+        now = time.time()
+        for request_id in await self._call(self.store.expire, now):
             log.warning("deferred request %s expired before a link returned", request_id)
+        await self._call(self.store.purge, now - self.keep_results_s)
         done = 0
-        for item in self.store.pending(limit=limit, now_wall=time.time()):
+        for item in await self._call(self.store.pending, limit=limit, now_wall=now):
             if not can_send():
                 break
             request = envelope.decode_request(item.payload)
-            self.store.mark_sending(item.request_id)
+            await self._call(self.store.mark_sending, item.request_id)
             try:
                 response = await send(item.model, request)
-            except (InvalidInput, ModelNotFound) as exc:
-                self.store.mark_delivered(item.request_id, None, f"{exc.code.value}: {exc.message}")
-                done += 1
-                continue
-            except FerryError as exc:
+            except _RETRY_LATER as exc:
                 log.info("deferred %s not sent yet: %s", item.request_id, exc.message)
-                self.store.mark_pending(item.request_id)
+                await self._call(self.store.mark_pending, item.request_id)
                 break
+            except FerryError as exc:
+                final = isinstance(exc, ModelNotFound) or exc.http_status < 500
+                if final or item.attempts + 1 >= self.max_attempts:
+                    error = f"{exc.code.value}: {exc.message}"
+                    await self._call(self.store.mark_delivered, item.request_id, None, error)
+                    done += 1
+                else:
+                    await self._call(self.store.mark_pending, item.request_id)
+                continue
             response.id = item.request_id
-            self.store.mark_delivered(item.request_id, envelope.encode_reply(response), None)
+            reply = envelope.encode_reply(response)
+            await self._call(self.store.mark_delivered, item.request_id, reply, None)
             self.delivered += 1
             done += 1
         return done
 
-    def result(self, request_id: str) -> dict[str, Any]:
+    async def result(self, request_id: str) -> dict[str, Any]:
         """Status of a deferred request and, once answered, its response or error."""
-        found = self.store.result(request_id)
+        found = await self._call(self.store.result, request_id)
         if found is None:
             raise ModelNotFound(f"no deferred request {request_id!r}")
         out: dict[str, Any] = {"request_id": request_id, "status": found.status}
@@ -93,3 +141,10 @@ class Deferrer:
             _, response = envelope.decode_reply(found.result)
             out["response"] = response
         return out
+
+    async def counts(self) -> dict[str, int]:
+        return await self._call(self.store.counts)
+
+    async def close(self) -> None:
+        await self._call(self.store.close)
+        self._io.shutdown(wait=True)

@@ -59,11 +59,22 @@ class LatencyEstimator:
             "age_s": None if self.last_update is None else now - self.last_update,
         }
 
+    @property
+    def q(self) -> float:
+        return self._q.q
+
+    def retarget(self, q: float) -> None:
+        """Track another quantile; the new tracker starts empty (reads fall back to the mean)."""
+        if q != self._q.q:
+            self._q = P2Quantile(q)
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any], now: float) -> LatencyEstimator:
+    def from_dict(cls, d: dict[str, Any], now: float, q: float | None = None) -> LatencyEstimator:
         e = cls()
         e._ewma = Ewma.from_dict(d["ewma"])
         e._q = P2Quantile.from_dict(d["q"])
+        if q is not None:
+            e.retarget(q)
         age = d.get("age_s")
         e.last_update = None if age is None else now - float(age)
         return e
@@ -73,12 +84,16 @@ class LinkEstimator:
     """Bandwidth per direction and RTT of one transport, priors until observed."""
 
     def __init__(
-        self, prior_up_bps: float = 10e6, prior_down_bps: float = 20e6, prior_rtt_s: float = 0.03
+        self,
+        prior_up_bps: float = 10e6,
+        prior_down_bps: float = 20e6,
+        prior_rtt_s: float = 0.03,
+        q: float = 0.95,
     ) -> None:
         self._up = Ewma(0.3)
         self._down = Ewma(0.3)
         self._rtt = Ewma(0.2)
-        self._rtt_q = P2Quantile(0.95)
+        self._rtt_q = P2Quantile(q)
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = (
             prior_up_bps,
             prior_down_bps,
@@ -155,6 +170,11 @@ class LinkEstimator:
     def stale(self, now: float, max_age_s: float) -> bool:
         return self.last_update is None or now - self.last_update > max_age_s
 
+    def retarget(self, q: float) -> None:
+        if q != self._rtt_q.q:
+            self._rtt_q = P2Quantile(q)
+            self._refresh()
+
     def transfer_time(self, up_bytes: int, down_bytes: int) -> float:
         return self.rtt_s + up_bytes * 8 / self.up_bps + down_bytes * 8 / self.down_bps
 
@@ -167,10 +187,11 @@ class LinkEstimator:
             "samples": self.samples,
             "prior": [self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s],
             "age_s": None if self.last_update is None else now - self.last_update,
+            "bw_age_s": None if self.bandwidth_update is None else now - self.bandwidth_update,
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], now: float) -> LinkEstimator:
+    def from_dict(cls, d: dict[str, Any], now: float, q: float | None = None) -> LinkEstimator:
         e = cls(*[float(x) for x in d["prior"]])
         e._up, e._down, e._rtt = (
             Ewma.from_dict(d["up"]),
@@ -178,6 +199,8 @@ class LinkEstimator:
             Ewma.from_dict(d["rtt"]),
         )
         e._rtt_q = P2Quantile.from_dict(d["rtt_q"])
+        if q is not None and q != e._rtt_q.q:
+            e._rtt_q = P2Quantile(q)
         e.samples = int(d.get("samples", 0))
         age = d.get("age_s")
         e.last_update = None if age is None else now - float(age)
@@ -188,24 +211,54 @@ class LinkEstimator:
 
 
 class Estimators:
-    def __init__(self) -> None:
+    """Every estimate the policy reads, tracking one latency quantile throughout.
+
+    ``quantile`` is the policy's ``deadline_quantile``: deadlines are checked
+    against it, so local, RTT and cloud latency estimators all track it.
+    """
+
+    def __init__(self, quantile: float = 0.95) -> None:
+        self.quantile = quantile
         self._local: dict[str, LatencyEstimator] = {}
         self._links: dict[str, LinkEstimator] = {}
         self._queue: dict[str, LatencyEstimator] = {}
         self._compute: dict[str, LatencyEstimator] = {}
+        # Small agent state that must survive a restart with the estimates
+        # (the data used today, for the daily cap); JSON-ready values only.
+        self.extra: dict[str, Any] = {}
+
+    def set_quantile(self, q: float) -> None:
+        """Track another quantile (a reloaded policy); means and bandwidths are kept."""
+        if q == self.quantile:
+            return
+        self.quantile = q
+        for group in (self._local, self._queue, self._compute):
+            for est in group.values():
+                est.retarget(q)
+        for link in self._links.values():
+            link.retarget(q)
 
     def local(self, model: str, batch: int = 1) -> LatencyEstimator:
         key = model if batch == 1 else f"{model}@{batch}"
         found = self._local.get(key)
         if found is None:
-            found = self._local[key] = LatencyEstimator()
+            found = self._local[key] = LatencyEstimator(self.quantile)
         return found
+
+    def local_known(self, model: str, batch: int) -> LatencyEstimator | None:
+        """The estimator for ``batch`` if it has samples (no entry is created)."""
+        found = self._local.get(model if batch == 1 else f"{model}@{batch}")
+        return found if found is not None and found.count else None
 
     def link(self, transport: str) -> LinkEstimator:
         found = self._links.get(transport)
         if found is None:
-            found = self._links[transport] = LinkEstimator()
+            found = self._links[transport] = LinkEstimator(q=self.quantile)
         return found
+
+    def reset_link(self, transport: str) -> None:
+        """Forget what was learnt about ``transport`` (it now rides on another network)."""
+        self._links.pop(transport, None)
 
     def set_link_prior(self, transport: str, up_bps: float, down_bps: float, rtt_s: float) -> None:
         self.link(transport).set_prior(up_bps, down_bps, rtt_s)
@@ -213,13 +266,13 @@ class Estimators:
     def cloud_queue(self, model: str) -> LatencyEstimator:
         found = self._queue.get(model)
         if found is None:
-            found = self._queue[model] = LatencyEstimator()
+            found = self._queue[model] = LatencyEstimator(self.quantile)
         return found
 
     def cloud_compute(self, model: str) -> LatencyEstimator:
         found = self._compute.get(model)
         if found is None:
-            found = self._compute[model] = LatencyEstimator()
+            found = self._compute[model] = LatencyEstimator(self.quantile)
         return found
 
     def observe_reply(self, model: str, queue_us: int, compute_us: int, now: float) -> None:
@@ -237,17 +290,24 @@ class Estimators:
             "links": {k: v.to_dict(now) for k, v in self._links.items()},
             "queue": {k: v.to_dict(now) for k, v in self._queue.items()},
             "compute": {k: v.to_dict(now) for k, v in self._compute.items()},
+            "extra": self.extra,
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], now: float) -> Estimators:
-        e = cls()
-        e._local = {k: LatencyEstimator.from_dict(v, now) for k, v in d.get("local", {}).items()}
-        e._links = {k: LinkEstimator.from_dict(v, now) for k, v in d.get("links", {}).items()}
-        e._queue = {k: LatencyEstimator.from_dict(v, now) for k, v in d.get("queue", {}).items()}
-        e._compute = {
-            k: LatencyEstimator.from_dict(v, now) for k, v in d.get("compute", {}).items()
-        }
+    def from_dict(cls, d: dict[str, Any], now: float, quantile: float = 0.95) -> Estimators:
+        e = cls(quantile)
+        q = quantile
+
+        def latencies(key: str) -> dict[str, LatencyEstimator]:
+            return {k: LatencyEstimator.from_dict(v, now, q) for k, v in d.get(key, {}).items()}
+
+        e._local, e._queue, e._compute = (
+            latencies("local"),
+            latencies("queue"),
+            latencies("compute"),
+        )
+        e._links = {k: LinkEstimator.from_dict(v, now, q) for k, v in d.get("links", {}).items()}
+        e.extra = dict(d.get("extra", {}))
         return e
 
     def save(self, path: Path) -> None:
@@ -265,11 +325,11 @@ class Estimators:
             raise
 
     @classmethod
-    def load(cls, path: Path, now: float) -> Estimators:
+    def load(cls, path: Path, now: float, quantile: float = 0.95) -> Estimators:
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()), now)
+            return cls.from_dict(json.loads(Path(path).read_text()), now, quantile)
         except FileNotFoundError:
-            return cls()
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return cls(quantile)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("estimates in %s unreadable (%s); starting fresh", path, exc)
-            return cls()
+            return cls(quantile)

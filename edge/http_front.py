@@ -3,13 +3,20 @@
 An app or tritonclient cannot tell where a request ran, except by reading
 the provenance the agent adds to the response parameters.  Request
 parameters steer the agent: ``deadline_ms`` (or Triton's ``timeout`` in
-microseconds), ``priority`` and ``deferrable``.
+microseconds), ``priority`` and ``deferrable``.  Model names are the app's
+names (``[models.*]`` in agent.toml); metadata and configuration come from
+the local variant, or from the cloud's V2 API for cloud-only models.
+
+Agent extensions: ``GET /v2/agent/status``, ``GET /v2/deferred/{id}`` and
+``POST /v2/agent/link`` (the OS reports that a transport now rides another
+network, e.g. ``{"transport": "http", "link": "lte"}``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,12 +24,14 @@ from aiohttp import web
 
 from edge.agent import Agent
 from shared import v2
-from shared.errors import FerryError, InvalidInput, PayloadTooLarge
+from shared.errors import FerryError, InvalidInput, ModelNotFound, ModelNotReady, PayloadTooLarge
+from shared.repository import triton_model_config
 from shared.tensors import Limits
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "deferred"]
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -91,74 +100,147 @@ class LocalApi:
         r = app.router
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
-        r.add_get("/v2/health/ready", self.live)
+        r.add_get("/v2/health/ready", self.ready)
         r.add_get("/v2/agent/status", self.status)
+        r.add_post("/v2/agent/link", self.set_link)
         r.add_get("/v2/deferred/{request_id}", self.deferred)
+        r.add_post("/v2/repository/index", self.repository_index)
+        r.add_get("/v2/models/stats", self.stats)
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             r.add_get(base, self.model_metadata)
             r.add_get(base + "/ready", self.model_ready)
+            r.add_get(base + "/config", self.model_config)
+            r.add_get(base + "/stats", self.stats)
             r.add_post(base + "/infer", self.infer)
         return app
 
-    async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "name": "ferry-edge",
-                "version": "0.1.0",
-                "extensions": ["binary_tensor_data", "deferred"],
-            }
+    # ---- the app's models ------------------------------------------------------
+    def app_models(self) -> list[str]:
+        policy = self.agent.dataplane.policy
+        return sorted(policy.config.models) or self.agent.local.names()
+
+    def _local(self, name: str, version: str | None) -> Any:
+        """The loaded local variant serving ``name`` (checked against ``version``), or None."""
+        mp = self.agent.dataplane.policy.model_policy(name)
+        model = None
+        if mp.local_model and self.agent.local.has(mp.local_model):
+            model = self.agent.local.get(mp.local_model)
+        elif mp.cloud_model is None or not self.agent.transports:
+            raise ModelNotFound(f"unknown model {name!r}")
+        if version not in (None, "") and (model is None or version != str(model.version)):
+            raise ModelNotFound(f"model {name!r} has no version {version}")
+        return model
+
+    async def _cloud_json(self, name: str, what: str) -> dict[str, Any]:
+        """Metadata or config of a cloud-only model, from the cloud's own V2 API."""
+        mp = self.agent.dataplane.policy.model_policy(name)
+        http = self.agent.transports.get("http")
+        if http is None or mp.cloud_model is None:
+            raise ModelNotReady(
+                f"model {name!r} runs in the cloud only and no HTTP endpoint is configured "
+                f"to read its {what} from"
+            )
+        doc = await http.get_json(  # type: ignore[attr-defined]
+            f"/v2/models/{mp.cloud_model}{'/config' if what == 'config' else ''}",
+            time.monotonic() + 5.0,
         )
+        doc["name"] = name
+        return doc
+
+    # ---- handlers --------------------------------------------------------------
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return _json({"name": "ferry-edge", "version": "0.1.0", "extensions": EXTENSIONS})
 
     async def live(self, request: web.Request) -> web.Response:
         return _json({"live": True})
 
+    async def ready(self, request: web.Request) -> web.Response:
+        ready = self.agent.ready
+        return _json({"ready": ready}, 200 if ready else 503)
+
     async def status(self, request: web.Request) -> web.Response:
-        return _json(self.agent.status())
+        return _json(await self.agent.status())
+
+    async def set_link(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError as exc:
+            raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("transport"), str)
+            or not isinstance(body.get("link"), str)
+        ):
+            raise InvalidInput('expected {"transport": "http" | "mqtt", "link": "<link profile>"}')
+        profile = self.agent.set_link(body["transport"], body["link"])
+        return _json({"transport": body["transport"], "link": profile.name})
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        entries = []
+        for name in self.app_models():
+            try:
+                model = self._local(name, None)
+                ready = True
+            except FerryError:
+                model, ready = None, False
+            entries.append(
+                {
+                    "name": name,
+                    "version": str(model.version) if model is not None else "",
+                    "state": "READY" if ready else "UNAVAILABLE",
+                    "reason": "" if ready else "no local variant and no cloud endpoint",
+                }
+            )
+        return _json(entries)
 
     async def model_metadata(self, request: web.Request) -> web.Response:
-        name = request.match_info["model"]
-        mp = self.agent.dataplane.policy.model_policy(name)
-        if mp.local_model and self.agent.local.has(mp.local_model):
-            model = self.agent.local.get(mp.local_model)
-            batch = [-1] if model.config.max_batch_size else []
-            return _json(
-                {
-                    "name": name,
-                    "versions": [str(model.version)],
-                    "platform": "ferry-edge",
-                    "inputs": [
-                        {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
-                        for t in model.config.inputs
-                    ],
-                    "outputs": [
-                        {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
-                        for t in model.config.outputs
-                    ],
-                }
-            )
-        if mp.cloud_model and self.agent.transports:
-            return _json(
-                {
-                    "name": name,
-                    "versions": [],
-                    "platform": "ferry-edge (cloud only)",
-                    "inputs": [],
-                    "outputs": [],
-                }
-            )
-        return _json({"error": f"unknown model {name!r}", "code": "not_found"}, 404)
+        name, version = request.match_info["model"], request.match_info.get("version")
+        model = self._local(name, version)
+        if model is None:
+            return _json(await self._cloud_json(name, "metadata"))
+        batch = [-1] if model.config.max_batch_size else []
+
+        def spec(t: Any) -> dict[str, Any]:
+            return {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+
+        return _json(
+            {
+                "name": name,
+                "versions": [str(model.version)],
+                "platform": triton_model_config(model.config)["platform"],
+                "inputs": [spec(t) for t in model.config.inputs],
+                "outputs": [spec(t) for t in model.config.outputs],
+            }
+        )
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        name, version = request.match_info["model"], request.match_info.get("version")
+        model = self._local(name, version)
+        if model is None:
+            return _json(await self._cloud_json(name, "config"))
+        return _json({**triton_model_config(model.config), "name": name})
 
     async def model_ready(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        mp = self.agent.dataplane.policy.model_policy(name)
-        ready = bool(
-            (mp.local_model and self.agent.local.has(mp.local_model))
-            or (mp.cloud_model and self.agent.transports)
-        )
+        try:
+            self._local(name, request.match_info.get("version"))
+            ready = self.agent.ready
+        except FerryError:
+            ready = False
         return _json({"name": name, "ready": ready}, 200 if ready else 503)
 
+    async def stats(self, request: web.Request) -> web.Response:
+        name = request.match_info.get("model")
+        stats = self.agent.dataplane.stats
+        if name is None:
+            names = sorted(set(self.app_models()) | set(stats.names()))
+        else:
+            self._local(name, request.match_info.get("version"))
+            names = [name]
+        return _json({"model_stats": [stats.to_triton(n) for n in names]})
+
     async def deferred(self, request: web.Request) -> web.Response:
-        found = self.agent.deferred_result(request.match_info["request_id"])
+        found = await self.agent.deferred_result(request.match_info["request_id"])
         response = found.pop("response", None)
         if response is not None:
             chunks, _ = v2.encode_response(response)
@@ -166,12 +248,15 @@ class LocalApi:
         return _json(found)
 
     async def infer(self, request: web.Request) -> web.Response:
+        name, version = request.match_info["model"], request.match_info.get("version")
+        if version is not None:
+            self._local(name, version)
         body = await request.read()
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
         decoded = v2.decode_request(body, header_length, self.limits)
         deadline_ms, priority, deferrable = _steering(decoded.parameters)
         response = await self.agent.dataplane.infer(
-            request.match_info["model"],
+            name,
             decoded,
             deadline_ms=deadline_ms,
             priority=priority,

@@ -48,6 +48,12 @@ class LocalModels:
         self.slowdown = slowdown
         self.latency_floor_s = latency_floor_s
         self._models: dict[str, LocalModel] = {}
+        self._backlog: dict[str, int] = {}
+        self._emulated: dict[str, asyncio.Lock] = {}
+
+    def backlog(self, name: str) -> int:
+        """Requests submitted to ``name`` and not finished (one runs at a time)."""
+        return self._backlog.get(name, 0)
 
     def names(self) -> list[str]:
         return sorted(self._models)
@@ -95,14 +101,21 @@ class LocalModels:
     ) -> tuple[dict[str, np.ndarray], float]:
         model = self.get(name)
         loop = asyncio.get_running_loop()
-        result, seconds = await loop.run_in_executor(
-            model.executor, model.run_sync, inputs, outputs
-        )
-        # Device emulation (AgentConfig.local_slowdown and local_latency_ms).
-        emulated = max(seconds * self.slowdown, self.latency_floor_s)
-        if emulated > seconds:
-            await asyncio.sleep(emulated - seconds)
-            seconds = emulated
+        self._backlog[name] = self._backlog.get(name, 0) + 1
+        try:
+            result, seconds = await loop.run_in_executor(
+                model.executor, model.run_sync, inputs, outputs
+            )
+            # Device emulation (AgentConfig.local_slowdown and local_latency_ms):
+            # the emulated device runs one request at a time, as the real one would.
+            emulated = max(seconds * self.slowdown, self.latency_floor_s)
+            if emulated > seconds:
+                lock = self._emulated.setdefault(name, asyncio.Lock())
+                async with lock:
+                    await asyncio.sleep(emulated - seconds)
+                seconds = emulated
+        finally:
+            self._backlog[name] -= 1
         return result, seconds
 
     def close(self) -> None:

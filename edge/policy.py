@@ -93,6 +93,8 @@ class Context:
     data_used_mb_today: float = 0.0
     radio_idle_s: float | None = None
     out_bytes: int | None = None
+    batch: int = 1  # rows in the request (local latency is learnt per batch size)
+    local_backlog: int = 0  # requests already waiting for or running on the local model
 
 
 @dataclass(slots=True)
@@ -107,8 +109,10 @@ class Decision:
 
 
 # Time kept back from the cloud for a local answer, as a multiple of the local
-# latency quantile (room for the local run's own jitter).
+# latency quantile (room for the local run's own jitter), and at least enough
+# to get the fallback scheduled at all.
 FALLBACK_RESERVE = 1.5
+FALLBACK_MIN_RESERVE_S = 0.02
 
 
 def fallback_plan(
@@ -123,7 +127,7 @@ def fallback_plan(
     """
     if local is None:
         return max(deadline, now + choice.latency_q_s), None
-    reserve = local.latency_q_s * FALLBACK_RESERVE
+    reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
     if reserve >= deadline - now:
         return deadline, local
     return min(max(deadline - reserve, now + choice.latency_q_s), deadline), local
@@ -150,18 +154,35 @@ class Policy:
             return found
         return ModelPolicy(local_model=model, cloud_model=model)
 
-    def local_option(self, mp: ModelPolicy) -> Option | None:
+    def local_option(self, mp: ModelPolicy, ctx: Context | None = None) -> Option | None:
+        """Local run: its own compute time, after the requests queued ahead of it.
+
+        A local model runs one request at a time, so ``ctx.local_backlog``
+        requests ahead add their mean each.  A batch size never measured is
+        priced as that many batch-1 runs (conservative: batching rarely costs
+        more per row).
+        """
         if mp.local_model is None:
             return None
-        est = self.est.local(mp.local_model)
-        mean = est.mean
+        batch = ctx.batch if ctx is not None else 1
+        backlog = ctx.local_backlog if ctx is not None else 0
+        est = self.est.local_known(mp.local_model, batch)
+        scale = 1.0
+        if est is None and batch != 1:
+            est, scale = self.est.local_known(mp.local_model, 1), float(batch)
+        mean = est.mean if est is not None else None
         if mean is None:
             # Never measured: optimistic zero makes the agent try it once and learn.
             return Option(LOCAL, None, 0.0, 0.0, 0.0, 0, 0, 0.0)
+        assert est is not None
         q = est.quantile
         if q is None or q < mean:
             q = mean
-        return Option(LOCAL, None, mean, q, local_energy_j(self.device, mean), 0, 0, 0.0)
+        mean, q = mean * scale, q * scale
+        wait = backlog * mean
+        return Option(
+            LOCAL, None, wait + mean, wait + q, local_energy_j(self.device, mean), 0, 0, 0.0
+        )
 
     def cloud_option(self, mp: ModelPolicy, transport: str, ctx: Context) -> Option:
         link = self.est.link(transport)
@@ -219,7 +240,7 @@ class Policy:
         mode = mode or mp.mode
         options: list[Option] = []
         if mode != "cloud":
-            local = self.local_option(mp)
+            local = self.local_option(mp, ctx)
             if local is not None:
                 options.append(local)
         if mode not in ("local",) and mp.cloud_model is not None:

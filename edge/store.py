@@ -125,6 +125,15 @@ class DeferredStore:
             )
         return ids
 
+    def purge(self, before_wall: float) -> int:
+        """Forget answered, failed and expired requests created before ``before_wall``."""
+        cur = self._db.execute(
+            "DELETE FROM deferred WHERE status IN ('delivered', 'failed', 'expired')"
+            " AND created_wall < ?",
+            (before_wall,),
+        )
+        return cur.rowcount
+
     def counts(self) -> dict[str, int]:
         return dict(
             self._db.execute("SELECT status, COUNT(*) FROM deferred GROUP BY status").fetchall()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import time
 
 import aiohttp
@@ -24,11 +25,17 @@ class HttpTransport:
     name = "http"
 
     def __init__(
-        self, base_url: str, *, token: str | None = None, limits: Limits = DEFAULT_LIMITS
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        tls_context: ssl.SSLContext | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.limits = limits
+        self.tls_context = tls_context
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -37,7 +44,9 @@ class HttpTransport:
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        connector = aiohttp.TCPConnector(limit=64, force_close=False)
+        connector = aiohttp.TCPConnector(
+            limit=64, force_close=False, ssl=self.tls_context if self.tls_context else True
+        )
         self._session = aiohttp.ClientSession(headers=headers, connector=connector)
 
     async def close(self) -> None:
@@ -63,6 +72,30 @@ class HttpTransport:
         except aiohttp.ClientError as exc:
             raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
         return time.monotonic() - started
+
+    async def get_json(self, path: str, deadline: float) -> dict:
+        """GET a JSON document of the cloud's V2 API (metadata, config) for the local API."""
+        if self._session is None:
+            raise ModelNotReady("HTTP transport not started")
+        try:
+            async with self._session.get(
+                f"{self.base_url}{path}",
+                timeout=aiohttp.ClientTimeout(total=max(deadline - time.monotonic(), 0.001)),
+            ) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    raise _http_error(resp.status, payload)
+        except TimeoutError:
+            raise DeadlineExceeded(f"no reply to GET {path} within the deadline") from None
+        except aiohttp.ClientError as exc:
+            raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+        try:
+            doc = json.loads(payload)
+        except ValueError:
+            raise InternalError(f"GET {path}: the cloud answered invalid JSON") from None
+        if not isinstance(doc, dict):
+            raise InternalError(f"GET {path}: the cloud answered a non-object")
+        return doc
 
     async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
         if self._session is None:

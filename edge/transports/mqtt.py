@@ -1,7 +1,10 @@
 """MQTT v5 request/response client (paho-mqtt), as the edge agent uses it.
 
 Requests carry a Response Topic (``ferry/v1/replies/{client_id}``), their id
-as Correlation Data and the deadline as Message Expiry.  Pending requests
+as Correlation Data and the deadline as Message Expiry.  The client also
+follows the cloud nodes' retained status topics (a node's last will marks it
+offline), so it knows which models some live node serves: a broker that is
+up in front of dead nodes is not mistaken for a working cloud.  Pending requests
 live in ``dict[correlation, Future]``; after a reconnect every unanswered
 request is published again (the server may answer twice: the second answer
 finds no pending entry and is dropped), so a broker restart costs latency,
@@ -11,6 +14,7 @@ not answers.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import socket
@@ -26,10 +30,12 @@ from paho.mqtt.properties import Properties
 
 from edge.transports.base import TransferResult
 from shared import envelope
-from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotReady
+from shared.errors import DeadlineExceeded, FerryError, InternalError, InvalidInput, ModelNotReady
 from shared.messages import InferRequest, InferResponse
-from shared.mqtt import BrokerAddress, reply_topic, request_topic
+from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
 from shared.tensors import DEFAULT_LIMITS, Limits
+
+NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +63,14 @@ class MqttTransport:
         broker: BrokerAddress,
         *,
         client_id: str | None = None,
-        ca_file: str | None = None,
-        tls_insecure: bool = False,
+        tls_context: ssl.SSLContext | None = None,
         limits: Limits = DEFAULT_LIMITS,
         keepalive_s: int = 30,
     ) -> None:
         self.broker = broker
         self.client_id = client_id or f"ferry-edge-{uuid.uuid4().hex[:12]}"
         self.reply_topic = reply_topic(self.client_id)
-        self.ca_file = ca_file
-        self.tls_insecure = tls_insecure
+        self.tls_context = tls_context
         self.limits = limits
         self.keepalive_s = keepalive_s
         self._pending: dict[bytes, _Pending] = {}
@@ -75,6 +79,14 @@ class MqttTransport:
         self._client: mqtt.Client | None = None
         self._ready = asyncio.Event()
         self.republished = 0
+        self.nodes: dict[str, frozenset[str]] = {}  # live node -> models it hosts
+        self._status_seen = False
+
+    def serves(self, model: str) -> bool | None:
+        """Whether a live cloud node hosts ``model`` (None: no node status seen yet)."""
+        if not self._status_seen:
+            return None
+        return any(model in models for models in self.nodes.values())
 
     @property
     def connected(self) -> bool:
@@ -90,11 +102,7 @@ class MqttTransport:
         if self.broker.username:
             client.username_pw_set(self.broker.username, self.broker.password)
         if self.broker.tls:
-            context = ssl.create_default_context(cafile=self.ca_file)
-            if self.tls_insecure:
-                context.check_hostname = False
-                context.verify_mode = ssl.CERT_NONE
-            client.tls_set_context(context)
+            client.tls_set_context(self.tls_context or ssl.create_default_context())
         client.on_socket_open = _nodelay
         client.on_connect = self._on_connect
         client.on_subscribe = self._on_subscribe
@@ -150,9 +158,15 @@ class MqttTransport:
         return TransferResult(response, len(payload), received, started, time.monotonic())
 
     async def probe(self, deadline: float) -> float:
-        """Round trip through the broker to our own reply topic: a light RTT sample."""
+        """Round trip through the broker to our own reply topic: a light RTT sample.
+
+        It succeeds only while some cloud node is live (by the retained
+        status topics), since a broker alone answers nothing.
+        """
         if self._client is None or self._loop is None or not self._ready.is_set():
             raise ModelNotReady("MQTT transport not connected")
+        if self._status_seen and not self.nodes:
+            raise ModelNotReady("no cloud node is online behind the broker")
         correlation = b"probe:" + uuid.uuid4().hex.encode()
         future: asyncio.Future[float] = self._loop.create_future()
         self._probes[correlation] = future
@@ -183,7 +197,7 @@ class MqttTransport:
         if reason.is_failure:
             log.warning("MQTT connect refused: %s", reason)
             return
-        client.subscribe(self.reply_topic, qos=1)
+        client.subscribe([(self.reply_topic, 1), (NODE_STATUS_TOPICS, 1)])
 
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any
@@ -198,8 +212,13 @@ class MqttTransport:
             self._loop.call_soon_threadsafe(self._ready.clear)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        if self._loop is None:
+            return
+        if message.topic.startswith(f"{PREFIX}/nodes/"):
+            self._loop.call_soon_threadsafe(self._node_status, message.topic, message.payload)
+            return
         correlation = getattr(message.properties, "CorrelationData", None)
-        if correlation is None or self._loop is None:
+        if correlation is None:
             return
         self._loop.call_soon_threadsafe(self._resolve, bytes(correlation), message.payload)
 
@@ -215,6 +234,21 @@ class MqttTransport:
                 self._publish(correlation, pending)
                 self.republished += 1
 
+    def _node_status(self, topic: str, payload: bytes) -> None:
+        node = topic.split("/")[-2]
+        self._status_seen = True
+        try:
+            doc = json.loads(payload) if payload else {}
+            online = doc.get("state") == "online"
+            models = frozenset(str(m["name"]) for m in doc.get("models", []))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            log.warning("unreadable status from cloud node %s", node)
+            return
+        if online:
+            self.nodes[node] = models
+        else:
+            self.nodes.pop(node, None)
+
     def _resolve(self, correlation: bytes, payload: bytes) -> None:
         probe = self._probes.get(correlation)
         if probe is not None:
@@ -228,6 +262,9 @@ class MqttTransport:
             _, result = envelope.decode_reply(payload, self.limits)
         except FerryError as exc:
             pending.future.set_exception(exc)
+            return
+        except Exception as exc:  # a malformed reply must still answer the request
+            pending.future.set_exception(InternalError(f"unreadable MQTT reply: {exc!r}"))
             return
         if isinstance(result, FerryError):
             pending.future.set_exception(result)

@@ -36,6 +36,22 @@ def test_the_shipped_example_agent_config_parses():
         ('repository = "r"\n[policy]\ndeadline_quantile = 1.5\n', "deadline_quantile"),
         ('repository = "r"\n[emulation]\nlocal_slowdown = 0.5\n', "local_slowdown"),
         ('repository = "r"\n[emulation]\nlocal_latency_ms = -1\n', "local_latency_ms"),
+        ('repository = "r"\ndevice = "toaster-9000"\n', "key 'device': unknown device profile"),
+        ('repository = "r"\n[links]\nhttp = "carrier-pigeon"\n', "key 'links.http'"),
+        ('repository = "r"\ndevice = "nope.toml"\n', "key 'device'.*cannot read"),
+        ('repository = "r"\n[cloud]\nmqtt = "amqp://broker"\n', "key 'cloud.mqtt'"),
+        ('repository = "r"\n[cloud]\nhttp = "ftp://cloud"\n', "key 'cloud.http'"),
+        ('repository = "r"\n[cloud]\nca_file = "missing.pem"\n', "key 'cloud.ca_file'"),
+        ('repository = "r"\n[cloud]\npassword_file = "missing"\n', "key 'cloud.password_file'"),
+        ('repository = "r"\n[api]\nport = 99999\n', "key 'api.port'"),
+        ('repository = "r"\nprobe_interval_s = 0\n', "key 'probe_interval_s'"),
+        ('repository = "r"\nlocal_threads = -3\n', "key 'local_threads'"),
+        ('repository = "r"\n[policy]\ndata_cap_mb_per_day = -5\n', "data_cap_mb_per_day"),
+        ('repository = "r"\n[policy]\nbattery_floor_percent = 400\n', "battery_floor_percent"),
+        ('repository = "r"\n[policy]\ndeadline_ms = -1\n', "key 'policy.deadline_ms'"),
+        ('repository = "r"\n[models.m]\nlocal = "a"\noutput_bytes = -7\n', "output_bytes"),
+        ('repository = "r"\n[models.m]\nmode = "cost"\n', "needs a local model, a cloud model"),
+        ('repository = "r"\n[store]\nmax_attempts = 0\n', "key 'store.max_attempts'"),
         ("[policy]\n", "'repository' is required"),
         ("repository =\n", "not valid TOML"),
     ],
@@ -70,5 +86,74 @@ async def test_a_bad_edit_is_ignored_and_a_good_one_swapped_in(tmp_path, edge_re
         os.utime(path, (2, 2))
         await agent._watch_config()
         assert agent.dataplane.policy.config.default_deadline_ms == 750
+    finally:
+        await agent.stop()
+
+
+def test_profile_paths_resolve_against_the_config_folder(tmp_path: Path):
+    (tmp_path / "my-link.toml").write_text(
+        (ROOT / "devices" / "links" / "lte.toml").read_text().replace('name = "lte"', 'name = "mine"')
+    )
+    path = tmp_path / "agent.toml"
+    path.write_text('repository = "r"\n[links]\nhttp = "my-link.toml"\n')
+    assert load_agent_config(path).links["http"] == str(tmp_path / "my-link.toml")
+
+
+async def test_a_reload_applies_device_emulation_and_quantile_live(tmp_path, edge_repos):
+    import os
+
+    from edge.agent import Agent
+    from tests.edge.conftest import agent_toml
+
+    path = agent_toml(tmp_path, edge_repos[1], models='[models.lin]\nlocal = "lin-local"\n')
+    agent = Agent(load_agent_config(path))
+    await agent.start()
+    try:
+        assert agent.device.name == "raspberry-pi-4b"
+        path.write_text(
+            path.read_text()
+            .replace('device = "raspberry-pi-4b"', 'device = "jetson-orin-nano"')
+            .replace("[policy]\n", "[emulation]\nlocal_latency_ms = 50\n[policy]\ndeadline_quantile = 0.9\n")
+        )
+        os.utime(path, (3, 3))
+        await agent._watch_config()
+        assert agent.device.name == "jetson-orin-nano"
+        assert agent.dataplane.policy.device.name == "jetson-orin-nano"
+        assert agent.local.latency_floor_s == 0.05
+        assert agent.estimators.local("lin-local").q == 0.9
+    finally:
+        await agent.stop()
+
+
+async def test_requests_in_flight_across_a_reload_that_remaps_the_model_are_all_answered(
+    tmp_path, edge_repos
+):
+    import asyncio
+    import os
+
+    import numpy as np
+
+    from edge.agent import Agent
+    from tests.edge.conftest import agent_toml
+
+    path = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        models='[models.lin]\nlocal = "lin-local"\nmode = "local"\n',
+        extra="[emulation]\nlocal_latency_ms = 200\n",
+    )
+    agent = Agent(load_agent_config(path))
+    await agent.start()
+    try:
+        x = np.ones((1, 4), np.float32)
+        flights = [asyncio.create_task(agent.infer("lin", {"x": x})) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        # The model loses its local variant while those requests wait for the device.
+        path.write_text(path.read_text().replace('local = "lin-local"\nmode = "local"\n', 'local = "soft-local"\n'))
+        os.utime(path, (4, 4))
+        await agent._watch_config()
+        assert agent.dataplane.policy.model_policy("lin").local_model == "soft-local"
+        answers = await asyncio.gather(*flights)
+        assert all(a.outputs[0].data.shape == (1, 3) for a in answers)  # lin-local's outputs
     finally:
         await agent.stop()

@@ -1,4 +1,5 @@
 import json
+import time
 
 import numpy as np
 import pytest
@@ -87,3 +88,32 @@ def test_latency_estimator_ignores_garbage():
     e.add(float("nan"), 0.0)
     e.add(-1.0, 0.0)
     assert e.count == 0 and e.mean is None
+
+
+def test_bandwidth_age_survives_a_restart(tmp_path):
+    est = Estimators()
+    est.link("http").observe(600_000, 1_000, 0.5, 0.01, 100.0)
+    assert est.link("http").bandwidth_update == 100.0
+    path = tmp_path / "estimates.json"
+    est.save(path)
+    now = time.monotonic()
+    age = now - 100.0  # how old the sample was when saved, in the saving clock
+    back = Estimators.load(path, now=5000.0)
+    assert back.link("http").bandwidth_update == pytest.approx(5000.0 - age, abs=1.0)
+    assert back.link("http").up_bps == pytest.approx(est.link("http").up_bps)
+
+
+def test_the_policy_quantile_is_what_every_estimator_tracks(tmp_path):
+    est = Estimators(quantile=0.5)
+    for i in range(100):
+        est.local("m").add(float(i), 0.0)
+    assert est.local("m").quantile == pytest.approx(49.5, abs=3)
+    est.set_quantile(0.9)  # a reloaded policy: means kept, the quantile restarts
+    assert est.local("m").quantile is None and est.local("m").mean is not None
+    for i in range(200):
+        est.local("m").add(float(i % 100), 0.0)
+    assert est.local("m").quantile == pytest.approx(90, abs=5)
+    assert est.link("http")._rtt_q.q == 0.9 and est.cloud_queue("c").q == 0.9
+    path = tmp_path / "estimates.json"
+    est.save(path)
+    assert Estimators.load(path, 0.0, quantile=0.99).local("m").q == 0.99

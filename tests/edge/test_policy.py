@@ -172,3 +172,54 @@ def test_an_old_bad_estimate_relaxes_to_the_prior_for_exploration():
     later = now + 6.0  # stale: explore with the prior's optimism
     d = p.decide("m", _ctx(now=later))
     assert d.where.startswith("cloud-") and "explore" in d.reason
+
+
+def test_deadline_quantile_in_the_policy_file_changes_the_decision():
+    # Local is usually 20 ms but one run in ten takes 300 ms; the deadline is 200 ms.
+    # At the median local makes it; at the 95th percentile it does not.
+    def decide(q: float) -> str:
+        p = _policy(local_ms=None, up_mbps=5.0, rtt_ms=40, deadline_quantile=q)
+        p.est.set_quantile(q)
+        now = time.monotonic()
+        for i in range(400):
+            p.est.local("m-int8").add(0.3 if i % 10 == 0 else 0.02, now)
+        return p.decide("m", _ctx(deadline_ms=200, connected=False)).reason
+
+    assert decide(0.5) == "least cost"
+    assert "deadline" in decide(0.95)
+
+
+def test_requests_queued_on_the_local_model_add_their_time():
+    p = _policy(local_ms=100, up_mbps=40, rtt_ms=10, cloud_ms=5)
+    idle = p.decide("m", _ctx(deadline_ms=5000, local_backlog=0))
+    busy = p.decide("m", _ctx(deadline_ms=5000, local_backlog=5))
+    local_idle = next(o for o in idle.options if o.name == "local")
+    local_busy = next(o for o in busy.options if o.name == "local")
+    assert local_busy.latency_s == pytest.approx(6 * local_idle.latency_s)
+    assert idle.where == "local" and busy.where.startswith("cloud-")
+
+
+def test_an_unmeasured_batch_size_is_priced_as_that_many_single_runs():
+    p = _policy(local_ms=10)
+    one = next(o for o in p.decide("m", _ctx(batch=1)).options if o.name == "local")
+    eight = next(o for o in p.decide("m", _ctx(batch=8)).options if o.name == "local")
+    assert eight.latency_s == pytest.approx(8 * one.latency_s)
+    now = time.monotonic()
+    for _ in range(10):
+        p.est.local("m-int8", 8).add(0.03, now)  # measured: batching pays
+    eight = next(o for o in p.decide("m", _ctx(batch=8)).options if o.name == "local")
+    assert eight.latency_s == pytest.approx(0.03)
+
+
+def test_fallback_plan_keeps_room_for_a_local_answer():
+    from edge.policy import Option, fallback_plan
+
+    local = Option("local", None, 0.1, 0.2, 0.0, 0, 0, 0.0)
+    cloud = Option("cloud-http", "http", 0.05, 0.08, 0.0, 1, 1, 0.0)
+    give_up, fallback = fallback_plan(10.0, 11.0, local, cloud)
+    assert give_up == pytest.approx(11.0 - 0.3) and fallback is local
+    # Local cannot make it anyway: the cloud gets the whole deadline, local stays the fallback.
+    give_up, fallback = fallback_plan(10.0, 10.25, local, cloud)
+    assert give_up == 10.25 and fallback is local
+    give_up, fallback = fallback_plan(10.0, 10.05, None, cloud)
+    assert give_up == pytest.approx(10.08) and fallback is None

@@ -1,0 +1,75 @@
+"""Per-model request statistics of the agent, in Triton's statistics shape.
+
+So the tools that read a Triton server's ``/v2/models/stats`` (perf
+analyzers, dashboards) read the agent's too.  Beyond Triton's fields each
+entry says where the requests ran (local, cloud-mqtt, cloud-http, deferred)
+and how failures split by error code: what an agent's operator asks first.
+Only the event loop writes, so plain counters suffice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _ModelCounters:
+    success: int = 0
+    success_ns: int = 0
+    fail: int = 0
+    fail_ns: int = 0
+    last_ms: int = 0
+    where: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+class AgentStats:
+    def __init__(self) -> None:
+        self._models: dict[str, _ModelCounters] = {}
+
+    def _get(self, model: str) -> _ModelCounters:
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = _ModelCounters()
+        return found
+
+    def success(self, model: str, where: str, seconds: float) -> None:
+        c = self._get(model)
+        c.success += 1
+        c.success_ns += int(seconds * 1e9)
+        c.where[where] += 1
+        c.last_ms = int(time.time() * 1000)
+
+    def failure(self, model: str, seconds: float, code: str) -> None:
+        c = self._get(model)
+        c.fail += 1
+        c.fail_ns += int(seconds * 1e9)
+        c.errors[code] += 1
+        c.last_ms = int(time.time() * 1000)
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def to_triton(self, model: str, version: str = "") -> dict[str, Any]:
+        c = self._models.get(model) or _ModelCounters()
+        return {
+            "name": model,
+            "version": version,
+            "last_inference": c.last_ms,
+            "inference_count": c.success,
+            "execution_count": c.success,
+            "inference_stats": {
+                "success": {"count": c.success, "ns": c.success_ns},
+                "fail": {"count": c.fail, "ns": c.fail_ns},
+                "queue": {"count": c.success, "ns": 0},
+                "compute_input": {"count": c.success, "ns": 0},
+                "compute_infer": {"count": c.success, "ns": c.success_ns},
+                "compute_output": {"count": c.success, "ns": 0},
+            },
+            "batch_stats": [],
+            "where": dict(c.where),
+            "errors": dict(c.errors),
+        }

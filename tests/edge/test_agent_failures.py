@@ -1,0 +1,200 @@
+"""How the agent fails: which errors open a breaker, fallbacks, dead nodes behind a live broker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edge.agent import Agent
+from edge.config import load_agent_config
+from edge.linkemu import LinkEmulator
+from edge.traces import steady
+from tests.edge.conftest import agent_toml
+from tests.support import cloud_server
+
+SLOW_DEVICE = "[emulation]\nlocal_latency_ms = 400\n"
+X = np.ones((1, 4), np.float32)
+
+
+@pytest.fixture(scope="module")
+def cloud(edge_repos):
+    proc = cloud_server(edge_repos[0], "--node", "failures").start()
+    yield proc
+    proc.terminate()
+
+
+class BlackHole:
+    """A real TCP peer that accepts connections and never answers (a hung cloud)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.fixture
+def black_hole():
+    hole = BlackHole()
+    yield hole
+    hole.close()
+
+
+async def test_a_mistyped_cloud_model_neither_opens_the_breaker_nor_is_retried(
+    tmp_path, edge_repos, cloud
+):
+    models = (
+        '[models.typo]\nlocal = "lin-local"\ncloud = "no-such-model"\n'
+        '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
+    )
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=models, extra=SLOW_DEVICE)
+    async with Agent(load_agent_config(cfg)) as agent:
+        first = await agent.infer("typo", {"x": X}, deadline_ms=3000)
+        assert first.parameters["where"] == "local" and first.parameters["fallback"] is True
+        assert "not_found" in first.parameters["decision"]
+        # The cloud said it has no such model: no more tries for a while, no fallback cost.
+        later = [(await agent.infer("typo", {"x": X}, deadline_ms=3000)).parameters for _ in range(4)]
+        assert all(p["where"] == "local" and not p["fallback"] for p in later)
+        assert agent.dataplane.breakers["http"].state == "closed"
+        other = [(await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters for _ in range(3)]
+        assert other[-1]["where"] == "cloud-http"
+
+
+async def test_a_cloud_only_choice_still_falls_back_to_its_local_variant(
+    tmp_path, edge_repos, black_hole
+):
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=f"http://127.0.0.1:{black_hole.port}",
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
+        extra="[emulation]\nlocal_latency_ms = 100\n",
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        t = time.monotonic()
+        answer = await agent.infer("lin", {"x": X}, deadline_ms=1500)
+        elapsed = time.monotonic() - t
+    p = answer.parameters
+    assert p["where"] == "local" and p["fallback"] is True and "deadline_exceeded" in p["decision"]
+    assert p["bytes_attempted"] > X.nbytes
+    assert elapsed < 1.5  # the cloud was given up on in time to answer locally
+    assert answer.outputs[0].data.shape == (1, 3)
+
+
+async def test_a_reload_during_an_offload_does_not_change_that_requests_fallback(
+    tmp_path, edge_repos, black_hole
+):
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=f"http://127.0.0.1:{black_hole.port}",
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        flight = asyncio.create_task(agent.infer("lin", {"x": X}, deadline_ms=1500))
+        await asyncio.sleep(0.2)  # the request now waits on the hung cloud
+        cfg.write_text(cfg.read_text().replace('local = "lin-local"\n', ""))
+        os.utime(cfg, (5, 5))
+        await agent._watch_config()
+        assert agent.dataplane.policy.model_policy("lin").local_model is None
+        answer = await flight
+    assert answer.parameters["where"] == "local" and answer.parameters["fallback"] is True
+
+
+async def test_killing_the_cloud_mid_request_is_answered_locally_in_time(tmp_path, edge_repos):
+    server = cloud_server(edge_repos[0], "--node", "mid-flight").start()
+    port = int(server.http_url.rsplit(":", 1)[1])
+    # 300 ms each way keeps every request in flight long enough to kill the server under it.
+    emu = LinkEmulator(("127.0.0.1", 0), ("127.0.0.1", port), steady(100, 600), delay_ms=300)
+    await emu.start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=f"http://127.0.0.1:{emu.port}",
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
+        extra="[emulation]\nlocal_latency_ms = 100\n",
+    )
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            assert (await agent.infer("lin", {"x": X}, deadline_ms=5000)).parameters[
+                "where"
+            ] == "cloud-http"
+            flights = [
+                asyncio.create_task(agent.infer("lin", {"x": X}, deadline_ms=3000))
+                for _ in range(4)
+            ]
+            await asyncio.sleep(0.15)
+            server.kill()
+            answers = await asyncio.gather(*flights)
+        assert all(a.parameters["where"] == "local" for a in answers)
+        assert all(a.parameters["fallback"] for a in answers)
+        assert all(a.parameters["latency_ms"] < 3000 for a in answers)
+    finally:
+        server.kill()
+        await emu.close()
+
+
+async def test_a_dead_node_behind_a_live_broker_sends_work_local_without_waiting(
+    tmp_path, edge_repos, broker
+):
+    node = cloud_server(edge_repos[0], "--node", "mqtt-node", "--mqtt", broker.url).start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        mqtt=broker.url,
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n',
+        extra=SLOW_DEVICE,
+    )
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            mqtt = agent.transports["mqtt"]
+            for _ in range(40):  # the node's retained status arrives after the subscription
+                if mqtt.serves("lin"):
+                    break
+                await asyncio.sleep(0.05)
+            assert mqtt.serves("lin") is True and "mqtt-node" in mqtt.nodes
+            wheres = [(await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"] for _ in range(3)]
+            assert wheres[-1] == "cloud-mqtt"
+
+            node.kill()  # no goodbye: the broker publishes the node's last will
+            for _ in range(100):
+                if mqtt.serves("lin") is False:
+                    break
+                await asyncio.sleep(0.05)
+            assert mqtt.serves("lin") is False
+            p = (await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters
+            assert p["where"] == "local" and not p["fallback"]  # known dead: no timeout paid
+            assert p["latency_ms"] < 1500
+            with pytest.raises(Exception, match="no cloud node is online"):
+                await mqtt.probe(time.monotonic() + 1)
+
+            node = cloud_server(edge_repos[0], "--node", "mqtt-node", "--mqtt", broker.url).start()
+            for _ in range(100):
+                if mqtt.serves("lin"):
+                    break
+                await asyncio.sleep(0.05)
+            back = [(await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"] for _ in range(3)]
+            assert back[-1] == "cloud-mqtt"
+    finally:
+        node.kill()
