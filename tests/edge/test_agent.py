@@ -13,7 +13,7 @@ import tritonclient.http as triton
 
 from edge.agent import Agent
 from edge.config import load_agent_config
-from shared.errors import ModelNotReady
+from shared.errors import InvalidInput, ModelNotReady
 from tests.edge.conftest import agent_toml
 from tests.support import cloud_server, edge_agent, linear_reference, write_linear_model
 
@@ -181,3 +181,76 @@ async def test_killed_cloud_every_request_answered_locally_and_breaker_recovers(
             assert back[-1]["where"] == "cloud-http" and back[-1]["node"] == "reborn"
         finally:
             server2.terminate()
+
+
+def test_the_local_api_answers_triton_config_stats_and_index_like_the_cloud(
+    tmp_path, edge_repos, cloud
+):
+    models = LIN + '[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n'
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=models)
+    agent = edge_agent(cfg).start()
+    try:
+        client = triton.InferenceServerClient(agent.http_url.removeprefix("http://"))
+        assert client.is_server_ready()
+        config = client.get_model_config("lin")
+        assert config["name"] == "lin" and config["input"][0]["name"] == "x"
+        remote = client.get_model_config("c")  # cloud-only: read from the cloud's own API
+        assert remote["name"] == "c" and remote["output"][0]["name"] == "y"
+        assert client.get_model_metadata("c")["inputs"][0]["shape"] == [-1, 4]
+        inp = triton.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 4), np.float32))
+        for _ in range(3):
+            client.infer("lin", [inp])
+        stats = client.get_inference_statistics("lin")["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == 3
+        assert sum(stats["where"].values()) == 3
+        index = {e["name"]: e["state"] for e in client.get_model_repository_index()}
+        assert index == {"lin": "READY", "c": "READY"}
+        with pytest.raises(triton.InferenceServerException, match="no version 7"):
+            client.infer("lin", [inp], model_version="7")
+        assert not client.is_model_ready("lin", "7")
+    finally:
+        agent.terminate()
+
+
+async def test_a_network_change_swaps_the_link_profile_and_its_energy_model(
+    tmp_path, edge_repos, cloud
+):
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN)
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        assert agent.links["http"].name == "wifi"
+        wifi = agent.dataplane.decide("lin", _request(x), 2.0, mode="cloud").choice
+        agent.set_link("http", "lte")
+        assert agent.links["http"].name == "lte"
+        assert agent.estimators.link("http").prior_up_bps == agent.links["http"].up_mbps * 1e6
+        lte = agent.dataplane.decide("lin", _request(x), 2.0, mode="cloud").choice
+        assert lte.energy_j > wifi.energy_j  # LTE's promotion and tail
+        with pytest.raises(InvalidInput):
+            agent.set_link("http", "smoke-signals")
+        with pytest.raises(InvalidInput):
+            agent.set_link("carrier", "lte")
+
+
+def _request(x):
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+
+    return InferRequest(inputs=[Tensor.from_array("x", x)])
+
+
+async def test_the_daily_data_used_survives_a_restart(tmp_path, edge_repos, cloud):
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+    )
+    x = np.ones((32, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        for _ in range(3):
+            await agent.infer("lin", {"x": x})
+        used = agent.dataplane.usage.today()
+    assert used > 3 * x.nbytes / 1e6
+    async with Agent(load_agent_config(cfg)) as again:
+        assert again.dataplane.usage.today() == pytest.approx(used)
