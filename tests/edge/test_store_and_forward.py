@@ -76,3 +76,64 @@ def test_deferred_requests_survive_kill_9_and_are_delivered_once(tmp_path, edge_
     finally:
         agent2.terminate()
         server.terminate()
+
+
+def _write_expand_model(path):
+    """y = ones(shape): a huge requested shape fails the cloud's allocator (a 500)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Expand", ["one", "shape"], ["y"])],
+        "expand",
+        [helper.make_tensor_value_info("shape", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])],
+        initializer=[numpy_helper.from_array(np.array([1.0], np.float32), "one")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+async def test_a_request_the_cloud_always_fails_does_not_block_the_ones_behind_it(tmp_path):
+    import asyncio
+
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+
+    cloud_repo = tmp_path / "cloud"
+    _write_expand_model(cloud_repo / "expand" / "1" / "model.onnx")
+    (tmp_path / "local").mkdir()
+    port = free_port()
+    cfg = agent_toml(
+        tmp_path,
+        tmp_path / "local",
+        http=f"http://127.0.0.1:{port}",
+        models='[models.g]\ncloud = "expand"\nmode = "cloud"\n',
+        extra="[store]\nmax_attempts = 2\n",
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        ids = []
+        for n in (2**42, 3, 2):  # the first one is poison: 16 TB the cloud cannot allocate
+            got = await agent.infer("g", {"shape": np.array([n], np.int64)}, deferrable=True)
+            assert got.parameters["where"] == "deferred"
+            ids.append(got.parameters["request_id"])
+        server = cloud_server(cloud_repo, "--node", "poison")
+        server.args[server.args.index("0")] = str(port)
+        server.start()
+        try:
+            for _ in range(20):
+                await agent.dataplane.probe()
+                await agent.flush_deferred()
+                states = [(await agent.deferred_result(i))["status"] for i in ids]
+                if states == ["failed", "delivered", "delivered"]:
+                    break
+                await asyncio.sleep(0.2)
+            assert states == ["failed", "delivered", "delivered"]
+            poison = await agent.deferred_result(ids[0])
+            assert poison["error"].startswith("internal")
+            good = await agent.deferred_result(ids[1])
+            np.testing.assert_array_equal(good["response"].outputs[0].data, [1, 1, 1])
+        finally:
+            server.terminate()
