@@ -133,6 +133,12 @@ def fallback_plan(
     return min(max(deadline - reserve, now + choice.latency_q_s), deadline), local
 
 
+def _fallback_fits(cloud: Option, local: Option, deadline_s: float) -> bool:
+    """Whether giving ``cloud`` its predicted time still leaves room to answer locally."""
+    reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
+    return cloud.latency_q_s + reserve <= deadline_s
+
+
 class Policy:
     """Decides where one request runs.  Holds no per-request state."""
 
@@ -281,8 +287,11 @@ class Policy:
                 best = o
         if best is not None:
             if not low_battery:
+                local = next((o for o in options if o.transport is None and o.feasible), None)
                 for o in options:
                     if o.stale and o.feasible and o is not best and o.transport is not None:
+                        if local is not None and not _fallback_fits(o, local, ctx.deadline_s):
+                            continue  # exploring must not cost this request its deadline
                         self.est.link(o.transport).exploring_since = ctx.now
                         return Decision(o, options, "explore: link estimate is stale")
             return Decision(

@@ -6,7 +6,11 @@ emulator (a TCP proxy that shapes real bytes to a rate and a delay), and the
 demo scripts the link: good WiFi, weak LTE, an outage, LTE, WiFi again.  A
 workload of rendered document pages goes to the agent's local V2 API; per
 phase the demo prints where requests ran, p50/p99 latency, energy and bytes,
-so the policy's switching is visible.  HTTP by default (no broker needed);
+so the policy's switching is visible.  At each change of network the demo
+tells the agent the new link's kind (``POST /v2/agent/link``), as a device's
+connectivity manager would, so LTE phases are priced with LTE's radio model
+(promotion and tail); bandwidth and RTT the agent still learns by itself.
+HTTP by default (no broker needed);
 ``--mqtt`` starts a local Mosquitto and offloads over MQTT instead.
 
 The example device is a Raspberry Pi 4B: this machine is several times
@@ -41,13 +45,13 @@ from shared.messages import InferRequest  # noqa: E402
 from shared.modeltools.samples import orientation_samples  # noqa: E402
 from shared.tensors import Tensor  # noqa: E402
 
-#: (name, seconds, uplink Mbps, downlink Mbps, one-way delay ms); 0 Mbps = outage
+#: (name, seconds, uplink Mbps, downlink Mbps, one-way delay ms, link kind); 0 Mbps = outage
 PHASES = [
-    ("good WiFi", 10, 300.0, 300.0, 2.0),
-    ("weak LTE", 10, 2.0, 8.0, 35.0),
-    ("outage", 8, 0.0, 0.0, 35.0),
-    ("LTE", 10, 12.0, 30.0, 25.0),
-    ("good WiFi", 12, 300.0, 300.0, 2.0),
+    ("good WiFi", 10, 300.0, 300.0, 2.0, "wifi"),
+    ("weak LTE", 10, 2.0, 8.0, 35.0, "lte"),
+    ("outage", 8, 0.0, 0.0, 35.0, "lte"),
+    ("LTE", 10, 12.0, 30.0, 25.0, "lte"),
+    ("good WiFi", 12, 300.0, 300.0, 2.0, "wifi"),
 ]
 
 
@@ -98,6 +102,7 @@ class PhaseStats:
     received: int = 0
     fallbacks: int = 0
     errors: int = 0
+    error_kinds: dict[str, None] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -125,18 +130,33 @@ def start_broker(folder: Path) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
+async def tell_link(api_url: str, transport: str, link: str) -> None:
+    """The network changed: what a connectivity manager would tell the agent."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{api_url}/v2/agent/link", json={"transport": transport, "link": link}
+        ) as resp:
+            resp.raise_for_status()
+
+
 async def drive(
-    api_url: str, emulators: list[LinkEmulator], rate: float, deadline_ms: float
+    api_url: str, emulators: list[LinkEmulator], rate: float, deadline_ms: float, transport: str
 ) -> list[tuple[str, PhaseStats]]:
     images, _ = orientation_samples(16, seed=3)
     client = HttpTransport(api_url)
     await client.start()
     results: list[tuple[str, PhaseStats]] = []
+    current = "wifi"
     try:
-        for name, seconds, up, down, delay in PHASES:
+        for name, seconds, up, down, delay, kind in PHASES:
             for emu in emulators:
                 emu.set_traces(steady(up, 60, name=name), steady(down, 60, name=name))
                 emu.delay_s = delay / 1000.0
+            if kind != current:
+                await tell_link(api_url, transport, kind)
+                current = kind
             stats = PhaseStats()
             results.append((name, stats))
             print(f"  phase {name:<10} {up:>6.1f} Mbps up, {delay:>4.0f} ms delay ...", flush=True)
@@ -151,8 +171,9 @@ async def drive(
                 )
                 try:
                     r = await client.infer("orientation", request, time.monotonic() + 30)
-                except Exception:
+                except Exception as exc:
                     st.errors += 1
+                    st.error_kinds[type(exc).__name__ + ": " + str(exc)[:160]] = None
                     return
                 p = r.response.parameters
                 st.where.append(p.get("where", "?"))
@@ -178,7 +199,7 @@ async def drive(
 def report(results: list[tuple[str, PhaseStats]]) -> None:
     print(
         f"\n  {'phase':<11}{'requests':>9}  {'where (local / cloud)':<24}{'fallback':>9}"
-        f"{'p50 ms':>9}{'p99 ms':>9}{'mJ/req':>9}{'MB sent':>9}"
+        f"{'p50 ms':>9}{'p99 ms':>9}{'mJ/req':>9}{'MB sent':>9}{'MB recv':>9}"
     )
     for name, s in results:
         n = len(s.where)
@@ -189,8 +210,11 @@ def report(results: list[tuple[str, PhaseStats]]) -> None:
             f"  {name:<11}{n:>9}  {f'{local} / {cloud}':<24}{s.fallbacks:>9}"
             f"{np.percentile(lat, 50):>9.1f}{np.percentile(lat, 99):>9.1f}"
             f"{(np.mean(s.energy_j) * 1000 if s.energy_j else 0):>9.0f}{s.sent / 1e6:>9.1f}"
+            f"{s.received / 1e6:>9.2f}"
             + (f"   errors={s.errors}" if s.errors else "")
         )
+        for kind in list(s.error_kinds)[:3]:
+            print(f"      error: {kind}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mqtt", action="store_true", help="offload over MQTT through a local Mosquitto"
     )
-    parser.add_argument("--rate", type=float, default=6.0, help="requests per second")
+    parser.add_argument(
+        "--rate", type=float, default=3.0, help="requests per second (the emulated Pi serves ~4/s)"
+    )
     parser.add_argument("--deadline-ms", type=float, default=1500.0)
     parser.add_argument("--slowdown", type=float, default=12.0, help="emulated device slowdown")
     args = parser.parse_args(argv)
@@ -259,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"  [link] emulator on 127.0.0.1:{emu.port} -> {target[0]}:{target[1]} ({scheme})\n"
             )
             try:
-                return await drive(agent.field("http"), emulators, args.rate, args.deadline_ms)
+                return await drive(
+                    agent.field("http"), emulators, args.rate, args.deadline_ms, scheme
+                )
             finally:
                 await emu.close()
 

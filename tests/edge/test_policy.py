@@ -223,3 +223,12 @@ def test_fallback_plan_keeps_room_for_a_local_answer():
     assert give_up == 10.25 and fallback is local
     give_up, fallback = fallback_plan(10.0, 10.05, None, cloud)
     assert give_up == pytest.approx(10.08) and fallback is None
+
+
+def test_a_stale_link_is_not_explored_when_the_local_fallback_would_no_longer_fit():
+    p = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)  # local q 300 ms
+    # Deadline 500 ms: the cloud (~135 ms) alone fits, but cloud + 1.5 x 300 ms of reserve does not.
+    d = p.decide("m", _ctx(deadline_ms=500, in_bytes=100_000))
+    assert "explore" not in d.reason
+    roomy = p.decide("m", _ctx(deadline_ms=3000, in_bytes=100_000))
+    assert "explore" in roomy.reason
