@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from shared.errors import FerryError, InvalidInput
@@ -62,30 +65,65 @@ def run_model_command(args: argparse.Namespace) -> int:
     if args.model_command == "quantize":
         from shared.modeltools.quantize import quantize_static_qdq
 
-        dst = quantize_static_qdq(
-            args.src,
-            args.dst,
-            args.calibration,
-            samples=args.samples,
-            batch_size=args.batch_size,
-            progress=not args.no_progress,
-        )
-        _report(args.src, dst)
+        before = _size(args.src)  # before writing: dst may be src
+        with one_line_warnings():
+            dst = quantize_static_qdq(
+                args.src,
+                args.dst,
+                args.calibration,
+                samples=args.samples,
+                batch_size=args.batch_size,
+                progress=not args.no_progress,
+            )
+        _report(args.src, before, dst)
         return 0
     if args.model_command == "convert":
         from shared.modeltools.convert import convert_to_openvino
 
+        before = _size(args.src)
         out = args.output if args.output is not None else args.src.with_suffix(".xml")
         xml = convert_to_openvino(args.src, out, progress=not args.no_progress)
-        _report(args.src, xml, xml.with_suffix(".bin"))
+        _report(args.src, before, xml, xml.with_suffix(".bin"))
         return 0
     raise InvalidInput(f"unknown model command {args.model_command!r}")
 
 
-def _report(src: Path, *outputs: Path) -> None:
-    before = src.stat().st_size
+@contextmanager
+def one_line_warnings(prog: str = "ferry-cloud") -> Iterator[None]:
+    """Show the model tools' warnings as ``prog: warning: ...`` lines on stderr.
+
+    Python's default format adds the file, line number and source line of
+    the call, which means nothing to someone running a command.  Lines go
+    through ``tqdm.write`` so they land above a running progress bar.
+    """
+    from tqdm import tqdm
+
+    from shared.modeltools.calibration import CalibrationWarning
+
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if issubclass(category, CalibrationWarning):
+            tqdm.write(f"{prog}: warning: {message}", file=sys.stderr)
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CalibrationWarning)
+        warnings.showwarning = show
+        yield
+
+
+def _size(path: Path) -> int | None:
+    return path.stat().st_size if path.is_file() else None
+
+
+def _report(src: Path, before: int | None, *outputs: Path) -> None:
     after = sum(p.stat().st_size for p in outputs if p.exists())
     names = " + ".join(str(p) for p in outputs)
+    if before is None:
+        print(f"wrote {names}: {after:,} bytes")
+        return
     print(
         f"wrote {names}: {after:,} bytes ({src.name}: {before:,} bytes, {before / max(after, 1):.2f}x)"
     )

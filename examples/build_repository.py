@@ -151,9 +151,8 @@ def _int8(source: Path, dst: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="ferry-calibration-") as tmp:
         for i, image in enumerate(images):
             np.save(Path(tmp) / f"page-{i:03d}.npy", image)
-        partial = dst.with_name("model.partial.onnx")
-        quantize_static_qdq(source, partial, Path(tmp), samples=CALIBRATION_SAMPLES)
-        partial.replace(dst)
+        # quantize_static_qdq replaces dst only once the new model is complete.
+        quantize_static_qdq(source, dst, Path(tmp), samples=CALIBRATION_SAMPLES)
 
 
 def _write_config(folder: Path, text: str) -> None:

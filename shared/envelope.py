@@ -2,7 +2,8 @@
 
 Request: ``{id, model_version?, inputs: [{name, datatype, shape, data}],
 outputs?: [name], parameters?}``; reply ``{id, model_name, model_version,
-outputs, parameters}`` or ``{id, error: {code, message}}``.  ``data`` is the
+outputs, parameters}`` or ``{id, error: {code, message, retry_after_ms?}}``
+(``retry_after_ms`` on transient errors such as overloaded).  ``data`` is the
 tensor's raw little-endian bytes (BYTES: 4-byte length-prefixed elements).
 Decoding hands back views over the payload (msgspec decodes ``bin`` into a
 ``memoryview`` without copying), so a tensor is copied once per hop: when
@@ -44,9 +45,11 @@ class WireRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     parameters: dict[str, Any] | None = None
 
 
-class WireError(msgspec.Struct):
+class WireError(msgspec.Struct, omit_defaults=True):
     code: str
     message: str
+    #: when to try again, for transient errors (overloaded); absent otherwise
+    retry_after_ms: int | None = None
 
 
 class WireReply(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -117,6 +120,8 @@ def decode_request(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS)
         raw = _request_decoder.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:
         raise InvalidInput(f"malformed MQTT request: {exc}") from None
+    except RecursionError:  # msgspec's guard against deeply nested arrays and maps
+        raise InvalidInput("malformed MQTT request: nested too deeply") from None
     if not raw.inputs:
         raise InvalidInput("inference request has no inputs")
     outputs = None
@@ -139,7 +144,7 @@ def peek_request_id(payload: bytes | memoryview) -> str | None:
 
     try:
         return msgspec.msgpack.decode(payload, type=_IdOnly).id
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return None
 
 
@@ -155,8 +160,9 @@ def encode_reply(response: InferResponse) -> bytes:
 
 
 def encode_error_reply(request_id: str, error: FerryError) -> bytes:
+    retry_ms = None if error.retry_after is None else max(1, round(error.retry_after * 1000))
     return _encoder.encode(
-        WireReply(id=request_id, error=WireError(error.code.value, error.message))
+        WireReply(id=request_id, error=WireError(error.code.value, error.message, retry_ms))
     )
 
 
@@ -169,8 +175,13 @@ def decode_reply(
         raw = _reply_decoder.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:
         raise InvalidInput(f"malformed MQTT reply: {exc}") from None
+    except RecursionError:  # msgspec's guard against deeply nested arrays and maps
+        raise InvalidInput("malformed MQTT reply: nested too deeply") from None
     if raw.error is not None:
-        return raw.id, error_from_code(raw.error.code, raw.error.message)
+        error = error_from_code(raw.error.code, raw.error.message)
+        if raw.error.retry_after_ms is not None and raw.error.retry_after_ms >= 0:
+            error.retry_after = raw.error.retry_after_ms / 1000
+        return raw.id, error
     if raw.model_name is None:
         raise InvalidInput("MQTT reply has neither outputs nor an error")
     response = InferResponse(

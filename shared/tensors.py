@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
+from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from shared.datatypes import element_size, numpy_dtype, v2_datatype, validate_datatype
 from shared.errors import InvalidInput, PayloadTooLarge
 
 _U32 = struct.Struct("<I")
+#: numpy refuses a shape whose non-zero dims x item size exceed this, even with no elements
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
+_MAX_ITEMSIZE = 8  # the widest V2 element (FP64, INT64, UINT64; BYTES as object pointers)
 
 
 @dataclass(frozen=True)
@@ -25,11 +30,16 @@ class Limits:
     """Bounds applied to every decoded request (explicit config, no globals).
 
     ``max_body_bytes`` caps a whole HTTP body or MQTT payload;
-    ``max_elements`` caps one tensor's element count (so a tiny body cannot
-    declare a shape that would allocate gigabytes).
+    ``max_json_body_bytes`` caps the JSON part of a V2 body, which is smaller
+    because decoded JSON costs many times its size (a Python object per
+    number) while binary tensors are views over the body;
+    ``max_elements`` caps one tensor's element count and every single
+    dimension (so a tiny body cannot declare a shape that would allocate
+    gigabytes, nor one numpy cannot even describe).
     """
 
     max_body_bytes: int = 64 * 1024 * 1024
+    max_json_body_bytes: int = 16 * 1024 * 1024
     max_elements: int = 16 * 1024 * 1024
     max_tensors: int = 64
     max_dims: int = 8
@@ -80,7 +90,12 @@ def check_name(name: object, what: str, limits: Limits) -> str:
 
 
 def check_shape(shape: object, name: str, limits: Limits) -> tuple[int, ...]:
-    """Validate a declared shape and return it as a tuple; caps the element count."""
+    """Validate a declared shape and return it as a tuple, in O(dims).
+
+    Caps each dimension and the element count; a zero dimension makes the
+    count 0, but numpy still refuses shapes whose other dimensions multiply
+    past its address space, so those are refused here too.
+    """
     if not isinstance(shape, (list, tuple)):
         raise InvalidInput(f"input {name!r}: shape must be a list of integers, got {shape!r}")
     if len(shape) > limits.max_dims:
@@ -88,16 +103,29 @@ def check_shape(shape: object, name: str, limits: Limits) -> tuple[int, ...]:
             f"input {name!r}: {len(shape)} dims exceeds the limit of {limits.max_dims}"
         )
     count = 1
+    extent = 1  # product of the non-zero dims
     for dim in shape:
         if type(dim) is not int or dim < 0:
             raise InvalidInput(
                 f"input {name!r}: shape must hold non-negative integers, got {list(shape)!r}"
             )
+        if dim > limits.max_elements:
+            raise PayloadTooLarge(
+                f"input {name!r}: dimension {dim} of shape {list(shape)} is over the "
+                f"element limit of {limits.max_elements}"
+            )
         count *= dim
+        if dim:
+            extent *= dim
     if count > limits.max_elements:
         raise PayloadTooLarge(
             f"input {name!r}: shape {list(shape)} has {count} elements, "
             f"over the limit of {limits.max_elements}"
+        )
+    if extent * _MAX_ITEMSIZE > _MAX_ARRAY_BYTES:
+        raise InvalidInput(
+            f"input {name!r}: shape {list(shape)} cannot be represented as an array "
+            "(its non-zero dimensions multiply past the address space)"
         )
     return tuple(shape)
 
@@ -128,6 +156,11 @@ def array_from_buffer(
             f"input {name!r}: shape {list(shape)} of {datatype} needs {count * size} bytes, "
             f"got {len(buf)}"
         )
+    if datatype == "BOOL" and count:
+        # numpy would carry any byte as "true" and pass it to the model unchanged.
+        top = int(np.frombuffer(buf, dtype=np.uint8, count=count).max())
+        if top > 1:
+            raise InvalidInput(f"input {name!r}: BOOL bytes must be 0 or 1, found {top}")
     return np.frombuffer(buf, dtype=numpy_dtype(datatype), count=count).reshape(shape)
 
 
@@ -185,17 +218,56 @@ def array_to_buffer(array: np.ndarray, datatype: str) -> memoryview | bytes:
 
 
 _INTS = "iu"
-_JSON_KINDS: dict[str, str] = {
-    "BOOL": "b",
-    **{
-        t: _INTS for t in ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64")
-    },
-    **{t: _INTS + "f" for t in ("FP16", "FP32", "FP64", "BF16")},
+
+#: the protobuf JSON mapping's spelling of non-finite floats (JSON has no literal for them)
+NON_FINITE_TOKENS: dict[str, float] = {
+    "NaN": float("nan"),
+    "Infinity": float("inf"),
+    "-Infinity": float("-inf"),
 }
+_FloatOrToken = float | Literal["NaN", "Infinity", "-Infinity"]
+#: V2 datatype -> the Python type every JSON leaf must have (msgspec checks it in C)
+_JSON_LEAVES: dict[str, Any] = {
+    "BOOL": bool,
+    **{t: int for t in ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64")},
+    **{t: float for t in ("FP16", "FP32", "FP64", "BF16")},
+}
+_LEAF_WORDS = {
+    bool: "true/false values",
+    int: "integer numbers",
+    float: 'numbers (or "NaN", "Infinity", "-Infinity")',
+}
+#: numpy's own limit on dimensions; deeper JSON nesting can never be a regular array
+_MAX_JSON_DEPTH = 64
+
+
+@cache
+def _nested(leaf: Any, depth: int) -> Any:
+    for _ in range(depth):
+        leaf = list[leaf]
+    return leaf
+
+
+def _depth(data: list) -> int:
+    """Nesting depth along the first elements (msgspec then checks every branch)."""
+    depth = 0
+    item: object = data
+    while isinstance(item, list):
+        depth += 1
+        if depth > _MAX_JSON_DEPTH:
+            break
+        item = item[0] if item else None
+    return depth
 
 
 def cast_json_data(name: str, datatype: str, shape: tuple[int, ...], data: object) -> np.ndarray:
-    """Build an array from V2 JSON ``data`` (flat or nested lists), checking the count."""
+    """Build an array from V2 JSON ``data`` (flat or nested lists), checking the count.
+
+    Leaf types are checked by msgspec before numpy sees the data, so a string
+    among numbers is an error rather than a (possibly huge) unicode array,
+    and a float datatype's finite values that overflow it are refused rather
+    than silently becoming infinities.
+    """
     count = element_count(shape)
     if datatype == "BYTES":
         flat = _flatten(name, data, count)
@@ -210,6 +282,25 @@ def cast_json_data(name: str, datatype: str, shape: tuple[int, ...], data: objec
         return out.reshape(shape)
     if not isinstance(data, list):
         raise InvalidInput(f"input {name!r}: data must be a list, got {type(data).__name__}")
+    depth = _depth(data)
+    if depth > _MAX_JSON_DEPTH:
+        raise InvalidInput(f"input {name!r}: data is nested deeper than {_MAX_JSON_DEPTH} levels")
+    leaf = _JSON_LEAVES[datatype]
+    tokens = False
+    try:
+        data = msgspec.convert(data, _nested(leaf, depth))
+    except msgspec.ValidationError as exc:
+        error = InvalidInput(
+            f"input {name!r}: {datatype} data must hold {_LEAF_WORDS[leaf]}: {exc}"
+        )
+        if leaf is not float:
+            raise error from None
+        try:
+            data = msgspec.convert(data, _nested(_FloatOrToken, depth))
+        except msgspec.ValidationError:
+            raise error from None
+        data = _resolve_tokens(data)
+        tokens = True
     try:
         arr = np.array(data)
     except (ValueError, TypeError, OverflowError) as exc:
@@ -219,28 +310,48 @@ def cast_json_data(name: str, datatype: str, shape: tuple[int, ...], data: objec
     if arr.size != count:
         raise InvalidInput(f"input {name!r}: shape needs {count} elements, data holds {arr.size}")
     target = numpy_dtype(datatype)
-    if count and target.kind in _INTS and arr.dtype.kind in "fO":
-        # Mixed magnitudes beyond int64 make numpy infer float or object: recheck as ints.
-        flat = _flatten(name, data, count)
-        if all(type(v) is int for v in flat):
+    if count and target.kind in _INTS:
+        if arr.dtype.kind not in _INTS:
+            # Mixed magnitudes beyond int64 make numpy infer float or object: recheck as ints.
+            flat = _flatten(name, data, count)
             info = np.iinfo(target)
             if min(flat) < info.min or max(flat) > info.max:
                 raise InvalidInput(f"input {name!r}: values out of range for {datatype}")
             return np.array(flat, dtype=target).reshape(shape)
-    if count and arr.dtype.kind not in _JSON_KINDS[datatype]:
-        raise InvalidInput(
-            f"input {name!r}: {datatype} data must hold "
-            f"{'true/false values' if datatype == 'BOOL' else 'numbers'}, got {arr.dtype.kind!r} data"
-        )
-    if count and target.kind in _INTS and arr.dtype.kind in _INTS:
         info = np.iinfo(target)
         if arr.min() < info.min or arr.max() > info.max:
             raise InvalidInput(f"input {name!r}: values out of range for {datatype}")
-    try:
-        arr = arr.astype(target)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidInput(f"input {name!r}: data does not fit {datatype}: {exc}") from None
-    return arr.reshape(shape)
+    with np.errstate(over="ignore"):
+        out = arr.astype(target)
+    if count and target.kind != "b" and target.kind not in _INTS and target.itemsize < 8:
+        overflow = ~np.isfinite(out)
+        if tokens:
+            overflow &= np.isfinite(arr)
+        if overflow.any():
+            value = float(arr.reshape(-1)[np.flatnonzero(overflow.reshape(-1))[0]])
+            raise InvalidInput(
+                f"input {name!r}: value {value!r} is out of range for {datatype} "
+                "(finite values must stay finite)"
+            )
+    return out.reshape(shape)
+
+
+def _resolve_tokens(data: list) -> list:
+    """A copy of nested ``data`` with the non-finite tokens replaced by floats."""
+    out: list = []
+    stack = [(iter(data), out)]
+    while stack:
+        items, target = stack[-1]
+        for item in items:
+            if isinstance(item, list):
+                child: list = []
+                target.append(child)
+                stack.append((iter(item), child))
+                break
+            target.append(NON_FINITE_TOKENS[item] if isinstance(item, str) else item)
+        else:
+            stack.pop()
+    return out
 
 
 def _flatten(name: str, data: object, count: int) -> list:
@@ -266,7 +377,7 @@ def _flatten(name: str, data: object, count: int) -> list:
 
 
 def json_data(array: np.ndarray, datatype: str) -> list:
-    """A tensor's elements as a flat JSON-ready list."""
+    """A tensor's elements as a flat JSON-ready list (non-finite floats as tokens)."""
     if datatype == "BYTES":
         out = []
         for item in array.reshape(-1):
@@ -278,6 +389,13 @@ def json_data(array: np.ndarray, datatype: str) -> list:
                     "(parameters.binary_data = true)"
                 ) from None
         return out
+    flat = array.reshape(-1)
     if datatype in ("BF16", "FP16"):
-        return array.astype(np.float32).reshape(-1).tolist()
-    return array.reshape(-1).tolist()
+        flat = flat.astype(np.float32)
+    values = flat.tolist()
+    if flat.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(flat))
+        for i in bad.tolist():
+            v = values[i]
+            values[i] = "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+    return values

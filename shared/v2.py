@@ -83,15 +83,35 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
-def _split(body: bytes | memoryview, header_length: int | None) -> tuple[memoryview, memoryview]:
+def _split(
+    body: bytes | memoryview, header_length: int | None, limits: Limits, what: str
+) -> tuple[memoryview, memoryview]:
+    """Check the body and JSON sizes, then cut the JSON header from the binary tensors."""
     view = memoryview(body)
+    if len(view) > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"{what} body of {len(view)} bytes exceeds the limit of {limits.max_body_bytes}"
+        )
     if header_length is None:
-        return view, view[len(view) :]
-    if header_length <= 0 or header_length > len(view):
+        header, binary = view, view[len(view) :]
+    elif isinstance(header_length, bool) or not isinstance(header_length, int):
+        raise InvalidInput(
+            f"{HEADER_LENGTH} must be an integer, got {type(header_length).__name__}"
+        )
+    elif header_length <= 0 or header_length > len(view):
         raise InvalidInput(
             f"{HEADER_LENGTH} is {header_length} but the body holds {len(view)} bytes"
         )
-    return view[:header_length], view[header_length:]
+    else:
+        header, binary = view[:header_length], view[header_length:]
+    if len(header) > limits.max_json_body_bytes:
+        hint = "binary_data_output" if what == "response" else "binary_data_size"
+        raise PayloadTooLarge(
+            f"{what} JSON of {len(header)} bytes exceeds the JSON limit of "
+            f"{limits.max_json_body_bytes}; send large tensors as binary tensor data "
+            f"({hint} with {HEADER_LENGTH}), which costs no more memory than its bytes"
+        )
+    return header, binary
 
 
 def _tensors(
@@ -144,15 +164,13 @@ def decode_request(
     body: bytes | memoryview, header_length: int | None = None, limits: Limits = DEFAULT_LIMITS
 ) -> InferRequest:
     """Decode a V2 infer request body (JSON, or JSON header + binary tensors)."""
-    if len(body) > limits.max_body_bytes:
-        raise PayloadTooLarge(
-            f"request body of {len(body)} bytes exceeds the limit of {limits.max_body_bytes}"
-        )
-    header, binary = _split(body, header_length)
+    header, binary = _split(body, header_length, limits, "request")
     try:
         raw = _request_decoder.decode(header)
     except (msgspec.DecodeError, ValueError) as exc:
         raise InvalidInput(f"malformed inference request: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("malformed inference request: JSON nested too deeply") from None
     if not raw.inputs:
         raise InvalidInput("inference request has no inputs")
     inputs = _tensors(raw.inputs, binary, limits, "input")
@@ -262,12 +280,14 @@ def encode_request(
 def decode_response(
     body: bytes | memoryview, header_length: int | None = None, limits: Limits = DEFAULT_LIMITS
 ) -> InferResponse:
-    """Client side: decode a V2 infer response body."""
-    header, binary = _split(body, header_length)
+    """Client side: decode a V2 infer response body (same limits as a request)."""
+    header, binary = _split(body, header_length, limits, "response")
     try:
         raw = _response_decoder.decode(header)
     except (msgspec.DecodeError, ValueError) as exc:
         raise InvalidInput(f"malformed inference response: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("malformed inference response: JSON nested too deeply") from None
     outputs = _tensors(raw.outputs, binary, limits, "output") if raw.outputs else []
     return InferResponse(
         model_name=raw.model_name,

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,24 +60,28 @@ class ArrayReader:
 
 
 class ProgressReader:
-    """Wraps a reader so a tqdm bar advances once per calibration batch."""
+    """Wraps a reader so a progress bar advances once per calibration batch.
 
-    def __init__(self, reader: ArrayReader, *, enabled: bool, desc: str = "calibrating") -> None:
-        from tqdm import tqdm
+    The bar belongs to the caller (it spans the whole job); when the data
+    runs out the bar's label moves on to ``after``, the work ONNX Runtime
+    does next without telling anyone.
+    """
 
+    def __init__(self, reader: ArrayReader, bar: Any, *, after: str = "") -> None:
         self._reader = reader
-        self._bar = tqdm(total=len(reader), desc=desc, unit="batch", disable=not enabled)
+        self._bar = bar
+        self._after = after
+        self._done = False
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         batch = self._reader.get_next()
-        if batch is None:
-            self._bar.close()
-        else:
+        if batch is not None:
             self._bar.update(1)
+        elif not self._done:
+            self._done = True
+            if self._after:
+                self._bar.set_postfix_str(self._after)
         return batch
-
-    def close(self) -> None:
-        self._bar.close()
 
 
 def folder_reader(

