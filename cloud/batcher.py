@@ -26,13 +26,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cloud.stats import ModelStats
+from cloud.execute import BatchResult, Outcome, execute
+from cloud.execute import QueuedRequest as _Request
+from cloud.stats import BACKEND, CANCELED, REJECTED, ModelStats, failure_reason
 from shared.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -47,40 +48,21 @@ from shared.runtimes.base import Session
 if TYPE_CHECKING:
     from shared.repository.config import DynamicBatching
 
+__all__ = ["BatchResult", "DynamicBatcher"]
+
 log = logging.getLogger(__name__)
 
 _MIN_RETRY_AFTER_S = 0.05
-# (outputs or error, compute ns, size of the batch it ran in)
-_Outcome = tuple[dict[str, np.ndarray] | FerryError, int, int]
-
-
-@dataclass
-class BatchResult:
-    """One request's answer: its own slice of the batch outputs (views, no copy)."""
-
-    outputs: dict[str, np.ndarray]
-    queue_us: int
-    compute_us: int
-    batch_size: int
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    inputs: dict[str, np.ndarray]
-    outputs: list[str] | None
-    n: int  # items (rows of the batch dimension)
-    key: tuple  # requests with equal keys can be concatenated
-    arrival_ns: int
-    deadline_ns: int | None
-    future: asyncio.Future[BatchResult]
-    done: bool = False  # dispatched, expired, cancelled or failed: no longer queued
 
 
 class DynamicBatcher:
     """Queue, batch and run requests for one model version on ``sessions``.
 
     ``policy=None`` means the model has no ``[dynamic_batching]`` section: as
-    in Triton, each request then runs on its own (no merging), unbounded queue.
+    in Triton, each request then runs on its own (no merging).  The queue is
+    bounded by the policy's ``max_queue_size``, or by ``default_max_queue``
+    (the node's ``[limits] max_queue_size``) when the model sets none; 0 in
+    both means unbounded.
     """
 
     def __init__(
@@ -93,6 +75,7 @@ class DynamicBatcher:
         policy: DynamicBatching | None,
         stats: ModelStats,
         executor: concurrent.futures.Executor | None = None,
+        default_max_queue: int = 0,
     ) -> None:
         if not sessions:
             raise ConfigError(f"model {model!r} version {version}: no sessions to run batches on")
@@ -107,7 +90,8 @@ class DynamicBatcher:
             {p for p in (policy.preferred_batch_sizes if policy else ()) if 0 < p <= self._max_bs},
             reverse=True,
         )
-        self._max_queue = int(policy.max_queue_size) if policy else 0
+        own_limit = int(policy.max_queue_size) if policy else 0
+        self._max_queue = own_limit or max(0, int(default_max_queue))
         levels = int(policy.priority_levels) if policy else 0
         self._priorities = levels > 1  # one level: a client's priority is ignored, as in Triton
         self._levels = max(1, levels)
@@ -138,6 +122,15 @@ class DynamicBatcher:
     def queue_depth(self) -> int:
         return self._depth
 
+    @property
+    def max_queue(self) -> int:
+        """The queue bound in force (0: unbounded)."""
+        return self._max_queue
+
+    def retry_hint(self) -> float:
+        """Seconds after which a refused client may try again (read from any thread)."""
+        return self._retry_after()
+
     async def start(self) -> None:
         if self._task is not None:
             return
@@ -164,8 +157,8 @@ class DynamicBatcher:
         arrival = time.monotonic_ns()
         try:
             req = self._admit(inputs, outputs, deadline, priority, arrival)
-        except FerryError:
-            self._stats.record_failure(time.monotonic_ns() - arrival)
+        except FerryError as exc:
+            self._stats.record_failure(time.monotonic_ns() - arrival, failure_reason(exc))
             raise
         try:
             return await req.future
@@ -173,6 +166,7 @@ class DynamicBatcher:
             if not req.done:  # still queued: the client went away
                 req.done = True
                 self._set_depth(self._depth - 1)
+                self._stats.record_failure(time.monotonic_ns() - arrival, CANCELED)
             raise
 
     async def stop(self, drain: bool = True) -> None:
@@ -360,7 +354,7 @@ class DynamicBatcher:
         # A refused submission (executor shut down) comes back through _finish as an error.
         try:
             fut = self._loop.run_in_executor(
-                self._executor, self._execute, self._sessions[index], members
+                self._executor, execute, self._sessions[index], members, self._stats, self._name()
             )
         except Exception as exc:
             fut = self._loop.create_future()
@@ -374,66 +368,38 @@ class DynamicBatcher:
         assert self._wake is not None
         self._wake.set()
         try:
-            outcomes: list[_Outcome] = fut.result()
+            outcomes: list[Outcome] = fut.result()
         except BaseException as exc:
             log.error("%s: batch worker failed: %r", self._name(), exc)
             msg = f"{self._name()}: batch worker failed: {exc!r}"
-            outcomes = [(InternalError(msg), 0, r.n) for r in members]
+            outcomes = [(InternalError(msg), 0, r.n, 0, 0) for r in members]
         end = time.monotonic_ns()
         self._batch_ns = 0.8 * (self._batch_ns or end - dispatched) + 0.2 * (end - dispatched)
-        ok = request_sum = queue_sum = compute_sum = items = 0
-        for req, (result, compute_ns, batch_size) in zip(members, outcomes, strict=True):
+        ok = request_sum = queue_sum = compute_sum = input_sum = output_sum = items = 0
+        for req, (result, compute_ns, batch_size, input_ns, output_ns) in zip(
+            members, outcomes, strict=True
+        ):
             if isinstance(result, FerryError):
-                self._fail(req, result, end)
+                self._fail(req, result, end, BACKEND)
                 continue
             queue_ns = dispatched - req.arrival_ns
             ok += 1
             request_sum += end - req.arrival_ns
             queue_sum += queue_ns
             compute_sum += compute_ns
+            input_sum += input_ns
+            output_sum += output_ns
             items += req.n
             if not req.future.done():
                 req.future.set_result(
                     BatchResult(result, queue_ns // 1000, compute_ns // 1000, batch_size)
                 )
-        self._stats.record_successes(ok, request_sum, queue_sum, compute_sum, items)
+        self._stats.record_successes(
+            ok, request_sum, queue_sum, compute_sum, items, input_sum, output_sum
+        )
 
-    def _execute(self, session: Session, members: list[_Request]) -> list[_Outcome]:
-        """Run one batch (in a worker thread); on failure, isolate the bad request."""
-        if len(members) == 1:
-            return [self._run_alone(session, members[0])]
-        items = sum(r.n for r in members)
-        try:
-            batch = {
-                name: np.concatenate([r.inputs[name] for r in members])
-                for name in members[0].inputs
-            }
-            start = time.perf_counter_ns()
-            out = session.run(batch, _union_outputs(members))
-            compute = time.perf_counter_ns() - start
-            outcomes = _split(out, members, items, compute)
-        except Exception as exc:
-            log.info(
-                "%s: batch of %d failed (%s); running its requests alone", self._name(), items, exc
-            )
-            return [self._run_alone(session, r) for r in members]
-        self._stats.record_execution(items, compute)
-        return outcomes
-
-    def _run_alone(self, session: Session, req: _Request) -> _Outcome:
-        start = time.perf_counter_ns()
-        try:
-            out = session.run(req.inputs, req.outputs)
-        except Exception as exc:
-            if not isinstance(exc, FerryError):
-                exc = InternalError(f"{self._name()}: {type(exc).__name__}: {exc}")
-            return exc, time.perf_counter_ns() - start, req.n
-        compute = time.perf_counter_ns() - start
-        self._stats.record_execution(req.n, compute)
-        return out, compute, req.n
-
-    def _fail(self, req: _Request, exc: FerryError, now: int) -> None:
-        self._stats.record_failure(now - req.arrival_ns)
+    def _fail(self, req: _Request, exc: FerryError, now: int, reason: str = REJECTED) -> None:
+        self._stats.record_failure(now - req.arrival_ns, reason)
         if not req.future.done():
             req.future.set_exception(exc)
 
@@ -475,35 +441,3 @@ class DynamicBatcher:
 
     def _name(self) -> str:
         return f"model {self.model!r} version {self.version}"
-
-
-def _union_outputs(members: list[_Request]) -> list[str] | None:
-    """Outputs to ask the session for: all when any request wants all."""
-    first = members[0].outputs
-    if first is None or all(r.outputs == first for r in members):
-        return first
-    names: dict[str, None] = {}
-    for r in members:
-        if r.outputs is None:
-            return None
-        names.update(dict.fromkeys(r.outputs))
-    return list(names)
-
-
-def _split(
-    out: dict[str, np.ndarray], members: list[_Request], items: int, compute: int
-) -> list[_Outcome]:
-    """Cut the batch outputs into per-request views along axis 0."""
-    for name, arr in out.items():
-        if arr.ndim < 1 or arr.shape[0] != items:
-            raise InternalError(
-                f"output {name!r} has shape {arr.shape}; expected leading batch dimension {items}"
-            )
-    outcomes: list[_Outcome] = []
-    start = 0
-    for r in members:
-        end = start + r.n
-        names = out.keys() if r.outputs is None else r.outputs
-        outcomes.append(({name: out[name][start:end] for name in names}, compute, items))
-        start = end
-    return outcomes

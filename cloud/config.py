@@ -3,13 +3,21 @@
 Built once in ``main()`` and passed down frozen; nothing reads the
 environment later.  Unknown keys are errors that name the file and the key,
 as in the model repository.
+
+``[limits]`` holds the codec's bounds (every field of
+:class:`shared.tensors.Limits`) and the node's own: ``max_queue_size``, the
+queue bound of every model that sets none (0: unbounded), and
+``max_inflight_mqtt``, how many MQTT requests may be received but not yet
+answered before new ones get an "overloaded" reply.  TLS options
+(``mqtt.ca_file`` ...) need an ``mqtts://`` URL: with ``mqtt://`` they
+are an error rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +52,12 @@ class MqttConfig:
     keepalive_s: int = 30
 
 
+#: queue bound of a model that sets no ``dynamic_batching.max_queue_size``
+DEFAULT_MAX_QUEUE_SIZE = 1024
+#: MQTT requests received but not yet answered, before "overloaded" replies
+DEFAULT_MAX_INFLIGHT_MQTT = 1024
+
+
 @dataclass(frozen=True)
 class CloudConfig:
     repository: Path
@@ -53,6 +67,16 @@ class CloudConfig:
     mqtt: MqttConfig | None = None
     limits: Limits = field(default_factory=Limits)
     shutdown_grace_s: float = 30.0
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
+    max_inflight_mqtt: int = DEFAULT_MAX_INFLIGHT_MQTT
+    #: Triton's --strict-readiness: not ready while a requested model failed to load
+    strict_readiness: bool = True
+    idempotency_ttl_s: float = 600.0
+    idempotency_max_entries: int = 4096
+
+
+_NODE_LIMITS = {"max_queue_size": int, "max_inflight_mqtt": int}
+_TLS_KEYS = ("ca_file", "cert_file", "key_file", "tls_insecure")
 
 
 _SCHEMA: dict[str, Any] = {
@@ -60,6 +84,9 @@ _SCHEMA: dict[str, Any] = {
     "node": str,
     "models": list,
     "shutdown_grace_s": NUMBER,
+    "strict_readiness": bool,
+    "idempotency_ttl_s": NUMBER,
+    "idempotency_max_entries": int,
     "http": {"host": str, "port": int, "tokens_file": str, "open_metrics": bool, "enabled": bool},
     "mqtt": {
         "url": str,
@@ -73,7 +100,8 @@ _SCHEMA: dict[str, Any] = {
         "status_interval_s": NUMBER,
         "keepalive_s": int,
     },
-    "limits": {"max_body_bytes": int, "max_elements": int, "max_tensors": int},
+    # every codec bound of shared.tensors.Limits, plus the node's own
+    "limits": {**{f.name: int for f in fields(Limits)}, **_NODE_LIMITS},
 }
 
 
@@ -82,6 +110,12 @@ def _read_secret(path: str, source: str, key: str) -> str:
         return Path(path).read_text().strip()
     except OSError as exc:
         raise ConfigError(f"{source}: key {key!r}: cannot read {path}: {exc.strerror}") from None
+
+
+def _non_negative(value: int, source: str, key: str) -> int:
+    if value < 0:
+        raise ConfigError(f"{source}: key {key!r}: expected an integer >= 0, got {value}")
+    return value
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
@@ -138,6 +172,15 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         def opt_path(key: str) -> Path | None:
             return Path(mqtt_data[key]) if mqtt_data.get(key) else None
 
+        if not broker.tls:
+            for key in _TLS_KEYS:
+                if mqtt_data.get(key):
+                    raise ConfigError(
+                        f"{source}: key 'mqtt.{key}': TLS options need an mqtts:// broker URL, "
+                        f"but mqtt.url is {mqtt_data['url']!r} (plain TCP)"
+                    )
+        if mqtt_data.get("key_file") and not mqtt_data.get("cert_file"):
+            raise ConfigError(f"{source}: key 'mqtt.key_file': needs mqtt.cert_file as well")
         mqtt = MqttConfig(
             broker=broker,
             client_id=mqtt_data.get("client_id") or None,
@@ -149,7 +192,14 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             keepalive_s=mqtt_data.get("keepalive_s", 30),
         )
     limits_data = data.get("limits", {})
-    limits = Limits(**{k: v for k, v in limits_data.items()})
+    node_limits = {}
+    for key in _NODE_LIMITS:
+        if key in limits_data:
+            node_limits[key] = _non_negative(limits_data[key], source, f"limits.{key}")
+    limits = Limits(**{k: v for k, v in limits_data.items() if k not in _NODE_LIMITS})
+    ttl = float(data.get("idempotency_ttl_s", 600.0))
+    if ttl < 0:
+        raise ConfigError(f"{source}: key 'idempotency_ttl_s': expected a number >= 0, got {ttl}")
     models = data.get("models")
     if models is not None and (not models or "*" in models):
         models = None
@@ -161,6 +211,16 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         mqtt=mqtt,
         limits=limits,
         shutdown_grace_s=float(data.get("shutdown_grace_s", 30.0)),
+        max_queue_size=node_limits.get("max_queue_size", DEFAULT_MAX_QUEUE_SIZE),
+        max_inflight_mqtt=node_limits.get("max_inflight_mqtt", DEFAULT_MAX_INFLIGHT_MQTT),
+        strict_readiness=data.get("strict_readiness", True),
+        idempotency_ttl_s=ttl,
+        idempotency_max_entries=max(
+            1,
+            _non_negative(
+                data.get("idempotency_max_entries", 4096), source, "idempotency_max_entries"
+            ),
+        ),
     )
     if config.http is None and config.mqtt is None:
         raise ConfigError(f"{source}: neither HTTP nor MQTT is enabled; nothing would serve")

@@ -7,23 +7,32 @@ encode, so both transports give the same results and the same errors.
 
 Invariant: a name in ``self._models`` always maps to started batchers; a
 reload builds the new versions fully before swapping them in, then drains
-the old ones, so requests in flight are never dropped.
+the old ones, so requests in flight are never dropped.  Loads are built one
+at a time (a node-wide lock) so memory readings and thread budgets of two
+loads never mix (see :mod:`cloud.loading`).
+
+Every request that reaches a model is counted in its statistics, including
+those refused by validation before the batcher (reason ``OTHER``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from cloud.batcher import DynamicBatcher
-from cloud.stats import ModelStats
+from cloud.classification import requested_classes, top_k
+from cloud.idempotency import IdempotencyCache, idempotency_key
+from cloud.loading import MemoryProbe, planned_sessions, session_threads, warm_up
+from cloud.stats import OTHER, ModelStats
+from cloud.validation import output_tensor, validated_inputs, validated_outputs
 from shared.errors import FerryError, InvalidInput, ModelNotFound, ModelNotReady
 from shared.messages import InferRequest, InferResponse
 from shared.repository import (
@@ -34,6 +43,7 @@ from shared.repository import (
     validate_model_name,
 )
 from shared.runtimes import Session, load_session
+from shared.runtimes.base import available_cpus
 from shared.tensors import Tensor
 
 log = logging.getLogger(__name__)
@@ -50,21 +60,32 @@ class LoadedModel:
     loaded_at: float = field(default_factory=time.monotonic)
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 class DataPlane:
-    def __init__(self, repository: ModelRepository, node: str) -> None:
+    def __init__(
+        self,
+        repository: ModelRepository,
+        node: str,
+        *,
+        default_max_queue: int = 0,
+        strict_readiness: bool = True,
+        idempotency_ttl_s: float = 600.0,
+        idempotency_max_entries: int = 4096,
+        cores: int | None = None,
+    ) -> None:
         self.repository = repository
         self.node = node
+        self.default_max_queue = default_max_queue
+        self.strict_readiness = strict_readiness
+        self.idempotency_ttl_s = idempotency_ttl_s
+        self.idempotency_max_entries = idempotency_max_entries
+        self.cores = cores or available_cpus()
         self._models: dict[str, dict[int, LoadedModel]] = {}
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._build_lock = threading.Lock()  # node-wide: one load at a time
+        self._memory = MemoryProbe()
+        self._planned_sessions = 0
+        self._idempotency: dict[str, IdempotencyCache[InferResponse]] = {}
         self._closing = False
         self._started = time.monotonic()
         self._busy_mark: tuple[float, int] = (self._started, 0)
@@ -74,15 +95,41 @@ class DataPlane:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    async def load(self, name: str) -> None:
-        """Load (or hot-reload) every selected version of ``name``."""
+    def plan(self, names: Iterable[str]) -> int:
+        """Count the sessions a start-up set will load, so early loads share the cores too."""
+        total = 0
+        for name in names:
+            try:
+                config = self.repository.read_config(name)
+                versions = self.repository.selected_versions(name, config)
+            except FerryError:
+                continue  # its load will report the error
+            total += planned_sessions(config, len(versions))
+        self._planned_sessions = total
+        return total
+
+    def end_plan(self) -> None:
+        self._planned_sessions = 0
+
+    def mark_failed(self, name: str, reason: str) -> None:
+        """Record a requested model that could not load (strict readiness counts it)."""
+        self._failed.setdefault(name, reason)
+
+    async def load(self, name: str, config: ModelConfig | None = None) -> None:
+        """Load (or hot-reload) every selected version of ``name``.
+
+        ``config`` overrides the repository's configuration for this load
+        (Triton's load parameter ``config``); a later load without it reads
+        the repository again.
+        """
         validate_model_name(name)
         if self._closing:
             raise ModelNotReady("server is shutting down")
         async with self._lock(name):
+            self.repository.model_dir(name)  # ModelNotFound before anything is built
             loop = asyncio.get_running_loop()
             try:
-                built = await loop.run_in_executor(None, self._build, name)
+                built = await loop.run_in_executor(None, self._build, name, config)
             except FerryError as exc:
                 self._failed[name] = exc.message
                 raise
@@ -98,45 +145,83 @@ class DataPlane:
             self._changed()
             await self._retire(old.values())
 
-    def _build(self, name: str) -> dict[int, LoadedModel]:
+    def _other_sessions(self, name: str) -> int:
+        """Sessions loaded for other models (read from a worker thread: snapshot first)."""
+        snapshot = list(self._models.items())
+        return sum(len(m.sessions) for other, vs in snapshot if other != name for m in vs.values())
+
+    def _build(self, name: str, override: ModelConfig | None) -> dict[int, LoadedModel]:
         """Create sessions off the event loop (loading a model blocks for a while)."""
-        config = self.repository.read_config(name)
-        versions = self.repository.selected_versions(name, config)
-        if not versions:
-            raise ModelNotFound(f"model {name!r} has no version with a model file")
-        built: dict[int, LoadedModel] = {}
+        with self._build_lock:
+            other_sessions = self._other_sessions(name)
+            config = override if override is not None else self.repository.read_config(name)
+            versions = self.repository.selected_versions(name, config)
+            if not versions:
+                raise ModelNotFound(f"model {name!r} has no version with a model file")
+            own = planned_sessions(config, len(versions))
+            threads = session_threads(
+                config, self.cores, max(other_sessions + own, self._planned_sessions)
+            )
+            options = replace(
+                config.runtime.to_options(device=config.instance_group.kind), threads=threads
+            )
+            built: dict[int, LoadedModel] = {}
+            try:
+                for version in versions:
+                    built[version] = self._build_version(name, version, config, options)
+            except BaseException:
+                for model in built.values():
+                    for session in model.sessions:
+                        session.close()
+                raise
+            return built
+
+    def _build_version(
+        self, name: str, version: int, config: ModelConfig, options: Any
+    ) -> LoadedModel:
+        before = self._memory.read()
+        backend, path = self.repository.model_file(name, version, config.backend)
+        sessions = [load_session(backend, path, options)]
         try:
-            for version in versions:
-                before = _rss_bytes()
-                backend, path = self.repository.model_file(name, version, config.backend)
-                options = config.runtime.to_options(device=config.instance_group.kind)
-                sessions = [load_session(backend, path, options)]
-                vconfig = complete_config(config, sessions[0])
-                for _ in range(vconfig.instance_group.count - 1):
-                    sessions.append(load_session(backend, path, options))
-                stats = ModelStats(name, version)
-                stats.memory_bytes = max(_rss_bytes() - before, 0)
-                batcher = DynamicBatcher(
-                    model=name,
-                    version=version,
-                    sessions=sessions,
-                    max_batch_size=vconfig.max_batch_size or 0,
-                    policy=vconfig.dynamic_batching,
-                    stats=stats,
-                )
-                built[version] = LoadedModel(name, version, vconfig, sessions, batcher, stats)
+            vconfig = complete_config(config, sessions[0])
+            for _ in range(vconfig.instance_group.count - 1):
+                sessions.append(load_session(backend, path, options))
+            for session in sessions:
+                warm_up(session, vconfig)
         except BaseException:
-            for model in built.values():
-                for session in model.sessions:
-                    session.close()
+            for session in sessions:
+                session.close()
             raise
-        return built
+        stats = ModelStats(name, version)
+        stats.memory_bytes = MemoryProbe.growth(before, self._memory.read())
+        batcher = DynamicBatcher(
+            model=name,
+            version=version,
+            sessions=sessions,
+            max_batch_size=vconfig.max_batch_size or 0,
+            policy=vconfig.dynamic_batching,
+            stats=stats,
+            default_max_queue=self.default_max_queue,
+        )
+        log.info(
+            "model %s version %s: %d session(s) x %d thread(s), ~%d KiB",
+            name,
+            version,
+            len(sessions),
+            options.threads,
+            (stats.memory_bytes or 0) // 1024,
+        )
+        return LoadedModel(name, version, vconfig, sessions, batcher, stats)
 
     async def unload(self, name: str) -> None:
+        """Unload ``name``; unloading a model whose load failed clears the failure."""
         validate_model_name(name)
         async with self._lock(name):
             old = self._models.pop(name, None)
+            self._idempotency.pop(name, None)
             if old is None:
+                if self._failed.pop(name, None) is not None:
+                    return
                 raise ModelNotFound(f"model {name!r} is not loaded")
             self._changed()
             await self._retire(old.values())
@@ -150,6 +235,14 @@ class DataPlane:
     def _changed(self) -> None:
         for callback in list(self.on_models_changed):
             callback()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on (readiness turns false); queued work goes on."""
+        self._closing = True
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     async def close(self) -> None:
         """Stop accepting, finish queued work, close every runtime."""
@@ -165,7 +258,11 @@ class DataPlane:
         return sorted(self._models)
 
     def is_ready(self) -> bool:
-        return not self._closing
+        """Serving, and (strict readiness) no requested model failed to load."""
+        return not self._closing and not (self.strict_readiness and self._failed)
+
+    def failed_models(self) -> dict[str, str]:
+        return dict(self._failed)
 
     def get(self, name: str, version: str | int | None = None) -> LoadedModel:
         versions = self._models.get(name)
@@ -252,6 +349,8 @@ class DataPlane:
                         "name": m.name,
                         "version": str(m.version),
                         "queue_depth": m.batcher.queue_depth,
+                        "instances": len(m.sessions),
+                        "memory_bytes": snap.memory_bytes,
                     }
                 )
         mark_time, mark_ns = self._busy_mark
@@ -267,6 +366,13 @@ class DataPlane:
             "uptime_s": round(now - self._started, 1),
         }
 
+    def retry_hint(self, name: str | None) -> float | None:
+        """Seconds a refused client of ``name`` should wait (from any thread; None: unknown)."""
+        versions = self._models.get(name) if name else None
+        if not versions:
+            return None
+        return max(m.batcher.retry_hint() for m in list(versions.values()))
+
     # ---- inference ------------------------------------------------------------
     async def infer(
         self,
@@ -277,31 +383,78 @@ class DataPlane:
         deadline: float | None = None,
     ) -> InferResponse:
         start = time.monotonic()
+        if self._closing:
+            raise ModelNotReady("node is shutting down")
         model = self.get(name, version or request.model_version)
-        inputs = _validated_inputs(model.config, request)
-        outputs = _validated_outputs(model.config, request)
-        params = request.parameters
-        priority = params.get("priority")
-        if priority is not None and (type(priority) is not int or priority < 0):
-            raise InvalidInput(f"priority must be a non-negative integer, got {priority!r}")
-        timeout_us = params.get("timeout")
-        if timeout_us is not None:
-            if type(timeout_us) is not int or timeout_us < 0:
-                raise InvalidInput(
-                    f"timeout must be a non-negative integer (us), got {timeout_us!r}"
-                )
-            if timeout_us:
-                t_deadline = start + timeout_us / 1e6
-                deadline = t_deadline if deadline is None else min(deadline, t_deadline)
-        result = await model.batcher.infer(
-            inputs, outputs, deadline=deadline, priority=priority or None
-        )
-        names = outputs or [t.name for t in model.config.outputs] or list(result.outputs)
-        tensors = [_output_tensor(n, result.outputs[n], model.config) for n in names]
+        try:
+            inputs = validated_inputs(model.config, request)
+            outputs = validated_outputs(model.config, request)
+            classes = requested_classes(model.config, request)
+            params = request.parameters
+            priority = params.get("priority")
+            if priority is not None and (type(priority) is not int or priority < 0):
+                raise InvalidInput(f"priority must be a non-negative integer, got {priority!r}")
+            timeout_us = params.get("timeout")
+            if timeout_us is not None:
+                if type(timeout_us) is not int or timeout_us < 0:
+                    raise InvalidInput(
+                        f"timeout must be a non-negative integer (us), got {timeout_us!r}"
+                    )
+                if timeout_us:
+                    t_deadline = start + timeout_us / 1e6
+                    deadline = t_deadline if deadline is None else min(deadline, t_deadline)
+            key = idempotency_key(params) if "idempotency_key" in params else None
+        except FerryError:
+            model.stats.record_failure(int((time.monotonic() - start) * 1e9), OTHER)
+            raise
+        run = _Run(model, request.id, inputs, outputs, classes, deadline, priority or None)
+        if key is None:
+            return await self._execute(run)
+        cache = self._idempotency.get(name)
+        if cache is None:
+            cache = self._idempotency[name] = IdempotencyCache(
+                self.idempotency_ttl_s, self.idempotency_max_entries
+            )
+        response, duplicate = await cache.run(key, lambda: self._execute(run))
+        if not duplicate:
+            return response
+        model.stats.record_duplicate()
         return InferResponse(
-            model_name=name,
-            model_version=str(model.version),
+            model_name=response.model_name,
+            model_version=response.model_version,
             id=request.id,
+            outputs=response.outputs,
+            parameters={**response.parameters, "duplicate": True},
+        )
+
+    async def _execute(self, run: _Run) -> InferResponse:
+        model = run.model
+        try:
+            result = await model.batcher.infer(
+                run.inputs, run.outputs, deadline=run.deadline, priority=run.priority
+            )
+        except ModelNotReady:
+            # Swapped by a hot reload between lookup and queueing: the new one serves it.
+            current = self._models.get(model.name, {}).get(model.version)
+            if current is None or current is model or self._closing:
+                raise
+            model = current
+            result = await model.batcher.infer(
+                run.inputs, run.outputs, deadline=run.deadline, priority=run.priority
+            )
+        config = model.config
+        names = run.outputs or [t.name for t in config.outputs] or list(result.outputs)
+        tensors = []
+        for n in names:
+            if run.classes and n in run.classes:
+                strings = top_k(result.outputs[n], run.classes[n], bool(config.max_batch_size))
+                tensors.append(Tensor(n, "BYTES", strings))
+            else:
+                tensors.append(output_tensor(n, result.outputs[n], config))
+        return InferResponse(
+            model_name=model.name,
+            model_version=str(model.version),
+            id=run.request_id,
             outputs=tensors,
             parameters={
                 "queue_us": result.queue_us,
@@ -312,64 +465,14 @@ class DataPlane:
         )
 
 
-def _dims_match(expected: tuple[int, ...], got: tuple[int, ...]) -> bool:
-    return len(expected) == len(got) and all(
-        e in (-1, g) for e, g in zip(expected, got, strict=True)
-    )
+@dataclass(slots=True)
+class _Run:
+    """A validated request, ready for the batcher (or for the idempotency cache)."""
 
-
-def _validated_inputs(config: ModelConfig, request: InferRequest) -> dict[str, np.ndarray]:
-    expected = {t.name: t for t in config.inputs}
-    given: dict[str, np.ndarray] = {}
-    batch: int | None = None
-    for tensor in request.inputs:
-        spec = expected.get(tensor.name)
-        if spec is None:
-            raise InvalidInput(
-                f"model {config.name!r} has no input {tensor.name!r}; inputs are {sorted(expected)}"
-            )
-        if tensor.datatype != spec.datatype:
-            raise InvalidInput(
-                f"input {tensor.name!r}: expected datatype {spec.datatype}, got {tensor.datatype}"
-            )
-        shape = tensor.shape
-        if config.max_batch_size:
-            if not shape or not 1 <= shape[0] <= config.max_batch_size:
-                raise InvalidInput(
-                    f"input {tensor.name!r}: batch dimension must be 1..{config.max_batch_size}, "
-                    f"got shape {list(shape)}"
-                )
-            if batch is not None and shape[0] != batch:
-                raise InvalidInput("all inputs of a request must share one batch size")
-            batch = shape[0]
-            inner = shape[1:]
-        else:
-            inner = shape
-        if not _dims_match(spec.dims, inner):
-            want = ([-1] if config.max_batch_size else []) + list(spec.dims)
-            raise InvalidInput(f"input {tensor.name!r}: expected shape {want}, got {list(shape)}")
-        given[tensor.name] = tensor.data
-    missing = sorted(set(expected) - set(given))
-    if missing:
-        raise InvalidInput(f"model {config.name!r}: missing inputs {missing}")
-    return given
-
-
-def _validated_outputs(config: ModelConfig, request: InferRequest) -> list[str] | None:
-    names = request.output_names()
-    if names is None:
-        return None
-    known = {t.name for t in config.outputs}
-    for name in names:
-        if name not in known:
-            raise InvalidInput(
-                f"model {config.name!r} has no output {name!r}; outputs are {sorted(known)}"
-            )
-    return names
-
-
-def _output_tensor(name: str, array: np.ndarray, config: ModelConfig) -> Tensor:
-    for spec in config.outputs:
-        if spec.name == name:
-            return Tensor(name, spec.datatype, array)
-    return Tensor.from_array(name, array)
+    model: LoadedModel
+    request_id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: list[str] | None
+    classes: dict[str, int] | None
+    deadline: float | None
+    priority: int | None

@@ -8,6 +8,7 @@ the process stays up whatever the body holds.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -20,23 +21,29 @@ from aiohttp import web
 from cloud.dataplane import DataPlane
 from shared import v2
 from shared.errors import ConfigError, FerryError, InvalidInput, PayloadTooLarge, Unauthenticated
-from shared.repository import validate_model_name
+from shared.messages import InferRequest, InferResponse
+from shared.repository import parse_config_json, validate_model_name
 from shared.tensors import Limits
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "ferry"
 SERVER_VERSION = "0.1.0"
+#: Triton's extension names, only for what this server implements
 EXTENSIONS = [
-    "classification_none",
+    "classification",
     "binary_tensor_data",
     "model_repository",
-    "model_repository(unload_dependents)",
     "model_configuration",
     "statistics",
     "schedule_policy",
-    "metrics",
 ]
+#: JSON bodies above this are decoded and encoded in a worker thread, so one big
+#: JSON request does not stall the event loop; binary tensors stay on the loop
+#: (their decoding is a view over the body, their encoding a list of views).
+JSON_OFFLOAD_BYTES = 1 << 20
+#: elements above which a JSON output is likely past JSON_OFFLOAD_BYTES once printed
+_JSON_OFFLOAD_ELEMENTS = JSON_OFFLOAD_BYTES // 8
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DATAPLANE: web.AppKey[DataPlane] = web.AppKey("dataplane", DataPlane)
@@ -52,6 +59,15 @@ def load_tokens(path: Path) -> list[bytes]:
     if not tokens:
         raise ConfigError(f"{path}: tokens file holds no token")
     return tokens
+
+
+def _json_heavy(response: InferResponse, request: InferRequest) -> bool:
+    """Whether the JSON part of the answer is big enough to print off the loop."""
+    elements = 0
+    for tensor in response.outputs:
+        if not v2.wants_binary(request, tensor.name):
+            elements += tensor.data.size
+    return elements > _JSON_OFFLOAD_ELEMENTS
 
 
 def error_response(exc: FerryError) -> web.Response:
@@ -97,7 +113,9 @@ def _auth(tokens: list[bytes], open_metrics: bool) -> Any:
         if not request.path.startswith(open_prefixes):
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            given = token.strip().encode()
+            # Header bytes that are not UTF-8 arrive as surrogate escapes: a wrong token
+            # like any other, never an encoding error.
+            given = token.strip().encode("utf-8", "surrogateescape")
             # Compare against every token so timing does not reveal which matched.
             ok = False
             for candidate in tokens:
@@ -186,10 +204,25 @@ class HttpFront:
         return _json(self.dataplane.index(ready_only))
 
     async def load(self, request: web.Request) -> web.Response:
+        """Triton's load: ``{"parameters": {"config": "<JSON configuration>"}}`` overrides
+        the repository's config for this load; model files in parameters are refused."""
         name = validate_model_name(request.match_info["model"])
+        config = None
         if request.can_read_body:
-            await self._json_body(request)  # parameters (config overrides) are not supported yet
-        await self.dataplane.load(name)
+            body = await self._json_body(request)
+            unknown = sorted(set(body) - {"parameters"})
+            if unknown:
+                raise InvalidInput(f"load request: unknown keys {unknown}; expected 'parameters'")
+            params = body.get("parameters") or {}
+            if not isinstance(params, dict):
+                raise InvalidInput("load request: 'parameters' must be a JSON object")
+            for key in params:
+                if key != "config":
+                    what = "model files" if key.startswith("file:") else f"parameter {key!r}"
+                    raise InvalidInput(f"load request: {what} not supported; only 'config' is")
+            if "config" in params:
+                config = parse_config_json(params["config"], name)
+        await self.dataplane.load(name, config)
         return _json({})
 
     async def unload(self, request: web.Request) -> web.Response:
@@ -213,9 +246,17 @@ class HttpFront:
         m = request.match_info
         body = await request.read()
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
-        decoded = v2.decode_request(body, header_length, self.limits)
+        if (header_length or len(body)) > JSON_OFFLOAD_BYTES:
+            decoded = await asyncio.to_thread(v2.decode_request, body, header_length, self.limits)
+        else:
+            decoded = v2.decode_request(body, header_length, self.limits)
         response = await self.dataplane.infer(m["model"], decoded, version=m.get("version"))
-        chunks, out_header_length = v2.encode_response(response, decoded)
+        if _json_heavy(response, decoded):
+            chunks, out_header_length = await asyncio.to_thread(
+                v2.encode_response, response, decoded
+            )
+        else:
+            chunks, out_header_length = v2.encode_response(response, decoded)
         if out_header_length is None:
             return web.Response(body=chunks[0], content_type="application/json")
         return web.Response(

@@ -5,32 +5,30 @@ scrape time, so the request path never touches prometheus_client.  Each server
 builds its own ``CollectorRegistry``; the process-global default registry is
 never used (two servers in one test process must not share counters).
 
-Triton exposes its counters as ``nv_inference_count`` etc. without a
-``_total`` suffix, but prometheus_client's text writer appends ``_total`` to
-every counter family.  To keep the exact names dashboards query, cumulative
-values are exposed as untyped families (``# TYPE ... untyped``); PromQL's
-``rate()`` works on them the same way.
+Cumulative values are typed ``counter`` under Triton's exact names, without
+the ``_total`` suffix (Triton's exposition: ``# TYPE nv_inference_count
+counter`` then ``nv_inference_count{...} 12``).  prometheus_client's writer
+appends ``_total`` to every counter, so :func:`render_metrics` writes the
+text format 0.0.4 itself.  ``nv_inference_request_failure`` carries Triton's
+``reason`` label (REJECTED, CANCELED, BACKEND, OTHER).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-    UnknownMetricFamily,
-)
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
+from cloud.cpu import CpuMonitor
 from cloud.gpu import GpuMonitor
-from cloud.stats import ModelStats, StatsSnapshot
+from cloud.stats import FAILURE_REASONS, ModelStats, StatsSnapshot
 
 #: upper bounds of ferry_inference_batch_size (plus +Inf)
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
-#: text format 0.0.4, which every Prometheus version scrapes (the body uses legacy names only)
+#: text format 0.0.4, which every Prometheus version scrapes
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LABELS = ["model", "version"]
@@ -41,11 +39,6 @@ _COUNTERS: tuple[tuple[str, str, Callable[[StatsSnapshot], float]], ...] = (
         "nv_inference_request_success",
         "Number of successful inference requests, all batch sizes",
         lambda s: s.success_count,
-    ),
-    (
-        "nv_inference_request_failure",
-        "Number of failed inference requests, all batch sizes",
-        lambda s: s.fail_count,
     ),
     (
         "nv_inference_count",
@@ -68,21 +61,44 @@ _COUNTERS: tuple[tuple[str, str, Callable[[StatsSnapshot], float]], ...] = (
         lambda s: s.queue_ns // 1000,
     ),
     (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration in microseconds (batch concatenation)",
+        lambda s: s.compute_input_ns // 1000,
+    ),
+    (
         "nv_inference_compute_infer_duration_us",
         "Cumulative compute inference duration in microseconds",
         lambda s: s.compute_infer_ns // 1000,
     ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative compute output duration in microseconds (batch split)",
+        lambda s: s.compute_output_ns // 1000,
+    ),
+    (
+        "ferry_inference_request_duplicate",
+        "Retried requests answered from the idempotency cache without running the model",
+        lambda s: s.duplicate_count,
+    ),
 )
 
 
+def _counter(name: str, doc: str) -> Metric:
+    return Metric(name, doc, "counter")
+
+
 class MetricsCollector:
-    """prometheus_client collector over the server's ModelStats and GPU monitor."""
+    """prometheus_client collector over the server's ModelStats, CPU and GPU monitors."""
 
     def __init__(
-        self, stats_source: Callable[[], Iterable[ModelStats]], gpu: GpuMonitor | None
+        self,
+        stats_source: Callable[[], Iterable[ModelStats]],
+        gpu: GpuMonitor | None,
+        cpu: CpuMonitor | None = None,
     ) -> None:
         self._stats_source = stats_source
         self._gpu = gpu
+        self._cpu = cpu
 
     def describe(self) -> list[Metric]:
         # Families depend on what is loaded at scrape time; registering must not collect.
@@ -91,13 +107,23 @@ class MetricsCollector:
     def collect(self) -> Iterator[Metric]:
         snaps = [stats.snapshot() for stats in self._stats_source()]
         yield from self._model_families(snaps)
+        yield from self._cpu_families()
         yield from self._gpu_families()
 
     def _model_families(self, snaps: list[StatsSnapshot]) -> Iterator[Metric]:
+        failure = _counter(
+            "nv_inference_request_failure",
+            "Number of failed inference requests, all batch sizes",
+        )
+        for s in snaps:
+            for reason in FAILURE_REASONS:
+                labels = {"model": s.name, "reason": reason, "version": str(s.version)}
+                failure.add_sample(failure.name, labels, s.fail_reasons.get(reason, 0))
+        yield failure
         for name, doc, value in _COUNTERS:
-            family = UnknownMetricFamily(name, doc, labels=_LABELS)
+            family = _counter(name, doc)
             for s in snaps:
-                family.add_metric([s.name, str(s.version)], value(s))
+                family.add_sample(name, {"model": s.name, "version": str(s.version)}, value(s))
             yield family
 
         pending = GaugeMetricFamily(
@@ -107,7 +133,7 @@ class MetricsCollector:
         )
         memory = GaugeMetricFamily(
             "ferry_model_memory_bytes",
-            "Memory held by the loaded model version, in bytes",
+            "Estimated memory of the loaded model version (growth while loading + first run)",
             labels=_LABELS,
         )
         batches = HistogramMetricFamily(
@@ -125,6 +151,25 @@ class MetricsCollector:
         yield pending
         yield memory
         yield batches
+
+    def _cpu_families(self) -> Iterator[Metric]:
+        if self._cpu is None:
+            return
+        util = self._cpu.utilization()
+        if util is not None:
+            family = GaugeMetricFamily("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]")
+            family.add_metric([], util)
+            yield family
+        memory = self._cpu.memory()
+        if memory is not None:
+            total = GaugeMetricFamily(
+                "nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes"
+            )
+            total.add_metric([], memory[0])
+            used = GaugeMetricFamily("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes")
+            used.add_metric([], memory[1])
+            yield total
+            yield used
 
     def _gpu_families(self) -> Iterator[Metric]:
         samples = self._gpu.sample() if self._gpu is not None else []
@@ -166,14 +211,35 @@ def batch_buckets(batch: dict[int, tuple[int, int]]) -> tuple[list[tuple[str, fl
 
 
 def make_registry(
-    stats_source: Callable[[], Iterable[ModelStats]], gpu: GpuMonitor | None
+    stats_source: Callable[[], Iterable[ModelStats]],
+    gpu: GpuMonitor | None,
+    cpu: CpuMonitor | None = None,
 ) -> CollectorRegistry:
     """A fresh registry holding one MetricsCollector (one per server)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MetricsCollector(stats_source, gpu))
+    registry.register(MetricsCollector(stats_source, gpu, cpu))
     return registry
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
 def render_metrics(registry: CollectorRegistry) -> tuple[bytes, str]:
-    """Body and Content-Type of a ``GET /metrics`` answer (text format 0.0.4)."""
-    return generate_latest(registry), CONTENT_TYPE
+    """Body and Content-Type of a ``GET /metrics`` answer (text format 0.0.4).
+
+    Samples are written under their own names, so a counter family keeps
+    Triton's name (no ``_total``) in both its ``# TYPE`` line and its samples.
+    """
+    lines: list[str] = []
+    for family in registry.collect():
+        doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        lines.append(f"# HELP {family.name} {doc}")
+        lines.append(f"# TYPE {family.name} {family.type}")
+        for sample in family.samples:
+            if sample.labels:
+                labels = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sample.labels.items())
+                lines.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}")
+            else:
+                lines.append(f"{sample.name} {floatToGoString(sample.value)}")
+    return ("\n".join(lines) + "\n").encode(), CONTENT_TYPE

@@ -5,6 +5,15 @@ the asyncio loop with ``call_soon_threadsafe`` and answered from there on the
 request's Response Topic with its Correlation Data.  Message Expiry becomes
 the request's deadline.  paho reconnects by itself; ``on_connect``
 re-subscribes, so a broker restart needs nothing from the operator.
+
+Backpressure: at most ``max_inflight`` requests may be received and not yet
+answered.  The count is taken on paho's thread, before the message is handed
+to the loop or decoded, so a flood costs one "overloaded" error reply per
+message (with ``retry_after_ms``) instead of unbounded memory.
+
+Invariants: only the event loop touches ``_subscribed`` and ``_tasks``;
+every received request gets exactly one reply (a result or a typed error),
+also while the node shuts down ("unavailable").
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import json
 import logging
 import socket
 import ssl
+import threading
 import time
 from typing import Any
 
@@ -24,7 +34,7 @@ from paho.mqtt.properties import Properties
 from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
-from shared.errors import FerryError, InternalError, InvalidInput
+from shared.errors import FerryError, InternalError, InvalidInput, ModelNotReady, Overloaded
 from shared.mqtt import model_from_topic, shared_request_topic, status_topic
 from shared.tensors import Limits
 
@@ -39,21 +49,38 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
         pass
 
 
+#: Retry-After hint for a refused MQTT request when the model's own queue gives none
+_DEFAULT_RETRY_S = 0.1
+
+
 class MqttFront:
-    def __init__(self, dataplane: DataPlane, config: MqttConfig, limits: Limits, node: str) -> None:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        config: MqttConfig,
+        limits: Limits,
+        node: str,
+        *,
+        max_inflight: int = 0,
+    ) -> None:
         self.dataplane = dataplane
         self.config = config
         self.limits = limits
         self.node = node
         self.client_id = config.client_id or f"ferry-cloud-{node}"
+        self.max_inflight = max_inflight
+        self._slots = threading.BoundedSemaphore(max_inflight) if max_inflight else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: mqtt.Client | None = None
         self._subscribed: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._status_task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
-        self._accepting = True
+        self._accepting = True  # False once intake stopped: late requests get "unavailable"
+        self._closed = False
+        self.received = 0  # requests paho handed over (paho's thread writes it)
         self.replies_sent = 0
+        self.refused = 0
 
     # ---- lifecycle --------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> None:
@@ -104,20 +131,36 @@ class MqttFront:
             )
         self._status_task = asyncio.create_task(self._status_loop())
 
-    async def stop(self, grace_s: float = 30.0) -> None:
-        """Stop taking requests, answer those in flight, then leave the broker."""
+    def stop_intake(self) -> None:
+        """Unsubscribe; requests that still arrive get an "unavailable" reply."""
         self._accepting = False
         if self._models_changed in self.dataplane.on_models_changed:
             self.dataplane.on_models_changed.remove(self._models_changed)
         client = self._client
         if client is not None:
-            for topic in list(self._subscribed):
+            for topic in sorted(self._subscribed):
                 client.unsubscribe(topic)
-            self._subscribed.clear()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=grace_s)
+        self._subscribed.clear()
+
+    async def drain(self, deadline: float) -> None:
+        """Wait (until the monotonic ``deadline``) for every request received so far,
+        including those that arrived after intake stopped."""
+        while self._tasks:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning(
+                    "MQTT drain: %d requests still running at the deadline", len(self._tasks)
+                )
+                return
+            await asyncio.wait(list(self._tasks), timeout=remaining)
+            await asyncio.sleep(0)  # let messages already handed over spawn their tasks
+
+    async def close(self) -> None:
+        """Publish the offline status and leave the broker."""
+        self._closed = True
         if self._status_task is not None:
             self._status_task.cancel()
+        client = self._client
         if client is not None:
             info = client.publish(
                 status_topic(self.node),
@@ -127,7 +170,13 @@ class MqttFront:
             )
             await asyncio.to_thread(_wait_published, info, 2.0)
             client.disconnect()
-            client.loop_stop()
+            await asyncio.to_thread(client.loop_stop)
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests, answer those in flight, then leave the broker."""
+        self.stop_intake()
+        await self.drain(time.monotonic() + grace_s)
+        await self.close()
 
     @property
     def connected(self) -> bool:
@@ -140,7 +189,6 @@ class MqttFront:
         if reason.is_failure:
             log.warning("MQTT connect refused: %s", reason)
             return
-        self._subscribed.clear()
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._after_connect)
 
@@ -154,12 +202,46 @@ class MqttFront:
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         received = time.monotonic()
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._spawn, message, received)
+        if self._closed or self._loop is None:
+            return
+        self.received += 1
+        if self._slots is not None and not self._slots.acquire(blocking=False):
+            model = model_from_topic(message.topic)
+            hint = self.dataplane.retry_hint(model) or _DEFAULT_RETRY_S
+            self._refuse(
+                client,
+                message,
+                Overloaded(
+                    f"node {self.node}: {self.max_inflight} MQTT requests in flight",
+                    retry_after=hint,
+                ),
+            )
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._spawn, message, received)
+        except RuntimeError:  # the loop is closed: the node is gone
+            if self._slots is not None:
+                self._slots.release()
+
+    def _refuse(self, client: mqtt.Client, message: mqtt.MQTTMessage, error: FerryError) -> None:
+        """Answer without decoding the tensors (on paho's thread: publish is thread-safe)."""
+        self.refused += 1
+        response_topic = getattr(message.properties, "ResponseTopic", None)
+        if not response_topic:
+            return
+        request_id = envelope.peek_request_id(message.payload) or ""
+        out = Properties(PacketTypes.PUBLISH)
+        correlation = getattr(message.properties, "CorrelationData", None)
+        if correlation is not None:
+            out.CorrelationData = correlation
+        client.publish(
+            response_topic, envelope.encode_error_reply(request_id, error), qos=1, properties=out
+        )
 
     # ---- on the event loop ----------------------------------------------------------
     def _after_connect(self) -> None:
         self._connected.set()
+        self._subscribed.clear()  # a new connection starts with no subscriptions
         self._sync_subscriptions()
         self._publish_status()
 
@@ -181,7 +263,12 @@ class MqttFront:
     def _spawn(self, message: mqtt.MQTTMessage, received: float) -> None:
         task = asyncio.create_task(self._handle(message, received))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._slots is not None:
+            self._slots.release()
 
     async def _handle(self, message: mqtt.MQTTMessage, received: float) -> None:
         props = message.properties
@@ -192,6 +279,8 @@ class MqttFront:
         payload = message.payload
         request_id = None
         try:
+            if not self._accepting:
+                raise ModelNotReady(f"node {self.node} is shutting down")
             model = model_from_topic(message.topic)
             if model is None:
                 raise InvalidInput(f"not a request topic: {message.topic!r}")

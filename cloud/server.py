@@ -1,8 +1,16 @@
 """The cloud node's lifecycle: build the layers, serve, shut down in order.
 
 Start: repository -> dataplane (models loaded) -> metrics -> HTTP site ->
-MQTT front.  Stop (SIGTERM/SIGINT) runs the reverse: fronts stop taking new
-requests, in-flight requests finish, then runtimes close.
+MQTT front.  Stop (SIGTERM/SIGINT), in three steps:
+
+1. stop intake on both fronts at once: the dataplane refuses new requests
+   (readiness turns false, a request on a kept-alive connection gets 503),
+   the HTTP listening socket closes (new connections are refused) and the
+   MQTT front unsubscribes (requests that still arrive get "unavailable");
+2. drain both fronts concurrently, waiting for every request received,
+   including the ones that arrived during the drain, up to
+   ``shutdown_grace_s``;
+3. close the runtimes, then leave the broker.
 """
 
 from __future__ import annotations
@@ -11,10 +19,12 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 from aiohttp import web
 
 from cloud.config import CloudConfig
+from cloud.cpu import CpuMonitor
 from cloud.dataplane import DataPlane
 from cloud.gpu import GpuMonitor
 from cloud.http_front import HttpFront, load_tokens
@@ -29,10 +39,19 @@ log = logging.getLogger(__name__)
 class CloudServer:
     def __init__(self, config: CloudConfig) -> None:
         self.config = config
-        self.dataplane = DataPlane(ModelRepository(config.repository), config.node)
+        self.dataplane = DataPlane(
+            ModelRepository(config.repository),
+            config.node,
+            default_max_queue=config.max_queue_size,
+            strict_readiness=config.strict_readiness,
+            idempotency_ttl_s=config.idempotency_ttl_s,
+            idempotency_max_entries=config.idempotency_max_entries,
+        )
         self.gpu = GpuMonitor()
+        self.cpu = CpuMonitor()
         self.mqtt: MqttFront | None = None
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
         self.http_port: int | None = None
 
     async def start(self) -> None:
@@ -43,13 +62,16 @@ class CloudServer:
         names = (
             list(cfg.models) if cfg.models is not None else self.dataplane.repository.model_names()
         )
+        self.dataplane.plan(names)
         for name in names:
             try:
                 await self.dataplane.load(name)
             except FerryError as exc:
                 log.error("model %s not loaded: %s", name, exc.message)
+                self.dataplane.mark_failed(name, exc.message)
+        self.dataplane.end_plan()
         if cfg.http is not None:
-            registry = make_registry(self.dataplane.all_stats, self.gpu)
+            registry = make_registry(self.dataplane.all_stats, self.gpu, self.cpu)
             tokens = load_tokens(cfg.http.tokens_file) if cfg.http.tokens_file else None
             front = HttpFront(
                 self.dataplane,
@@ -62,20 +84,35 @@ class CloudServer:
                 front.build_app(), access_log=None, shutdown_timeout=cfg.shutdown_grace_s
             )
             await self._runner.setup()
-            site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port)
-            await site.start()
+            self._site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port)
+            await self._site.start()
             self.http_port = self._runner.addresses[0][1]
         if cfg.mqtt is not None:
-            self.mqtt = MqttFront(self.dataplane, cfg.mqtt, cfg.limits, cfg.node)
+            self.mqtt = MqttFront(
+                self.dataplane, cfg.mqtt, cfg.limits, cfg.node, max_inflight=cfg.max_inflight_mqtt
+            )
             await self.mqtt.start()
 
     async def stop(self) -> None:
-        grace = self.config.shutdown_grace_s
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        # 1. intake off everywhere before anything waits
+        self.dataplane.begin_shutdown()
+        if self._site is not None:
+            await self._site.stop()  # closes the listening socket; connections stay
         if self.mqtt is not None:
-            await self.mqtt.stop(grace)
+            self.mqtt.stop_intake()
+        # 2. drain both fronts at once; aiohttp's cleanup closes idle keep-alive
+        #    connections and waits for running handlers (shutdown_timeout)
+        drains = []
         if self._runner is not None:
-            await self._runner.cleanup()
+            drains.append(self._runner.cleanup())
+        if self.mqtt is not None:
+            drains.append(self.mqtt.drain(deadline))
+        await asyncio.gather(*drains)
+        # 3. runtimes, then the broker
         await self.dataplane.close()
+        if self.mqtt is not None:
+            await self.mqtt.close()
         self.gpu.close()
 
 
@@ -92,7 +129,8 @@ async def serve(config: CloudConfig) -> int:
         assert config.http is not None
         parts.append(f"http=http://{config.http.host}:{server.http_port}")
     if config.mqtt is not None:
-        parts.append(f"mqtt=mqtt://{config.mqtt.broker.host}:{config.mqtt.broker.port}")
+        scheme = "mqtts" if config.mqtt.broker.tls else "mqtt"
+        parts.append(f"mqtt={scheme}://{config.mqtt.broker.host}:{config.mqtt.broker.port}")
     # One parseable line: tests and the demo read the bound port from it.
     print("ferry-cloud ready " + " ".join(parts), flush=True)
     sys.stdout.flush()

@@ -249,3 +249,126 @@ def write_softmax_model(path: Path, n: int = 4) -> None:
     model.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
+
+
+def write_slow_model(path: Path, size: int = 512, layers: int = 36, n: int = 4) -> None:
+    """y = x (to float32 precision), after ``layers`` real size x size MatMuls per run.
+
+    The chain starts from a constant scaled by mean(x), so ONNX Runtime cannot
+    fold it away; its cost does not depend on the batch size.  Shutdown,
+    backpressure and hot-reload tests use it to hold requests in flight in a
+    server process they cannot gate from outside.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(11)
+    c = (rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["s"], keepdims=0),
+        helper.make_node("Mul", ["C", "s"], ["m0"]),
+    ]
+    for i in range(layers):
+        nodes.append(helper.make_node("MatMul", [f"m{i}", "C"], [f"p{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"p{i}"], [f"m{i + 1}"]))
+    nodes += [
+        helper.make_node("ReduceSum", [f"m{layers}"], ["r"], keepdims=0),
+        helper.make_node("Mul", ["r", "tiny"], ["rt"]),
+        helper.make_node("Add", ["x", "rt"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", n])],
+        initializer=[
+            numpy_helper.from_array(c, "C"),
+            numpy_helper.from_array(np.array(1e-30, np.float32), "tiny"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_test_ca(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for ``host`` (openssl CLI).
+
+    Returns (ca.crt, server.crt, server.key); the certificate names the host
+    as an IP address and ``localhost`` so hostname checks pass on loopback.
+    """
+    if not shutil.which("openssl"):
+        raise RuntimeError("the openssl command is not installed")
+    folder.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=ferry-test-ca",
+        cwd=folder,
+    )  # fmt: skip
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes",
+        "-keyout", "server.key", "-out", "server.csr", "-subj", f"/CN={host}",
+        cwd=folder,
+    )  # fmt: skip
+    (folder / "ext.cnf").write_text(f"subjectAltName=IP:{host},DNS:localhost\n")
+    _openssl(
+        "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf",
+        cwd=folder,
+    )  # fmt: skip
+    return folder / "ca.crt", folder / "server.crt", folder / "server.key"
+
+
+class SecuredBroker(Broker):
+    """Mosquitto with TLS (certificates from :func:`make_test_ca`) and a password file.
+
+    Anonymous clients are refused; ``username``/``password`` are accepted.
+    The password file is written by ``mosquitto_passwd``.
+    """
+
+    username = "ferry-node"
+    password = "s3cret-pass"
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.ca_file, cert, key = make_test_ca(workdir / "tls")
+        passwd = workdir / "passwd"
+        tool = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+        subprocess.run(
+            [tool, "-c", "-b", str(passwd), self.username, self.password],
+            check=True,
+            capture_output=True,
+        )
+        base = [
+            line
+            for line in BROKER_CONF.read_text().splitlines()
+            if not line.startswith("allow_anonymous")
+        ]
+        # As root, mosquitto drops to its own user, which cannot read pytest's 0700 folders.
+        stay_root = ["user root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+        self.conf.write_text(
+            "\n".join(
+                [
+                    *base,
+                    *stay_root,
+                    "allow_anonymous false",
+                    f"password_file {passwd}",
+                    f"listener {self.port} 127.0.0.1",
+                    f"cafile {self.ca_file}",
+                    f"certfile {cert}",
+                    f"keyfile {key}",
+                    f"persistence_location {workdir}/",
+                ]
+            )
+            + "\n"
+        )
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://127.0.0.1:{self.port}"

@@ -15,6 +15,7 @@ from shared.repository.config import (
     VersionPolicy,
     parse_config,
     parse_config_dict,
+    parse_config_json,
 )
 from shared.repository.legacy import parse_legacy_config
 from shared.repository.repository import ModelRepository, complete_config, validate_model_name
@@ -31,6 +32,7 @@ __all__ = [
     "complete_config",
     "parse_config",
     "parse_config_dict",
+    "parse_config_json",
     "parse_legacy_config",
     "triton_datatype",
     "triton_model_config",

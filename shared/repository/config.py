@@ -11,6 +11,7 @@ serving config is found only in production.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -256,6 +257,26 @@ def parse_config_dict(data: dict, source: str, name: str) -> ModelConfig:
         version_policy=_version_policy(data.get("version_policy", {}), source),
         runtime=_runtime(data.get("runtime", {}), source),
     )
+
+
+def parse_config_json(
+    text: object, name: str, source: str = "load request: parameter 'config'"
+) -> ModelConfig:
+    """Triton's load-time override: a JSON string holding a whole model configuration.
+
+    The keys are Ferry's, the same as ``config.toml`` (checked by the same
+    code, so errors name the dotted key); like Triton's override it replaces
+    the repository's configuration for this load instead of merging with it.
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"{source}: expected a JSON string holding the configuration")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    return parse_config_dict(data, source, name)
 
 
 def _tensors(value: object, source: str, key: str) -> tuple[TensorSpec, ...]:

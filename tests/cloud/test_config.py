@@ -35,3 +35,48 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(cfg, {})
     assert "cloud.toml" in info.value.message or "mqtt://" in message
+
+
+@pytest.mark.parametrize("key", ["ca_file", "cert_file", "key_file", "tls_insecure"])
+def test_tls_options_with_a_plain_mqtt_url_are_an_error_naming_the_key(tmp_path: Path, key):
+    value = "true" if key == "tls_insecure" else '"/etc/ssl/x.pem"'
+    cfg = tmp_path / "cloud.toml"
+    cfg.write_text(f'repository = "r"\n[mqtt]\nurl = "mqtt://broker:1883"\n{key} = {value}\n')
+    with pytest.raises(ConfigError, match=f"'mqtt.{key}'.*mqtts://"):
+        load_config(cfg, {})
+    cfg.write_text(
+        f'repository = "r"\n[mqtt]\nurl = "mqtts://broker:8883"\n{key} = {value}\n'
+        + ('cert_file = "/etc/ssl/c.pem"\n' if key == "key_file" else "")
+    )
+    assert load_config(cfg, {}).mqtt is not None
+
+
+def test_node_limits_and_every_codec_limit_are_read_from_the_limits_table(tmp_path: Path):
+    from dataclasses import fields
+
+    from shared.tensors import Limits
+
+    codec = {f.name: 1000 + i for i, f in enumerate(fields(Limits))}
+    cfg = tmp_path / "cloud.toml"
+    cfg.write_text(
+        'repository = "r"\nstrict_readiness = false\nidempotency_ttl_s = 30\n[limits]\n'
+        + "".join(f"{k} = {v}\n" for k, v in codec.items())
+        + "max_queue_size = 7\nmax_inflight_mqtt = 9\n"
+    )
+    config = load_config(cfg, {})
+    assert {k: getattr(config.limits, k) for k in codec} == codec
+    assert (config.max_queue_size, config.max_inflight_mqtt) == (7, 9)
+    assert config.strict_readiness is False and config.idempotency_ttl_s == 30
+
+
+def test_defaults_bound_queues_and_mqtt_in_flight(tmp_path: Path):
+    config = load_config(None, {"repository": str(tmp_path)})
+    assert config.max_queue_size == 1024 and config.max_inflight_mqtt == 1024
+    assert config.strict_readiness is True and config.idempotency_ttl_s == 600
+
+
+def test_negative_node_limit_is_an_error(tmp_path: Path):
+    cfg = tmp_path / "cloud.toml"
+    cfg.write_text('repository = "r"\n[limits]\nmax_queue_size = -1\n')
+    with pytest.raises(ConfigError, match=r"'limits\.max_queue_size'"):
+        load_config(cfg, {})

@@ -270,3 +270,88 @@ def test_metrics_use_triton_names(server):
         assert f"\n{name}" in text or text.startswith(name), name
     assert 'model="linear"' in text
     assert "ferry_gpu_available 0.0" in text  # no NVIDIA driver here: reported, no crash
+
+
+def test_server_metadata_advertises_only_implemented_extensions_under_triton_names(server):
+    meta = triton.InferenceServerClient(_host(server)).get_server_metadata()
+    assert sorted(meta["extensions"]) == sorted(
+        [
+            "classification",
+            "binary_tensor_data",
+            "model_repository",
+            "model_configuration",
+            "statistics",
+            "schedule_policy",
+        ]
+    )
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_class_count_returns_triton_classification_strings(server, binary):
+    x = np.array([[0.0, 3.0, 1.0, 2.0], [2.0, 0.0, 0.5, 4.0]], np.float32)
+    probs = np.exp(x) / np.exp(x).sum(axis=1, keepdims=True)
+    client = triton.InferenceServerClient(_host(server))
+    inp = triton.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    out = triton.InferRequestedOutput("probs", binary_data=binary, class_count=3)
+    got = client.infer("softmax", [inp], outputs=[out]).as_numpy("probs")
+    assert got.shape == (2, 3)
+    rows = [[v.decode() if isinstance(v, bytes) else v for v in row] for row in got]
+    for row, p in zip(rows, probs, strict=True):
+        order = np.argsort(-p)[:3]
+        assert row == [f"{p[i]:f}:{i}" for i in order]
+
+
+def test_load_with_a_config_override_and_its_errors(server, test_repository):
+    client = triton.InferenceServerClient(_host(server))
+    write_linear_model(test_repository / "override" / "1" / "model.onnx", seed=6)
+    config = {
+        "max_batch_size": 4,
+        "dynamic_batching": {"max_queue_delay_us": 500, "max_queue_size": 9},
+        "instance_group": {"count": 2},
+    }
+    client.load_model("override", config=json.dumps(config))
+    served = client.get_model_config("override")
+    assert served["max_batch_size"] == 4
+    assert served["dynamic_batching"]["max_queue_delay_microseconds"] == 500
+    assert served["instance_group"][0]["count"] == 2
+    with pytest.raises(InferenceServerException, match=r"'instance_group\.cores'"):
+        client.load_model("override", config=json.dumps({"instance_group": {"cores": 3}}))
+    with pytest.raises(InferenceServerException, match="not supported"):
+        client.load_model("override", config=json.dumps(config), files={"file:1/model.onnx": b"x"})
+    status, _, doc = _post(
+        server.http_url + "/v2/repository/models/override/load",
+        json.dumps({"parameters": {"priority": 1}}).encode(),
+    )
+    assert status == 400 and "not supported" in doc["error"]
+    client.load_model("override")  # the repository's config (none) again
+    assert client.get_model_config("override")["max_batch_size"] == 32
+    assert client.is_model_ready("override")
+    client.unload_model("override")
+
+
+def test_every_loaded_model_reports_its_memory(server):
+    stats = triton.InferenceServerClient(_host(server)).get_inference_statistics()
+    assert stats["model_stats"]
+    for entry in stats["model_stats"]:
+        (usage,) = entry["memory_usage"]
+        assert usage["type"] == "CPU" and usage["byte_size"] > 0, entry["name"]
+
+
+def test_json_bodies_over_a_megabyte_round_trip(server, test_repository):
+    """Decoded and encoded in a worker thread: the answer is the same as on the loop."""
+    from onnx import TensorProto
+
+    from tests.support import write_identity_model
+
+    write_identity_model(test_repository / "bigjson" / "1" / "model.onnx", TensorProto.FLOAT)
+    (test_repository / "bigjson" / "config.toml").write_text("max_batch_size = 0\n")
+    client = triton.InferenceServerClient(_host(server), network_timeout=120)
+    client.load_model("bigjson")
+    x = np.random.default_rng(2).standard_normal((50_000, 3)).astype(np.float32)
+    inp = triton.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=False)  # ~2.5 MB of JSON numbers
+    out = triton.InferRequestedOutput("y", binary_data=False)
+    got = client.infer("bigjson", [inp], outputs=[out]).as_numpy("y")
+    np.testing.assert_array_equal(got, x)
+    client.unload_model("bigjson")

@@ -1,0 +1,129 @@
+"""What the dataplane does while it loads a model version, off the event loop.
+
+Three node-wide concerns live here:
+
+- **Memory per model** is an *estimate*: the growth of the process while the
+  version's sessions are created and run once on zeros (ONNX Runtime and
+  OpenVINO allocate most of their buffers at the first run, not at load).
+  The figure is the larger of the resident-set growth (``/proc/self/statm``)
+  and the growth of bytes held by ``malloc`` (glibc's ``mallinfo2``, which
+  still counts memory that re-used freed pages and so never moved the RSS).
+  Loads run one at a time under a node-wide lock so two loads never count
+  each other's memory; batches of other models running meanwhile still add
+  noise, which is why it is an estimate.
+- **Warm-up**: that first run happens here, once per session, so the first
+  real request does not pay for lazy allocation and kernel selection.  A
+  model that rejects an all-zeros input still loads (the warm-up is skipped
+  with a warning).
+- **Threads**: a model whose config sets no ``[runtime] threads`` gets
+  ``max(1, cores // sessions on the node)`` intra-op threads per session,
+  counted at load time (the sessions already loaded plus the ones being
+  built, or the number planned for the whole start-up set when larger), so
+  N sessions do not each spin up a thread per core.  Sessions loaded earlier
+  keep their count until they are reloaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import numpy as np
+
+from shared.datatypes import numpy_dtype
+from shared.repository import ModelConfig
+from shared.runtimes.base import Session
+
+log = logging.getLogger(__name__)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _mallinfo2() -> object | None:
+    try:
+        libc = ctypes.CDLL(None)
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+class MemoryProbe:
+    """Readings of the process's resident set and malloc'd bytes."""
+
+    def __init__(self) -> None:
+        self._mallinfo = _mallinfo2()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def read(self) -> tuple[int, int]:
+        """(resident bytes, bytes in use by malloc); 0 where unknown."""
+        rss = 0
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            pass
+        heap = 0
+        if self._mallinfo is not None:
+            info = self._mallinfo()  # type: ignore[operator]
+            heap = int(info.uordblks + info.hblkhd)
+        return rss, heap
+
+    @staticmethod
+    def growth(before: tuple[int, int], after: tuple[int, int]) -> int:
+        return max(after[0] - before[0], after[1] - before[1], 0)
+
+
+def warm_up_inputs(config: ModelConfig) -> dict[str, np.ndarray]:
+    """All-zeros inputs of batch 1 (dynamic dims as 1) for the completed ``config``."""
+    batch = [1] if config.max_batch_size else []
+    inputs = {}
+    for spec in config.inputs:
+        shape = tuple(batch + [d if d > 0 else 1 for d in spec.dims])
+        if spec.datatype == "BYTES":
+            arr = np.empty(shape, dtype=object)
+            arr.fill(b"")
+        else:
+            arr = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
+        inputs[spec.name] = arr
+    return inputs
+
+
+def warm_up(session: Session, config: ModelConfig) -> bool:
+    """Run ``session`` once on zeros; False (and a warning) when the model rejects them."""
+    try:
+        session.run(warm_up_inputs(config))
+    except Exception as exc:
+        log.warning("model %s: warm-up run on zeros failed (%s); loaded anyway", config.name, exc)
+        return False
+    return True
+
+
+def session_threads(config: ModelConfig, cores: int, sessions_on_node: int) -> int:
+    """Intra-op threads for each session of ``config`` (its own setting wins)."""
+    if config.runtime.threads:
+        return config.runtime.threads
+    return max(1, cores // max(1, sessions_on_node))
+
+
+def planned_sessions(config: ModelConfig, versions: int) -> int:
+    return max(1, versions) * config.instance_group.count

@@ -1,0 +1,217 @@
+"""The dataplane in-process over real repositories and real ONNX Runtime sessions:
+thread budget, readiness, default queue bound, config overrides, classification,
+idempotency and statistics of refused requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cloud.dataplane import DataPlane
+from shared.errors import ConfigError, InvalidInput, ModelNotReady
+from shared.messages import InferRequest, RequestedOutput
+from shared.repository import ModelRepository, parse_config_json
+from shared.tensors import Tensor
+from tests.cloud.conftest import build_slow_repository
+from tests.support import linear_reference, write_linear_model, write_softmax_model
+
+
+def _threads(dp: DataPlane, name: str) -> list[int]:
+    model = dp.get(name)
+    return [s.session_options.intra_op_num_threads for s in model.sessions]
+
+
+def _request(x: np.ndarray, **parameters) -> InferRequest:
+    return InferRequest(inputs=[Tensor.from_array("x", x)], parameters=parameters)
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    write_linear_model(tmp_path / "a" / "1" / "model.onnx", seed=1)  # no config at all
+    write_linear_model(tmp_path / "b" / "1" / "model.onnx", seed=2)
+    (tmp_path / "b" / "config.toml").write_text("[instance_group]\ncount = 2\n")
+    write_linear_model(tmp_path / "c" / "1" / "model.onnx", seed=3)
+    (tmp_path / "c" / "config.toml").write_text("[runtime]\nthreads = 3\n")
+    return tmp_path
+
+
+async def test_sessions_without_a_thread_setting_share_the_cores_of_the_node(repo):
+    dp = DataPlane(ModelRepository(repo), "n", cores=8)
+    dp.plan(["a", "b", "c"])  # 1 + 2 + 1 sessions planned at start-up
+    for name in ("a", "b", "c"):
+        await dp.load(name)
+    dp.end_plan()
+    assert _threads(dp, "a") == [2] and _threads(dp, "b") == [2, 2]
+    assert _threads(dp, "c") == [3]  # its own [runtime] threads wins
+    await dp.close()
+
+
+async def test_a_later_load_is_budgeted_against_the_sessions_already_loaded(repo):
+    dp = DataPlane(ModelRepository(repo), "n", cores=8)
+    await dp.load("a")
+    assert _threads(dp, "a") == [8]  # alone on the node
+    await dp.load("b")
+    assert _threads(dp, "b") == [2, 2]  # 8 cores // (1 loaded + 2 new)
+    await dp.load("a")  # a reload counts the others, not its own old sessions
+    assert _threads(dp, "a") == [2]
+    await dp.close()
+
+
+async def test_models_without_a_queue_bound_get_the_node_default(repo, tmp_path):
+    dp = DataPlane(ModelRepository(repo), "n", default_max_queue=7)
+    await dp.load("a")  # a bare 1/model.onnx
+    assert dp.get("a").batcher.max_queue == 7
+    (repo / "d" / "1").mkdir(parents=True)
+    write_linear_model(repo / "d" / "1" / "model.onnx")
+    (repo / "d" / "config.toml").write_text("[dynamic_batching]\nmax_queue_size = 2\n")
+    await dp.load("d")
+    assert dp.get("d").batcher.max_queue == 2  # the model's own bound wins
+    await dp.close()
+
+
+async def test_memory_is_estimated_per_loaded_model_version(repo):
+    dp = DataPlane(ModelRepository(repo), "n", cores=2)
+    for name in ("a", "b", "c"):
+        await dp.load(name)
+    for entry in dp.statistics()["model_stats"]:
+        assert entry["memory_usage"][0]["byte_size"] > 0, entry["name"]
+    await dp.close()
+
+
+async def test_strict_readiness_follows_failed_loads(tmp_path):
+    root = build_slow_repository(tmp_path, broken=True)
+    strict = DataPlane(ModelRepository(root), "n")
+    lenient = DataPlane(ModelRepository(root), "n", strict_readiness=False)
+    for dp in (strict, lenient):
+        await dp.load("slow")
+        with pytest.raises(ConfigError, match="nope"):
+            await dp.load("broken")
+    assert not strict.is_ready() and lenient.is_ready()
+    with pytest.raises(ModelNotReady, match="nope"):
+        strict.get("broken")
+    await strict.unload("broken")  # unloading the failed model clears the failure
+    assert strict.is_ready()
+    # a load request for a model that does not exist is a 404, not a failed model
+    with pytest.raises(Exception, match="not in the repository"):
+        await strict.load("missing")
+    assert strict.is_ready()
+    strict.begin_shutdown()
+    assert not strict.is_ready()
+    with pytest.raises(ModelNotReady, match="shutting down"):
+        await strict.infer("slow", _request(np.ones((1, 4), np.float32)))
+    await strict.close()
+    await lenient.close()
+
+
+async def test_a_config_override_replaces_the_repository_config_for_one_load(repo):
+    dp = DataPlane(ModelRepository(repo), "n")
+    await dp.load("b")
+    assert len(dp.get("b").sessions) == 2
+    override = parse_config_json(
+        json.dumps({"max_batch_size": 4, "instance_group": {"count": 1}}), "b"
+    )
+    await dp.load("b", override)
+    config = dp.model_config("b")
+    assert config["max_batch_size"] == 4 and len(dp.get("b").sessions) == 1
+    await dp.load("b")  # without an override the repository's config is read again
+    assert len(dp.get("b").sessions) == 2
+    await dp.close()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"max_batch_size": -1}', "'max_batch_size': expected a non-negative integer"),
+        ('{"instance_group": {"count": 2, "cores": 1}}', "unknown key 'instance_group.cores'"),
+        ('{"input": [{"name": "x", "data_type": "TYPE_FP32"}]}', "'input[0].data_type'"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_config_override_errors_name_the_key(text, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_config_json(text, "m")
+
+
+async def test_classification_returns_top_k_value_index_strings(tmp_path):
+    write_softmax_model(tmp_path / "sm" / "1" / "model.onnx")
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    await dp.load("sm")
+    x = np.array([[0.0, 3.0, 1.0, 2.0], [5.0, 5.0, 0.0, 1.0]], np.float32)
+    probs = np.exp(x) / np.exp(x).sum(axis=1, keepdims=True)
+    req = _request(x)
+    req.outputs = [RequestedOutput("probs", parameters={"classification": 2})]
+    response = await dp.infer("sm", req)
+    out = response.outputs[0]
+    assert out.datatype == "BYTES" and out.shape == (2, 2)
+    assert out.data.tolist() == [
+        [f"{probs[0, 1]:f}:1".encode(), f"{probs[0, 3]:f}:3".encode()],
+        [f"{probs[1, 0]:f}:0".encode(), f"{probs[1, 1]:f}:1".encode()],  # tie: lower index first
+    ]
+    req.outputs = [RequestedOutput("probs", parameters={"classification": 9})]
+    assert (await dp.infer("sm", req)).outputs[0].shape == (2, 4)  # k past the classes: all
+    req.outputs = [RequestedOutput("probs", parameters={"classification": -1})]
+    with pytest.raises(InvalidInput, match="classification"):
+        await dp.infer("sm", req)
+    await dp.close()
+
+
+async def test_duplicates_of_a_keyed_request_share_one_execution(repo):
+    dp = DataPlane(ModelRepository(repo), "n", idempotency_ttl_s=60)
+    await dp.load("a")
+    stats = dp.get("a").stats
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    first, second = await asyncio.gather(
+        dp.infer("a", _request(x, idempotency_key="k1")),
+        dp.infer("a", _request(x, idempotency_key="k1")),
+    )
+    third = await dp.infer("a", _request(x, idempotency_key="k1"))
+    other = await dp.infer("a", _request(x, idempotency_key="k2"))
+    assert stats.snapshot().execution_count == 2  # k1 once, k2 once
+    for r in (second, third, other):
+        np.testing.assert_array_equal(r.outputs[0].data, first.outputs[0].data)
+    assert "duplicate" not in first.parameters and "duplicate" not in other.parameters
+    assert second.parameters["duplicate"] is True and third.parameters["duplicate"] is True
+    with pytest.raises(InvalidInput, match="idempotency_key"):
+        await dp.infer("a", _request(x, idempotency_key="k" * 129))
+    await dp.close()
+
+
+async def test_refused_requests_are_counted_with_reason_other(repo):
+    dp = DataPlane(ModelRepository(repo), "n")
+    await dp.load("a")
+    for bad in (
+        _request(np.ones((1, 5), np.float32)),
+        _request(np.ones((1, 4), np.float64)),
+        _request(np.ones((1, 4), np.float32), priority="high"),
+        _request(np.ones((1, 4), np.float32), timeout=-5),
+    ):
+        with pytest.raises(InvalidInput):
+            await dp.infer("a", bad)
+    snap = dp.get("a").stats.snapshot()
+    assert snap.fail_count == 4 and snap.fail_reasons["OTHER"] == 4
+    ok = await dp.infer("a", _request(np.ones((1, 4), np.float32)))  # still serving
+    assert ok.outputs[0].shape == (1, 3) and dp.get("a").stats.snapshot().success_count == 1
+    await dp.close()
+
+
+async def test_status_shows_instances_per_model(repo):
+    dp = DataPlane(ModelRepository(repo), "n")
+    await dp.load("b")
+    (entry,) = dp.status()["models"]
+    assert entry["name"] == "b" and entry["instances"] == 2
+    await dp.close()
+
+
+async def test_linear_results_are_unchanged_by_the_warm_up(repo):
+    w, b = write_linear_model(repo / "e" / "1" / "model.onnx", seed=5)
+    dp = DataPlane(ModelRepository(repo), "n")
+    await dp.load("e")
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+    got = (await dp.infer("e", _request(x))).outputs[0].data
+    np.testing.assert_allclose(got, linear_reference(x, w, b), rtol=1e-5, atol=1e-5)
+    await dp.close()

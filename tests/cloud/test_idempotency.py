@@ -1,0 +1,92 @@
+"""IdempotencyCache: one run per key, shared by duplicates; errors are not cached."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cloud.idempotency import IdempotencyCache, idempotency_key
+from shared.errors import InternalError, InvalidInput
+
+
+class Counter:
+    """A real coroutine factory that counts its runs and can be held open."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.runs = 0
+        self.fail = fail
+        self.release = asyncio.Event()
+
+    async def __call__(self) -> str:
+        self.runs += 1
+        await self.release.wait()
+        if self.fail:
+            raise InternalError("runtime failed")
+        return f"result-{self.runs}"
+
+
+async def test_a_duplicate_in_flight_awaits_the_same_run():
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
+    work = Counter()
+    first = asyncio.ensure_future(cache.run("k", work))
+    second = asyncio.ensure_future(cache.run("k", work))
+    await asyncio.sleep(0)
+    work.release.set()
+    assert await first == ("result-1", False)
+    assert await second == ("result-1", True)
+    assert await cache.run("k", work) == ("result-1", True)  # after completion: cached
+    assert work.runs == 1
+
+
+async def test_errors_are_shared_in_flight_but_not_cached():
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
+    failing = Counter(fail=True)
+    failing.release.set()
+    results = await asyncio.gather(
+        cache.run("k", failing), cache.run("k", failing), return_exceptions=True
+    )
+    assert all(isinstance(r, InternalError) for r in results) and failing.runs == 1
+    fine = Counter()
+    fine.release.set()
+    assert await cache.run("k", fine) == ("result-1", False)  # runs afresh
+
+
+async def test_entries_expire_after_the_ttl():
+    cache: IdempotencyCache[str] = IdempotencyCache(0.0, 16)
+    work = Counter()
+    work.release.set()
+    assert (await cache.run("k", work))[1] is False
+    assert (await cache.run("k", work))[1] is False  # expired at once: ran again
+    assert work.runs == 2
+
+
+async def test_a_client_that_goes_away_does_not_cancel_the_run():
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
+    work = Counter()
+    first = asyncio.ensure_future(cache.run("k", work))
+    await asyncio.sleep(0)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    work.release.set()
+    assert await cache.run("k", work) == ("result-1", True)  # the retry gets its result
+    assert work.runs == 1
+
+
+async def test_the_cache_is_a_bounded_lru():
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 2)
+    work = Counter()
+    work.release.set()
+    for key in ("a", "b", "c"):
+        await cache.run(key, work)
+    assert len(cache) == 2
+    assert (await cache.run("a", work))[1] is False  # evicted: runs again
+    assert (await cache.run("c", work))[1] is True
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 129, 12, ["k"]])
+def test_keys_must_be_short_strings(bad):
+    with pytest.raises(InvalidInput, match="idempotency_key"):
+        idempotency_key({"idempotency_key": bad})
+    assert idempotency_key({}) is None and idempotency_key({"idempotency_key": "ok"}) == "ok"
