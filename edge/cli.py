@@ -25,25 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser(
         "evaluate", help="replay a workload through a link trace: policy vs baselines vs oracle"
     )
-    ev.add_argument("--policy", type=Path, required=True, help="agent.toml or a policy-only TOML")
-    ev.add_argument("--device", default="raspberry-pi-4b", help="device profile name or TOML")
-    ev.add_argument("--link", default="lte", help="link profile name or TOML (energy, RTT)")
-    ev.add_argument(
-        "--up",
-        required=True,
-        help="uplink trace (mahimahi or 't mbps'), or steady:MBPS, commute:SEED, markov:SEED",
-    )
-    ev.add_argument("--down", help="downlink trace (default: the uplink trace)")
-    ev.add_argument("--model", required=True, help="model name as the policy file calls it")
-    ev.add_argument(
-        "--workload",
-        type=Path,
-        help="workload TOML (count, arrival, rate_per_s, input_bytes, output_bytes, deadline_ms, seed)",
-    )
-    ev.add_argument("--profile", type=Path, help="compute profile JSON from 'ferry-edge profile'")
-    ev.add_argument("--miss-penalty", type=float, default=1.0, help="cost of one missed deadline")
-    ev.add_argument("--seed", type=int, help="override the workload's seed")
-    ev.add_argument("--out", type=Path, help="folder for report.md and PNG plots")
+    from edge.evaluate_cli import add_evaluate_arguments
+
+    add_evaluate_arguments(ev)
     pr = sub.add_parser("profile", help="measure compute profiles on the real runtimes")
     pr.add_argument("--repository", type=Path, required=True)
     pr.add_argument("--local-model", required=True)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from devices.profiles import load_device, load_link
 from edge.config import load_policy_file
-from edge.evaluate import Workload, evaluate
+from edge.evaluate import evaluate
+from edge.evaluate_ours import PROBE_INTERVAL_S
 from edge.evaluate_report import plots, table
+from edge.evaluate_workload import load_workload
+from edge.policy import TRANSPORTS
 from edge.profile import measure, read_profile, write_profile
-from edge.traces import trace_from_spec
+from edge.traces import Trace, steady, trace_from_spec
 from shared.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -20,27 +23,73 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+__all__ = ["add_evaluate_arguments", "load_workload", "run_evaluate", "run_profile"]
 
-def load_workload(path: Path | None) -> Workload:
-    if path is None:
-        return Workload()
+DOWN_HELP = (
+    "downlink trace; without it the downlink is steady at the link profile's down_mbps, for "
+    "as long as the uplink trace (never the uplink trace reused; emulate-link without --down "
+    "leaves the downlink unshaped)"
+)
+
+
+def add_evaluate_arguments(ev: argparse.ArgumentParser) -> None:
+    """The options of ``ferry-edge evaluate`` (edge/cli.py builds the parser)."""
+    ev.add_argument("--policy", type=Path, required=True, help="agent.toml or a policy-only TOML")
+    ev.add_argument("--device", default="raspberry-pi-4b", help="device profile name or TOML")
+    ev.add_argument("--link", default="lte", help="link profile name or TOML (energy, RTT)")
+    ev.add_argument(
+        "--up",
+        required=True,
+        help="uplink trace (mahimahi or 't mbps'), or steady:MBPS, commute:SEED, markov:SEED, "
+        "markov-off:SEED",
+    )
+    ev.add_argument("--down", help=DOWN_HELP)
+    ev.add_argument("--model", required=True, help="model name as the policy file calls it")
+    ev.add_argument(
+        "--workload",
+        type=Path,
+        help="workload TOML (count, arrival, rate_per_s, input_bytes, output_bytes, "
+        "deadline_ms, seed, battery_percent, data_used_mb); sizes and deadlines may be "
+        "a list or {min, max}",
+    )
+    ev.add_argument("--profile", type=Path, help="compute profile JSON from 'ferry-edge profile'")
+    ev.add_argument("--miss-penalty", type=float, default=1.0, help="cost of one missed deadline")
+    ev.add_argument("--seed", type=int, help="override the workload's seed")
+    ev.add_argument(
+        "--transports",
+        help="comma-separated transports the agent has endpoints for (default: the [cloud] "
+        "section of an agent.toml, else every transport the model's policy lists)",
+    )
+    ev.add_argument(
+        "--probe-interval-s",
+        type=float,
+        help=f"the agent's probe interval (default: the agent.toml's, else {PROBE_INTERVAL_S:g})",
+    )
+    ev.add_argument("--out", type=Path, help="folder for report.md and PNG plots")
+
+
+def _agent_file_settings(path: Path) -> tuple[tuple[str, ...] | None, float | None]:
+    """Transports with an endpoint and the probe interval, when ``path`` is an agent.toml."""
     try:
         data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read workload: {exc}") from None
-    known = {f.name: f.type for f in fields(Workload)}
-    for key, value in data.items():
-        if key not in known:
-            raise ConfigError(f"{path}: unknown key {key!r}; expected one of {sorted(known)}")
-        if key == "arrival" and value not in ("poisson", "periodic"):
-            raise ConfigError(
-                f"{path}: key 'arrival': expected 'poisson' or 'periodic', got {value!r}"
-            )
-        if key != "arrival" and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-        ):
-            raise ConfigError(f"{path}: key {key!r}: expected a non-negative number, got {value!r}")
-    return Workload(**data)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None, None  # load_policy_file has already reported a broken file
+    cloud = data.get("cloud")
+    transports = None
+    if isinstance(cloud, dict):
+        transports = tuple(t for t in TRANSPORTS if cloud.get(t))
+    interval = data.get("probe_interval_s")
+    return transports, float(interval) if isinstance(interval, (int, float)) else None
+
+
+def _transports(spec: str | None, from_file: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    if spec is None:
+        return from_file
+    chosen = tuple(s.strip() for s in spec.split(",") if s.strip())
+    for t in chosen:
+        if t not in TRANSPORTS:
+            raise ConfigError(f"--transports: unknown transport {t!r}; expected {list(TRANSPORTS)}")
+    return chosen
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
@@ -49,30 +98,47 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         workload = replace(workload, seed=args.seed)
     device = load_device(args.device)
+    link = load_link(args.link)
     if args.profile is None:
         raise ConfigError("--profile is required: measure one with 'ferry-edge profile'")
     profile = read_profile(args.profile, speed_factor=device.speed_factor)
     up = trace_from_spec(args.up)
-    down = trace_from_spec(args.down) if args.down else up
-    sim, results = evaluate(
+    down: Trace
+    if args.down:
+        down = trace_from_spec(args.down)
+        down_note = down.name
+    else:
+        name = f"steady:{link.down_mbps:g} (link profile {link.name!r}, no --down)"
+        down = steady(link.down_mbps, up.period_ms / 1000.0, name=name)
+        down_note = name
+    file_transports, file_interval = _agent_file_settings(args.policy)
+    transports = _transports(getattr(args, "transports", None), file_transports)
+    interval = getattr(args, "probe_interval_s", None) or file_interval or PROBE_INTERVAL_S
+    ev = evaluate(
         up=up,
         down=down,
-        link=load_link(args.link),
+        link=link,
         device=device,
         profile=profile,
         config=config,
         model=args.model,
         workload=workload,
         miss_penalty=args.miss_penalty,
+        transports=transports,
+        probe_interval_s=interval,
     )
-    title = f"{args.model} on {device.name}, {args.link} link, {up.name}"
-    report = f"# {title}\n\n{workload.count} requests, seed {workload.seed}, deadline {workload.deadline_ms:.0f} ms\n\n"
-    report += table(sim, results) + "\n"
+    title = f"{args.model} on {device.name}, {link.name} link, {up.name}"
+    report = (
+        f"# {title}\n\n{workload.count} requests, seed {workload.seed}; "
+        f"uplink {up.name} ({up.mean_mbps():.2f} Mbps mean), downlink {down_note} "
+        f"({down.mean_mbps():.2f} Mbps mean); static choice: {ev.static_choice}\n\n"
+    )
+    report += table(ev.sim, ev.results) + "\n"
     print(report)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.md").write_text(report)
-        for png in plots(sim, results, args.out, title):
+        for png in plots(ev.sim, ev.results, args.out, title):
             print(f"wrote {png}")
     return 0
 

@@ -93,12 +93,16 @@ class _Link:
                 if idle_check:
                     # Capacity nobody asked for is lost.  Capacity that passed while this
                     # sender queued or slept (a late wake-up included), or during a short
-                    # gap since the last grant (reading the next chunk), is still owed.
+                    # gap since the last grant (reading the next chunk), is still owed --
+                    # but never more than the last _GRACE_S of it: a sender that comes
+                    # back often must not bank a fast phase's capacity and spend it in
+                    # an outage that follows.
                     idle_check = False
-                    if min(arrived, now) - self._last_grant > _GRACE_S:
-                        floor = trace.opportunities_before(min(arrived, now))
-                        if self._next < floor:
-                            self._next, self._credit = floor, 0
+                    t0 = min(arrived, now)
+                    owed_s = _GRACE_S if t0 - self._last_grant <= _GRACE_S else 0.0
+                    floor = trace.opportunities_before(t0 - owed_s)
+                    if self._next < floor:
+                        self._next, self._credit = floor, 0
                 ready = trace.opportunities_before(now + 1e-6) - self._next
                 budget = self._credit + max(ready, 0) * Trace.PACKET_BYTES
                 if budget > 0:
@@ -356,7 +360,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--start-offset-s", type=float, default=0.0, help="start this far into the trace")
     parser.epilog = (
         "TRACE: a mahimahi file (one ms stamp per 1500-byte opportunity), a 't_seconds mbps' "
-        "file, steady:MBPS, commute:SEED or markov:SEED. With --no-loop the link is "
+        "file, steady:MBPS, commute:SEED, markov:SEED or markov-off:SEED. Without --down the "
+        "downlink is unshaped (delay only); 'ferry-edge evaluate' without --down instead "
+        "assumes the link profile's steady down_mbps. With --no-loop the link is "
         "unshaped once the trace ends."
     )
 

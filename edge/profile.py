@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.evaluate import ComputeProfile
+from edge.evaluate_sim import ComputeProfile
 from edge.scores import confidence
 from shared.datatypes import numpy_dtype
 from shared.errors import ConfigError

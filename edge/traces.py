@@ -321,9 +321,19 @@ def markov_fading(
     step_s: float = 1.0,
     name: str = "markov",
 ) -> Trace:
-    """Two-state (Gilbert-Elliott) fading: each step stays or flips with the given odds."""
+    """Two-state (Gilbert-Elliott) fading: each step stays or flips with the given odds.
+
+    ``bad_mbps=0`` makes the bad state a full outage (no capacity at all), as
+    a cell edge or a tunnel is; a transfer started in it waits for the next
+    good step.
+    """
     if seconds <= 0 or step_s <= 0:
         raise ConfigError("markov_fading needs seconds > 0 and step_s > 0")
+    if not (good_mbps > 0 and bad_mbps >= 0) or not math.isfinite(good_mbps + bad_mbps):
+        raise ConfigError(
+            f"markov_fading needs good_mbps > 0 and bad_mbps >= 0 (0: an outage), "
+            f"got {good_mbps} and {bad_mbps}"
+        )
     if not (0 <= p_good_to_bad <= 1 and 0 <= p_bad_to_good <= 1):
         raise ConfigError("markov_fading transition probabilities must lie in [0, 1]")
     steps = max(1, math.ceil(seconds / step_s - 1e-9))
@@ -357,7 +367,12 @@ def commute(seconds: float = 120, seed: int = 0, name: str = "commute") -> Trace
 
 
 def trace_from_spec(spec: str) -> Trace:
-    """A trace file, or a synthetic one: ``steady:MBPS``, ``commute:SEED``, ``markov:SEED``."""
+    """A trace file, or a synthetic one.
+
+    ``steady:MBPS`` (60 s), ``commute:SEED`` (120 s), ``markov:SEED`` (300 s,
+    12 Mbps good, 0.5 Mbps bad) and ``markov-off:SEED`` (the same with the
+    bad state a full outage).
+    """
     if Path(spec).exists():
         return load_trace(spec)
     kind, sep, value = spec.partition(":")
@@ -368,8 +383,11 @@ def trace_from_spec(spec: str) -> Trace:
             return commute(120.0, seed=int(value), name=spec)
         if sep and kind == "markov":
             return markov_fading(300.0, seed=int(value), name=spec)
+        if sep and kind == "markov-off":
+            return markov_fading(300.0, seed=int(value), bad_mbps=0.0, name=spec)
     except ValueError:
         raise ConfigError(f"bad synthetic trace {spec!r}") from None
     raise ConfigError(
-        f"trace {spec!r}: no such file (or use steady:MBPS, commute:SEED, markov:SEED)"
+        f"trace {spec!r}: no such file "
+        "(or use steady:MBPS, commute:SEED, markov:SEED, markov-off:SEED)"
     )

@@ -119,6 +119,38 @@ async def test_delivered_throughput_follows_trace_within_15_percent_per_2s_windo
         assert got == pytest.approx(want, rel=0.15), (trace.name, start, got, want)
 
 
+def real_downlink() -> Trace:
+    path = TRACES / "Verizon-LTE-short.down"
+    if not path.is_file():
+        pytest.skip(f"real cellular traces not found at {TRACES} (../shared/traces from the repo)")
+    return read_mahimahi(path)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: steady(8, 60), lambda: from_phases([(3, 12), (3, 4)]), real_downlink],
+    ids=["steady-8", "phases-12-then-4", "verizon-downlink"],
+)
+async def test_delivered_downlink_throughput_follows_trace_within_15_percent_per_2s_window(
+    make: Callable[[], Trace],
+) -> None:
+    trace = make()
+    records: list[tuple[float, int]] = []
+    async with through(source, steady(50, 60), trace) as emu:
+        reader, writer = await asyncio.open_connection(HOST, emu.port)
+        try:
+            while emu.elapsed_s < 6.0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    data = await asyncio.wait_for(reader.read(65536), 0.5)
+                    records.append((emu.elapsed_s, len(data)))
+        finally:
+            writer.transport.abort()
+    for start in (0.0, 2.0, 4.0):
+        got = sum(n for t, n in records if start <= t < start + 2.0) * 8 / 2.0 / 1e6
+        want = trace.capacity_mbps(start, 2.0)
+        assert got == pytest.approx(want, rel=0.15), (trace.name, start, got, want)
+
+
 async def test_added_delay_shows_in_a_small_round_trip() -> None:
     fast = steady(50, 60)
     for delay_ms in (0.0, 40.0):

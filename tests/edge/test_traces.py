@@ -189,6 +189,25 @@ def test_markov_fading_switches_between_two_rates_near_its_stationary_mix() -> N
     assert 0.19 < bad.mean() < 0.31  # stationary share of the bad state: 0.1 / 0.4
 
 
+def test_markov_fading_can_make_its_bad_state_a_full_outage() -> None:
+    trace = markov_fading(600, seed=11, good_mbps=12, bad_mbps=0.0)
+    t, mbps = trace.series(1.0)
+    off = np.flatnonzero(mbps < 0.1)  # (a packet stamped at a step's edge may spill over)
+    assert 0.15 < off.size / mbps.size < 0.35  # stationary share of the bad state: 0.25
+    assert np.all(np.isclose(mbps[mbps >= 0.1], 12, atol=0.05))
+    start = t[off[0]]
+    assert trace.bytes_between(start + 0.01, start + 0.99) == 0
+    assert trace.finish_time(start + 0.01, 1500) >= start + 1.0  # waits for the next good step
+    spec = trace_from_spec("markov-off:11")
+    assert spec.series(1.0)[1].min() == 0 and spec.period_ms == 300_000
+
+
+@pytest.mark.parametrize("kw", [{"good_mbps": 0}, {"bad_mbps": -1}, {"good_mbps": math.inf}])
+def test_markov_fading_rejects_rates_that_make_no_link(kw: dict) -> None:
+    with pytest.raises(ConfigError, match="good_mbps > 0 and bad_mbps >= 0"):
+        markov_fading(10, seed=1, **kw)
+
+
 def test_commute_has_an_outage_and_recovers() -> None:
     for seed in range(5):
         trace = commute(120, seed=seed)

@@ -1,0 +1,150 @@
+"""Our policy in the replay behaves as the agent does: the policy file as given,
+the data cap, the battery, the radio, the fallback plan, the breaker and the probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from devices.profiles import load_device, load_link
+from edge.evaluate import ComputeProfile, Workload, evaluate, summarize
+from edge.evaluate_ours import make_estimators
+from edge.policy import ModelPolicy, PolicyConfig, Weights
+from edge.traces import from_phases, steady
+
+SLOW_LOCAL = ComputeProfile((1.0,), (0.01,), (0.9, 0.3), 1.0)  # a heavy model, a fast cloud
+
+
+def _config(**model: object) -> PolicyConfig:
+    extra = {k: model.pop(k) for k in list(model) if k in PolicyConfig.__dataclass_fields__}
+    model.setdefault("transports", ("mqtt",))
+    return PolicyConfig(
+        weights=Weights(latency_s=1.0),
+        models={"m": ModelPolicy(local_model="m-local", cloud_model="m", **model)},
+        **extra,
+    )
+
+
+def _run(config, *, up=None, down=None, profile=SLOW_LOCAL, device="raspberry-pi-4b", **wl):
+    workload = Workload(
+        **{"count": 60, "rate_per_s": 1.0, "input_bytes": 60_000, "deadline_ms": 3000.0, **wl}
+    )
+    return evaluate(
+        up=up or steady(20, 120),
+        down=down or steady(20, 120),
+        link=load_link("lte"),
+        device=load_device(device),
+        profile=profile,
+        config=config,
+        model="m",
+        workload=workload,
+    )
+
+
+def _where(ev, name="ferry"):
+    return [o.where for o in ev.results[name].outcomes]
+
+
+def test_the_policy_files_mode_is_honoured():
+    assert set(_where(_run(_config(mode="local")))) == {"local"}
+    cloud = _run(_config(mode="cloud"))
+    assert set(_where(cloud)) == {"cloud-mqtt"}
+    cost = _where(_run(_config()))
+    assert "local" in cost and cost.count("cloud-mqtt") > 40  # learns that the cloud is faster
+
+
+def test_the_policy_files_transports_are_honoured():
+    assert set(_where(_run(_config(mode="cloud", transports=("http",))))) == {"cloud-http"}
+    # both listed: both ride the same link, each with its own estimates and breaker
+    both = set(_where(_run(_config(mode="cloud", transports=("mqtt", "http")))))
+    assert both == {"cloud-mqtt", "cloud-http"}
+
+
+def test_cascade_mode_offloads_exactly_the_unsure_local_answers():
+    ev = _run(_config(mode="cascade", cascade_threshold=0.8))
+    conf = ev.sim.confidence
+    for i, o in enumerate(ev.results["ferry"].outcomes):
+        assert (o.where == "cloud-mqtt") == (conf[i] < 0.8), i
+        if o.where == "cloud-mqtt":
+            assert o.latency_s > ev.sim.local_s[i]  # local first, then the cloud
+
+
+def test_the_daily_data_cap_binds():
+    # 602 KB a request (~0.6 MB with the reply): a 3 MB cap allows four offloads
+    capped = _config(data_cap_mb_per_day=3.0)
+    where = _where(_run(capped, input_bytes=602_368, rate_per_s=0.5))
+    assert where.count("cloud-mqtt") == 4
+    last = max(i for i, w in enumerate(where) if w == "cloud-mqtt")
+    assert where[last + 1 :] == ["local"] * (len(where) - last - 1)
+    assert _where(_run(_config(), input_bytes=602_368, rate_per_s=0.5)).count("cloud-mqtt") > 40
+    # usage already on the books when the replay starts counts too
+    ev = _run(capped, input_bytes=602_368, rate_per_s=0.5, data_used_mb=2.0)
+    assert _where(ev).count("cloud-mqtt") == 1
+    # in cloud mode there is no local option to choose: the capped requests are refused
+    refused = _where(_run(_config(mode="cloud", data_cap_mb_per_day=3.0), input_bytes=602_368))
+    assert refused.count("cloud-mqtt") == 4 and refused.count("none") == len(refused) - 4
+
+
+def test_a_low_battery_makes_energy_the_objective():
+    # 0.8 s locally at the laptop's 30 W beats 8 Mbps LTE on latency, not on energy
+    profile = ComputeProfile((0.8,), (0.01,), (0.9,), 1.0)
+    run = {
+        pct: _run(
+            _config(explore_after_s=0.0),
+            up=steady(8, 120),
+            profile=profile,
+            device="x86-laptop",
+            input_bytes=602_368,
+            battery_percent=pct,
+        )
+        for pct in (90.0, 10.0)
+    }
+    assert summarize(run[90.0].sim, run[90.0].results["ferry"])["offload_share"] < 0.1
+    assert summarize(run[10.0].sim, run[10.0].results["ferry"])["offload_share"] > 0.9
+    low = run[10.0].results["ferry"].outcomes
+    assert sum(o.energy_j for o in low) < sum(
+        o.energy_j for o in run[90.0].results["ferry"].outcomes
+    )
+
+
+def test_what_the_agent_learns_arrives_when_the_request_completes():
+    # ten requests a second, 1 s locally: until the first local run finishes, the
+    # local latency is unknown (priced at zero), so every request meanwhile stays local
+    ev = _run(_config(), arrival="periodic", rate_per_s=10.0, count=40)
+    outs = ev.results["ferry"].outcomes
+    first_local = next(i for i, o in enumerate(outs) if o.where == "local")
+    learnt_at = ev.sim.requests.arrivals[first_local] + outs[first_local].latency_s
+    before = [o.where for t, o in zip(ev.sim.requests.arrivals, outs, strict=True) if t < learnt_at]
+    after = [
+        o.where for t, o in zip(ev.sim.requests.arrivals, outs, strict=True) if t > learnt_at + 0.5
+    ]
+    assert before[first_local:] == ["local"] * (len(before) - first_local)
+    assert after.count("cloud-mqtt") > 0.8 * len(after)
+
+
+def test_an_outage_falls_back_at_the_planned_time_opens_the_breaker_and_probes_bring_it_back():
+    link = from_phases([(20, 20.0), (20, 0.0), (40, 20.0)])
+    ev = _run(_config(), up=link, down=link, count=80)
+    sim, outs = ev.sim, ev.results["ferry"].outcomes
+    arrivals = sim.requests.arrivals
+    in_outage = [i for i, t in enumerate(arrivals) if 20 <= t < 40]
+    fallbacks = [i for i in in_outage if outs[i].fallback]
+    assert 1 <= len(fallbacks) <= 3  # the breaker opens after three failures
+    for i in fallbacks:
+        o = outs[i]
+        gave_up = o.radio[1] - arrivals[i]
+        # answered when the cloud was given up on plus the local run, not at the deadline
+        assert o.latency_s == pytest.approx(gave_up + sim.local_s[i])
+        assert not o.missed and o.up_bytes == 0  # nothing crossed a dead link
+    direct = [i for i in in_outage if i > fallbacks[-1]]
+    assert direct and all(outs[i].where == "local" and outs[i].radio is None for i in direct)
+    assert sum(o.probes for o in outs) > 0  # the open breaker was probed ...
+    back = [outs[i].where for i, t in enumerate(arrivals) if t > 48]
+    assert back.count("cloud-mqtt") > 0.8 * len(back)  # ... and closed again after the tunnel
+    for i, o in enumerate(outs):  # a probe's radio energy is charged to the next request
+        if o.probes and o.where == "local" and not o.fallback:
+            assert o.energy_j > 6.4 * sim.local_s[i] + 1.0
+
+
+def test_estimators_track_the_policys_deadline_quantile():
+    est = make_estimators(PolicyConfig(deadline_quantile=0.99))
+    assert getattr(est, "quantile", 0.99) == 0.99
