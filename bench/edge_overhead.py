@@ -8,7 +8,9 @@
 (b) the policy's decision time (target: <= 20 us median);
 (c) offload round trip for a 1 KB and a 602 KB request over MQTT and HTTP
     (agent -> cloud echo model -> agent) vs a bare paho echo and a bare
-    aiohttp echo of the same bytes (target: <= 1.5x);
+    aiohttp echo of the same bytes (target: <= 1.5x).  The bare echo peer runs
+    in its own process, as the cloud node does, so both sides pay the same
+    process hops and only Ferry's own work differs;
 (d) the agent's RSS after start with the ONNX Runtime int8 variant loaded,
     and its start-up time to the first local answer.
 """
@@ -37,7 +39,7 @@ from shared.messages import InferRequest  # noqa: E402
 from shared.repository import ModelRepository  # noqa: E402
 from shared.runtimes import RuntimeOptions, load_session  # noqa: E402
 from shared.tensors import Tensor  # noqa: E402
-from tests.support import Broker, cloud_server, edge_agent  # noqa: E402
+from tests.support import Broker, ServerProcess, cloud_server, edge_agent  # noqa: E402
 
 
 def p50_ms(samples: list[float]) -> float:
@@ -134,33 +136,79 @@ def _rss(pid: int) -> int:
     return 0
 
 
-async def bare_aiohttp_echo(sizes: dict[str, int], repeat: int) -> dict[str, float]:
-    import aiohttp
+def _serve_http_echo() -> None:
+    """The bare peer: an aiohttp app that returns the body it got (own process)."""
     from aiohttp import web
 
     async def echo(request: web.Request) -> web.Response:
         return web.Response(body=await request.read())
 
-    app = web.Application(client_max_size=64 * 2**20)
-    app.router.add_post("/echo", echo)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    async def main() -> None:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/echo", echo)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        print(f"echo ready port={runner.addresses[0][1]}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def _serve_paho_echo(port: int) -> None:
+    """The bare peer: a paho client that publishes each request back (own process)."""
+    import socket
+
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    c = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id="bare-echo-responder",
+        protocol=mqtt.MQTTv5,
+    )
+    c.on_socket_open = lambda c, u, sock: sock.setsockopt(
+        socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+    )
+
+    def on_request(c, u, m) -> None:
+        props = Properties(PacketTypes.PUBLISH)
+        props.CorrelationData = m.properties.CorrelationData
+        c.publish(m.properties.ResponseTopic, m.payload, qos=1, properties=props)
+
+    c.on_message = on_request
+    c.on_subscribe = lambda *a: print("echo ready", flush=True)
+    c.connect("127.0.0.1", port)
+    c.subscribe("bare/echo", qos=1)
+    c.loop_forever()
+
+
+def _peer(*args: str) -> ServerProcess:
+    """A bare echo in its own process, as the cloud node is: the same hops, minus Ferry."""
+    return ServerProcess([str(Path(__file__).resolve()), *args], "echo ready").start()
+
+
+async def bare_aiohttp_echo(sizes: dict[str, int], repeat: int) -> dict[str, float]:
+    import aiohttp
+
+    peer = _peer("--serve-echo", "http")
+    port = int(peer.field("port"))
     out = {}
-    async with aiohttp.ClientSession() as session:
-        for label, size in sizes.items():
-            body = b"x" * size
-            samples = []
-            for i in range(repeat + 5):
-                t = time.perf_counter()
-                async with session.post(f"http://127.0.0.1:{port}/echo", data=body) as r:
-                    await r.read()
-                if i >= 5:
-                    samples.append(time.perf_counter() - t)
-            out[label] = p50_ms(samples)
-    await runner.cleanup()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for label, size in sizes.items():
+                body = b"x" * size
+                samples = []
+                for i in range(repeat + 5):
+                    t = time.perf_counter()
+                    async with session.post(f"http://127.0.0.1:{port}/echo", data=body) as r:
+                        await r.read()
+                    if i >= 5:
+                        samples.append(time.perf_counter() - t)
+                out[label] = p50_ms(samples)
+    finally:
+        peer.terminate()
     return out
 
 
@@ -171,30 +219,16 @@ def bare_paho_echo(broker: Broker, sizes: dict[str, int], repeat: int) -> dict[s
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
-    def nodelay(c, u, sock) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def client(cid: str) -> mqtt.Client:
-        c = mqtt.Client(
-            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-            client_id=cid,
-            protocol=mqtt.MQTTv5,
-        )
-        c.on_socket_open = nodelay
-        c.connect("127.0.0.1", broker.port)
-        return c
-
-    responder = client("bare-echo-responder")
-
-    def on_request(c, u, m) -> None:
-        props = Properties(PacketTypes.PUBLISH)
-        props.CorrelationData = m.properties.CorrelationData
-        c.publish(m.properties.ResponseTopic, m.payload, qos=1, properties=props)
-
-    responder.on_message = on_request
-    responder.subscribe("bare/echo", qos=1)
-    responder.loop_start()
-    requester = client("bare-echo-requester")
+    peer = _peer("--serve-echo", "mqtt", str(broker.port))
+    requester = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id="bare-echo-requester",
+        protocol=mqtt.MQTTv5,
+    )
+    requester.on_socket_open = lambda c, u, sock: sock.setsockopt(
+        socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+    )
+    requester.connect("127.0.0.1", broker.port)
     got = threading.Event()
     requester.on_message = lambda c, u, m: got.set()
     requester.subscribe("bare/reply", qos=1)
@@ -217,9 +251,9 @@ def bare_paho_echo(broker: Broker, sizes: dict[str, int], repeat: int) -> dict[s
                     samples.append(time.perf_counter() - t)
             out[label] = p50_ms(samples)
     finally:
-        for c in (requester, responder):
-            c.loop_stop()
-            c.disconnect()
+        requester.loop_stop()
+        requester.disconnect()
+        peer.terminate()
     return out
 
 
@@ -274,6 +308,10 @@ def write_echo_repo(root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve-echo"]:
+        _serve_http_echo() if argv[1] == "http" else _serve_paho_echo(int(argv[2]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repository", type=Path, default=ROOT / "examples" / "repository")
     parser.add_argument("--repeat", type=int, default=200)

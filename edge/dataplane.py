@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 ENDPOINT_FAILURES = (ModelNotReady, DeadlineExceeded, Overloaded)
 # How long a cloud that answered "no such model" is not asked for it again.
 MISSING_MODEL_COOLDOWN_S = 30.0
+# A link estimate older than this is refreshed by a probe (when the radio is up).
+STALE_PROBE_S = 30.0
 # Framing bytes of a V2 binary request besides the tensor data (JSON header).
 REQUEST_OVERHEAD_BYTES = 256
 
@@ -340,7 +342,8 @@ class EdgeDataPlane:
         self.est.link(choice.transport).observe(
             result.sent_bytes,
             result.received_bytes,
-            result.elapsed_s,
+            # The radio's promotion is in the transfer's time; the policy adds it itself.
+            max(result.elapsed_s - choice.promotion_s, 1e-6),
             (queue_us + compute_us) / 1e6,
             now,
         )
@@ -440,14 +443,24 @@ class EdgeDataPlane:
         )
 
     async def probe(self) -> None:
-        """Refresh stale link estimates and give open breakers their trial."""
+        """Give open breakers their trial, and refresh stale RTTs while the radio is up.
+
+        A stale estimate is refreshed only while the radio is still in its
+        tail from real traffic: on a cellular link a probe from idle costs a
+        promotion and a whole tail (~12 J on LTE) to learn an RTT, and a
+        request that can afford it explores the link anyway.
+        """
         now = time.monotonic()
-        stale = set(self.est.stale_links(now, 30.0))
+        stale = set(self.est.stale_links(now, STALE_PROBE_S))
+        idle = self.radio.radio_idle_s(now)
         for name, transport in self.transports.items():
             breaker = self.breakers[name]
-            if breaker.state == "closed" and name not in stale:
-                continue
-            if breaker.state != "closed" and not breaker.allow(now):
+            if breaker.state == "closed":
+                link = self.policy.links.get(name)
+                warm = idle is not None and link is not None and idle < link.tail_s
+                if name not in stale or not warm:
+                    continue
+            elif not breaker.allow(now):
                 continue
             probe = getattr(transport, "probe", None)
             if probe is None:
@@ -459,6 +472,7 @@ class EdgeDataPlane:
                 continue
             t = time.monotonic()
             breaker.record_success(t)
+            self.radio.transfer_done(t)
             self.est.link(name).observe_probe(rtt, t)
 
 

@@ -80,6 +80,12 @@ class LatencyEstimator:
         return e
 
 
+def _low(tail: P2Quantile, mean: float) -> float:
+    """A pessimistic rate: the slow-tail quantile once it has enough samples, never above the mean."""
+    value = tail.value if tail.count >= 5 else None
+    return mean if value is None or value <= 0 else min(value, mean)
+
+
 class LinkEstimator:
     """Bandwidth per direction and RTT of one transport, priors until observed."""
 
@@ -94,6 +100,10 @@ class LinkEstimator:
         self._down = Ewma(0.3)
         self._rtt = Ewma(0.2)
         self._rtt_q = P2Quantile(q)
+        # The slow tail of each direction's throughput: the latency quantile the
+        # deadline is checked against must carry the link's variance, not only RTT's.
+        self._up_lo = P2Quantile(1 - q)
+        self._down_lo = P2Quantile(1 - q)
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = (
             prior_up_bps,
             prior_down_bps,
@@ -112,6 +122,8 @@ class LinkEstimator:
         self.rtt_s = self._rtt.value if self._rtt.value is not None else self.prior_rtt_s
         q = self._rtt_q.value
         self.rtt_quantile = max(q, self.rtt_s) if q is not None else self.rtt_s
+        self.up_bps_low = _low(self._up_lo, self.up_bps)
+        self.down_bps_low = _low(self._down_lo, self.down_bps)
 
     def set_prior(self, up_bps: float, down_bps: float, rtt_s: float) -> None:
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = up_bps, down_bps, rtt_s
@@ -131,11 +143,15 @@ class LinkEstimator:
             self._rtt_q.add(net)
         elif sent_bytes >= received_bytes:
             t = net - self.rtt_s - received_bytes * 8 / self.down_bps
-            self._up.add(sent_bytes * 8 / max(t, net * 0.1, 1e-4))
+            rate = sent_bytes * 8 / max(t, net * 0.1, 1e-4)
+            self._up.add(rate)
+            self._up_lo.add(rate)
             self.bandwidth_update = now
         else:
             t = net - self.rtt_s - sent_bytes * 8 / self.up_bps
-            self._down.add(received_bytes * 8 / max(t, net * 0.1, 1e-4))
+            rate = received_bytes * 8 / max(t, net * 0.1, 1e-4)
+            self._down.add(rate)
+            self._down_lo.add(rate)
             self.bandwidth_update = now
         self._refresh()
 
@@ -160,6 +176,7 @@ class LinkEstimator:
         self.consecutive_failures += 1
         if sent_bytes >= SMALL_BYTES and elapsed_s > 0:
             bound = sent_bytes * 8 / elapsed_s
+            self._up_lo.add(bound)
             if bound < self.up_bps:
                 self._up.value = bound
                 self._up.count += 1
@@ -173,6 +190,7 @@ class LinkEstimator:
     def retarget(self, q: float) -> None:
         if q != self._rtt_q.q:
             self._rtt_q = P2Quantile(q)
+            self._up_lo, self._down_lo = P2Quantile(1 - q), P2Quantile(1 - q)
             self._refresh()
 
     def transfer_time(self, up_bytes: int, down_bytes: int) -> float:
@@ -184,6 +202,8 @@ class LinkEstimator:
             "down": self._down.to_dict(),
             "rtt": self._rtt.to_dict(),
             "rtt_q": self._rtt_q.to_dict(),
+            "up_lo": self._up_lo.to_dict(),
+            "down_lo": self._down_lo.to_dict(),
             "samples": self.samples,
             "prior": [self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s],
             "age_s": None if self.last_update is None else now - self.last_update,
@@ -199,8 +219,11 @@ class LinkEstimator:
             Ewma.from_dict(d["rtt"]),
         )
         e._rtt_q = P2Quantile.from_dict(d["rtt_q"])
+        if "up_lo" in d:
+            e._up_lo = P2Quantile.from_dict(d["up_lo"])
+            e._down_lo = P2Quantile.from_dict(d["down_lo"])
         if q is not None and q != e._rtt_q.q:
-            e._rtt_q = P2Quantile(q)
+            e.retarget(q)
         e.samples = int(d.get("samples", 0))
         age = d.get("age_s")
         e.last_update = None if age is None else now - float(age)

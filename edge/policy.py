@@ -79,6 +79,7 @@ class Option:
     feasible: bool = True
     reason: str = ""
     stale: bool = False
+    promotion_s: float = 0.0  # radio promotion included in the latency (cloud options)
 
 
 @dataclass(slots=True)
@@ -207,17 +208,20 @@ class Policy:
             and (claim is None or ctx.now - claim > explore)
         )
         up_bps, down_bps = link.up_bps, link.down_bps
+        up_low, down_low = link.up_bps_low, link.down_bps_low
         if stale:
             # Optimism under uncertainty: an old estimate (a bad spell long
             # past) must not keep the option infeasible forever.
             up_bps, down_bps = max(up_bps, link.prior_up_bps), max(down_bps, link.prior_down_bps)
+            up_low, down_low = up_bps, down_bps
         t_up = up * 8.0 / up_bps
         t_down = down * 8.0 / down_bps
+        t_q = up * 8.0 / up_low + down * 8.0 / down_low  # the link's slow tail
         # A radio that went idle (past its tail) must be promoted before it sends.
         idle = ctx.radio_idle_s
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
         latency = promotion + link.rtt_s + t_up + t_down + server
-        latency_q = promotion + max(link.rtt_quantile, link.rtt_s) + t_up + t_down + server_q
+        latency_q = promotion + max(link.rtt_quantile, link.rtt_s) + t_q + server_q
         energy = transfer_energy_j(
             profile,
             up,
@@ -239,6 +243,7 @@ class Policy:
             down,
             money,
             stale=stale,
+            promotion_s=promotion,
         )
 
     def decide(self, model: str, ctx: Context, mode: str | None = None) -> Decision:

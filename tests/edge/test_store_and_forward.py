@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.request
 
 import numpy as np
 
-from shared import v2
+from shared import envelope, v2
 from shared.messages import InferRequest
 from shared.tensors import Tensor
 from tests.edge.conftest import agent_toml
@@ -137,3 +138,46 @@ async def test_a_request_the_cloud_always_fails_does_not_block_the_ones_behind_i
             np.testing.assert_array_equal(good["response"].outputs[0].data, [1, 1, 1])
         finally:
             server.terminate()
+
+
+async def test_a_crash_between_the_clouds_answer_and_the_bookkeeping_does_not_run_it_twice(
+    tmp_path, edge_repos
+):
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+
+    server = cloud_server(edge_repos[0], "--node", "once").start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=server.http_url,
+        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
+    )
+    try:
+        x = np.full((1, 4), 2.0, np.float32)
+        async with Agent(load_agent_config(cfg)) as agent:
+            await agent.transports["http"].close()  # an outage: the request is stored
+            receipt = await agent.infer("c", {"x": x}, deferrable=True)
+            request_id = receipt.parameters["request_id"]
+            await agent.transports["http"].start()  # the link returns...
+            item = agent.store.pending()[0]
+            agent.store.mark_sending(item.request_id)
+            request = envelope.decode_request(item.payload)
+            first = await agent.dataplane.send_deferred("c", request)
+            # ...the cloud answered, and the agent dies before recording it.
+        async with Agent(load_agent_config(cfg)) as again:  # the row is pending again
+            for _ in range(50):
+                await again.flush_deferred()
+                found = await again.deferred_result(request_id)
+                if found["status"] == "delivered":
+                    break
+                await asyncio.sleep(0.1)
+            assert found["status"] == "delivered"
+            assert found["response"].parameters.get("duplicate") is True
+            np.testing.assert_array_equal(
+                found["response"].outputs[0].data, first.outputs[0].data
+            )
+        stats = _get(server.http_url + "/v2/models/cloudonly/stats")["model_stats"][0]
+        assert stats["execution_count"] == 1  # answered twice, run once
+    finally:
+        server.terminate()
