@@ -339,11 +339,15 @@ class EdgeDataPlane:
         queue_us = int(params.get("queue_us", 0) or 0)
         compute_us = int(params.get("compute_us", 0) or 0)
         self.est.observe_reply(mp.cloud_model or model, queue_us, compute_us, now)
+        # The radio's promotion is in the transfer's time and the policy adds it
+        # itself; a transfer quicker than the promotion found the radio up already.
+        elapsed = result.elapsed_s
+        if elapsed > choice.promotion_s:
+            elapsed -= choice.promotion_s
         self.est.link(choice.transport).observe(
             result.sent_bytes,
             result.received_bytes,
-            # The radio's promotion is in the transfer's time; the policy adds it itself.
-            max(result.elapsed_s - choice.promotion_s, 1e-6),
+            elapsed,
             (queue_us + compute_us) / 1e6,
             now,
         )

@@ -222,8 +222,9 @@ class _Agent:
         a = self.sim.offload(i, now, cloud_deadline, self.radio, in_bytes)
         out = self.sim.cloud_outcome(i, t, a, choice.name)
         if a.delivered:
-            # The agent subtracts the promotion it predicted from the transfer's time.
-            start = now + choice.promotion_s
+            # The agent subtracts the promotion it predicted from the transfer's time
+            # (unless the transfer was quicker than the promotion).
+            start = now + choice.promotion_s if a.end - now > choice.promotion_s else now
             self.at(
                 a.end, lambda: self._learn(tr, a.up_bytes, a.down_bytes, start, a.end, a.server_s)
             )
@@ -240,7 +241,7 @@ class _Agent:
     def _learn(self, tr: str, sent: int, received: int, start: float, now: float, server: float):
         self.breakers[tr].record_success(now)
         self.est.observe_reply(self.mp.cloud_model or self.model, 0, int(server * 1e6), now)
-        self.est.link(tr).observe(sent, received, max(now - start, 1e-6), server, now)
+        self.est.link(tr).observe(sent, received, now - start, server, now)
         self.known_radio.transfer_done(now)
         self.add_usage(now, sent + received)
         self.out_bytes = received

@@ -254,3 +254,21 @@ async def test_the_daily_data_used_survives_a_restart(tmp_path, edge_repos, clou
     assert used > 3 * x.nbytes / 1e6
     async with Agent(load_agent_config(cfg)) as again:
         assert again.dataplane.usage.today() == pytest.approx(used)
+
+
+async def test_a_reply_quicker_than_the_radio_promotion_still_teaches_the_link(
+    tmp_path, edge_repos, cloud
+):
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+    )
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        assert agent.links["http"].promotion_s > 0.05  # WiFi's: more than a loopback round trip
+        reply = await agent.infer("lin", {"x": x})
+        assert reply.parameters["latency_ms"] < 50
+        link = agent.estimators.link("http")
+        assert link.samples == 1  # learnt from, though shorter than the promotion it predicted
