@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from edge.accounting import Usage, batch_rows, provenance, request_bytes
 from edge.breaker import CircuitBreaker
 from edge.energy import RadioState, local_energy_j
 from edge.estimators import Estimators
@@ -50,49 +50,6 @@ ENDPOINT_FAILURES = (ModelNotReady, DeadlineExceeded, Overloaded)
 MISSING_MODEL_COOLDOWN_S = 30.0
 # A link estimate older than this is refreshed by a probe (when the radio is up).
 STALE_PROBE_S = 30.0
-# Framing bytes of a V2 binary request besides the tensor data (JSON header).
-REQUEST_OVERHEAD_BYTES = 256
-
-
-@dataclass
-class Usage:
-    """Megabytes moved today (for the daily data cap), by the device's local calendar day.
-
-    Lives in ``store`` (the estimators' persisted extras) so a restart does
-    not reset the cap.
-    """
-
-    store: dict[str, Any]
-
-    @staticmethod
-    def _today() -> str:
-        return time.strftime("%Y-%m-%d", time.localtime())
-
-    def add(self, nbytes: int) -> None:
-        today = self._today()
-        if self.store.get("day") != today:
-            self.store["day"], self.store["mb"] = today, 0.0
-        self.store["mb"] = float(self.store.get("mb", 0.0)) + nbytes / 1e6
-
-    def today(self) -> float:
-        return float(self.store.get("mb", 0.0)) if self.store.get("day") == self._today() else 0.0
-
-
-def request_bytes(request: InferRequest) -> int:
-    """Bytes an offload of ``request`` puts on the wire (tensor data plus framing)."""
-    total = REQUEST_OVERHEAD_BYTES
-    for t in request.inputs:
-        if t.datatype == "BYTES":
-            total += sum(4 + len(x) for x in t.data.reshape(-1))
-        else:
-            total += t.data.nbytes
-    return total
-
-
-def _batch_rows(request: InferRequest) -> int:
-    for t in request.inputs:
-        return int(t.data.shape[0]) if t.data.ndim else 1
-    return 1
 
 
 class EdgeDataPlane:
@@ -145,7 +102,7 @@ class EdgeDataPlane:
             data_used_mb_today=self.usage.today(),
             radio_idle_s=self.radio.radio_idle_s(now),
             out_bytes=self._out_bytes.get(model),
-            batch=_batch_rows(request),
+            batch=batch_rows(request),
             local_backlog=self.local.backlog(mp.local_model) if mp.local_model else 0,
         )
 
@@ -249,7 +206,7 @@ class EdgeDataPlane:
             mp.local_model, request.input_dict(), request.output_names()
         )
         now = time.monotonic()
-        self.est.local(mp.local_model, _batch_rows(request)).add(seconds, now)
+        self.est.local(mp.local_model, batch_rows(request)).add(seconds, now)
         names = request.output_names() or list(outputs)
         specs = {t.name: t.datatype for t in local.config.outputs}
         tensors = [
@@ -267,7 +224,7 @@ class EdgeDataPlane:
             model_version=str(local.version),
             id=request.id,
             outputs=tensors,
-            parameters=_provenance(
+            parameters=provenance(
                 LOCAL, option, now - start, energy, 0, 0, reason, fallback, **extra
             ),
         )
@@ -358,7 +315,7 @@ class EdgeDataPlane:
         response.model_name = model
         response.parameters = {
             **params,
-            **_provenance(
+            **provenance(
                 choice.name,
                 choice,
                 now - start,
@@ -480,31 +437,4 @@ class EdgeDataPlane:
             self.est.link(name).observe_probe(rtt, t)
 
 
-def _provenance(
-    where: str,
-    option: Option | None,
-    actual_s: float,
-    energy_j: float,
-    sent: int,
-    received: int,
-    reason: str,
-    fallback: bool,
-    **extra: Any,
-) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "where": where,
-        "latency_ms": round(actual_s * 1000, 3),
-        "predicted_latency_ms": round(option.latency_s * 1000, 3) if option else None,
-        "energy_j": round(energy_j, 6),
-        "bytes_sent": sent,
-        "bytes_received": received,
-        "fallback": fallback,
-        "decision": reason,
-    }
-    if params["predicted_latency_ms"] is None:
-        del params["predicted_latency_ms"]
-    params.update(extra)
-    return params
-
-
-__all__ = ["DeadlineExceeded", "EdgeDataPlane", "request_bytes"]
+__all__ = ["DeadlineExceeded", "EdgeDataPlane"]

@@ -1,0 +1,85 @@
+"""What a request costs and what its answer says about it.
+
+Bytes an offload puts on the wire, the daily data used (for the cap), and
+the provenance every answer carries in its parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from edge.policy import Option
+from shared.messages import InferRequest
+
+# Framing bytes of a V2 binary request besides the tensor data (JSON header).
+REQUEST_OVERHEAD_BYTES = 256
+
+
+@dataclass
+class Usage:
+    """Megabytes moved today (for the daily data cap), by the device's local calendar day.
+
+    Lives in ``store`` (the estimators' persisted extras) so a restart does
+    not reset the cap.
+    """
+
+    store: dict[str, Any]
+
+    @staticmethod
+    def _today() -> str:
+        return time.strftime("%Y-%m-%d", time.localtime())
+
+    def add(self, nbytes: int) -> None:
+        today = self._today()
+        if self.store.get("day") != today:
+            self.store["day"], self.store["mb"] = today, 0.0
+        self.store["mb"] = float(self.store.get("mb", 0.0)) + nbytes / 1e6
+
+    def today(self) -> float:
+        return float(self.store.get("mb", 0.0)) if self.store.get("day") == self._today() else 0.0
+
+
+def request_bytes(request: InferRequest) -> int:
+    """Bytes an offload of ``request`` puts on the wire (tensor data plus framing)."""
+    total = REQUEST_OVERHEAD_BYTES
+    for t in request.inputs:
+        if t.datatype == "BYTES":
+            total += sum(4 + len(x) for x in t.data.reshape(-1))
+        else:
+            total += t.data.nbytes
+    return total
+
+
+def batch_rows(request: InferRequest) -> int:
+    for t in request.inputs:
+        return int(t.data.shape[0]) if t.data.ndim else 1
+    return 1
+
+
+def provenance(
+    where: str,
+    option: Option | None,
+    actual_s: float,
+    energy_j: float,
+    sent: int,
+    received: int,
+    reason: str,
+    fallback: bool,
+    **extra: Any,
+) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "where": where,
+        "latency_ms": round(actual_s * 1000, 3),
+        "predicted_latency_ms": round(option.latency_s * 1000, 3) if option else None,
+        "energy_j": round(energy_j, 6),
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "fallback": fallback,
+        "decision": reason,
+    }
+    if params["predicted_latency_ms"] is None:
+        del params["predicted_latency_ms"]
+    params.update(extra)
+    return params
