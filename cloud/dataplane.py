@@ -40,6 +40,7 @@ from shared.repository import (
     ModelRepository,
     complete_config,
     triton_model_config,
+    v2_model_metadata,
     validate_model_name,
 )
 from shared.runtimes import Session, load_session
@@ -290,19 +291,8 @@ class DataPlane:
 
     def metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         model = self.get(name, version)
-        cfg = model.config
-        batch = [-1] if cfg.max_batch_size else []
-
-        def spec(t: Any) -> dict[str, Any]:
-            return {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
-
-        return {
-            "name": name,
-            "versions": [str(v) for v in sorted(self._models[name])],
-            "platform": triton_model_config(cfg)["platform"],
-            "inputs": [spec(t) for t in cfg.inputs],
-            "outputs": [spec(t) for t in cfg.outputs],
-        }
+        versions = [str(v) for v in sorted(self._models[name])]
+        return v2_model_metadata(name, model.config, versions)
 
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
         return triton_model_config(self.get(name, version).config)

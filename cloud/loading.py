@@ -29,10 +29,7 @@ import ctypes
 import logging
 import os
 
-import numpy as np
-
-from shared.datatypes import numpy_dtype
-from shared.repository import ModelConfig
+from shared.repository import ModelConfig, warm_up_inputs
 from shared.runtimes.base import Session
 
 log = logging.getLogger(__name__)
@@ -91,21 +88,6 @@ class MemoryProbe:
     @staticmethod
     def growth(before: tuple[int, int], after: tuple[int, int]) -> int:
         return max(after[0] - before[0], after[1] - before[1], 0)
-
-
-def warm_up_inputs(config: ModelConfig) -> dict[str, np.ndarray]:
-    """All-zeros inputs of batch 1 (dynamic dims as 1) for the completed ``config``."""
-    batch = [1] if config.max_batch_size else []
-    inputs = {}
-    for spec in config.inputs:
-        shape = tuple(batch + [d if d > 0 else 1 for d in spec.dims])
-        if spec.datatype == "BYTES":
-            arr = np.empty(shape, dtype=object)
-            arr.fill(b"")
-        else:
-            arr = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
-        inputs[spec.name] = arr
-    return inputs
 
 
 def warm_up(session: Session, config: ModelConfig) -> bool:

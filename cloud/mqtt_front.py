@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import socket
-import ssl
 import threading
 import time
 from typing import Any
@@ -37,6 +36,7 @@ from shared import envelope
 from shared.errors import FerryError, InternalError, InvalidInput, ModelNotReady, Overloaded
 from shared.mqtt import model_from_topic, shared_request_topic, status_topic
 from shared.tensors import Limits
+from shared.tls import client_tls_context
 
 log = logging.getLogger(__name__)
 
@@ -94,18 +94,14 @@ class MqttFront:
         if broker.username:
             client.username_pw_set(broker.username, broker.password)
         if broker.tls:
-            context = ssl.create_default_context(
-                cafile=str(self.config.ca_file) if self.config.ca_file else None
-            )
-            if self.config.cert_file:
-                context.load_cert_chain(
-                    str(self.config.cert_file),
-                    str(self.config.key_file) if self.config.key_file else None,
+            client.tls_set_context(
+                client_tls_context(
+                    self.config.ca_file,
+                    insecure=self.config.tls_insecure,
+                    cert_file=self.config.cert_file,
+                    key_file=self.config.key_file,
                 )
-            if self.config.tls_insecure:
-                context.check_hostname = False
-                context.verify_mode = ssl.CERT_NONE
-            client.tls_set_context(context)
+            )
         client.on_socket_open = _nodelay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
@@ -38,12 +37,12 @@ from edge.local import LocalModels
 from edge.policy import LOCAL, Policy
 from edge.store import DeferredStore
 from edge.transports.base import Transport
-from shared.datatypes import numpy_dtype
 from shared.errors import ConfigError, FerryError, InvalidInput
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import BrokerAddress, parse_broker_url
-from shared.repository import ModelRepository
+from shared.repository import ModelRepository, warm_up_inputs
 from shared.tensors import Tensor
+from shared.tls import client_tls_context
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +65,6 @@ class Battery:
         return self._value
 
 
-def tls_context(
-    ca_file: str | None, insecure: bool, cert: str | None, key: str | None
-) -> ssl.SSLContext:
-    """The client TLS context both transports use (CA, optional client certificate)."""
-    try:
-        context = ssl.create_default_context(cafile=ca_file)
-        if cert:
-            context.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"TLS setup failed: {exc}") from None
-    if insecure:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
-
-
 def build_transports(config: AgentConfig) -> dict[str, Transport]:
     cloud = config.cloud
     transports: dict[str, Transport] = {}
@@ -93,8 +76,11 @@ def build_transports(config: AgentConfig) -> dict[str, Transport]:
             broker = BrokerAddress(**{**asdict(broker), "password": cloud.mqtt_password})
         context = None
         if broker.tls:
-            context = tls_context(
-                cloud.ca_file, cloud.tls_insecure, cloud.cert_file, cloud.key_file
+            context = client_tls_context(
+                cloud.ca_file,
+                insecure=cloud.tls_insecure,
+                cert_file=cloud.cert_file,
+                key_file=cloud.key_file,
             )
         transports["mqtt"] = MqttTransport(broker, tls_context=context)
     if cloud.http_url:
@@ -102,8 +88,11 @@ def build_transports(config: AgentConfig) -> dict[str, Transport]:
 
         context = None
         if cloud.http_url.startswith("https://"):
-            context = tls_context(
-                cloud.ca_file, cloud.tls_insecure, cloud.cert_file, cloud.key_file
+            context = client_tls_context(
+                cloud.ca_file,
+                insecure=cloud.tls_insecure,
+                cert_file=cloud.cert_file,
+                key_file=cloud.key_file,
             )
         transports["http"] = HttpTransport(cloud.http_url, token=cloud.token, tls_context=context)
     return transports
@@ -177,11 +166,15 @@ class Agent:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self._save_estimates()
-        for transport in self.transports.values():
-            await transport.close()
-        self.local.close()
-        await self.deferrer.close()
+        try:
+            await self._save_estimates()
+        except OSError as exc:
+            log.error("estimates not saved to %s: %s", self.state_file, exc)
+        finally:
+            for transport in self.transports.values():
+                await transport.close()
+            self.local.close()
+            await self.deferrer.close()
 
     async def __aenter__(self) -> Agent:
         await self.start()
@@ -207,16 +200,7 @@ class Agent:
 
     async def _warm_up(self, name: str) -> None:
         """One run on zeros: pays first-call costs and seeds the latency estimate."""
-        model = self.local.get(name)
-        cfg = model.config
-        inputs = {}
-        for spec in cfg.inputs:
-            dims = [max(d, 1) for d in spec.dims]
-            shape = ([1] if cfg.max_batch_size else []) + dims
-            if spec.datatype == "BYTES":
-                inputs[spec.name] = np.full(shape, b"", dtype=object)
-            else:
-                inputs[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
+        inputs = warm_up_inputs(self.local.get(name).config)
         try:
             for _ in range(2):
                 _, seconds = await self.local.run(name, inputs)
@@ -233,7 +217,9 @@ class Agent:
                 log.exception("background task %s failed", getattr(fn, "__name__", fn))
 
     async def _save_estimates(self) -> None:
-        await asyncio.to_thread(self.estimators.save, self.state_file)
+        # Snapshot on the loop (the only writer), write and fsync off it.
+        data = self.estimators.snapshot()
+        await asyncio.to_thread(self.estimators.save, self.state_file, data)
 
     def _mtime(self) -> float | None:
         src = self.config.source
@@ -265,8 +251,9 @@ class Agent:
         if waiting:
             log.warning("changed %s: takes effect after a restart", ", ".join(waiting))
         self.device = device
-        for t, link in links.items():
-            if link != self.links.get(t):
+        if new.links != self.config.links:  # the file's links changed (not a set_link)
+            for t, link in links.items():
+                self.estimators.reset_link(t)
                 self._use_link(t, link)
         self.estimators.set_quantile(new.policy.deadline_quantile)
         self.local.slowdown = new.local_slowdown

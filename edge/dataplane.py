@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 ENDPOINT_FAILURES = (ModelNotReady, DeadlineExceeded, Overloaded)
 # How long a cloud that answered "no such model" is not asked for it again.
 MISSING_MODEL_COOLDOWN_S = 30.0
+# The least time a stored (deferred) request is given to cross the link.
+DEFERRED_SEND_S = 30.0
 # A link estimate older than this is refreshed by a probe (when the radio is up).
 STALE_PROBE_S = 30.0
 
@@ -129,13 +131,18 @@ class EdgeDataPlane:
         deferrable: bool = False,
     ) -> InferResponse:
         start = time.monotonic()
+        # The app's id is echoed back but never used inside: apps reuse ids
+        # ("1"), and the MQTT correlation, the deferred store and the cloud's
+        # idempotency cache all need one unique per request.
+        client_id, request.id = request.id, uuid.uuid4().hex
         try:
             response = await self._infer(model, request, start, deadline_ms, priority, deferrable)
         except FerryError as exc:
             self.stats.failure(model, time.monotonic() - start, exc.code.value)
             raise
         params = response.parameters
-        self.stats.success(model, params.get("where", "?"), time.monotonic() - start)
+        self.stats.success(model, params, time.monotonic() - start)
+        response.id = client_id
         return response
 
     async def _infer(
@@ -159,7 +166,6 @@ class EdgeDataPlane:
         if budget_ms <= 0:
             raise InvalidInput(f"deadline_ms must be positive, got {budget_ms}")
         deadline = start + budget_ms / 1000.0
-        request.id = request.id or uuid.uuid4().hex
         if priority is not None:
             request.parameters = {**request.parameters, "priority": priority}
 
@@ -331,17 +337,17 @@ class EdgeDataPlane:
     async def _cascade(
         self, model: str, mp: ModelPolicy, request: InferRequest, deadline: float, start: float
     ) -> InferResponse:
+        wanted = request.output_names()
+        if wanted is not None and mp.cascade_output and mp.cascade_output not in wanted:
+            raise InvalidInput(
+                f"model {model!r} cascades on output {mp.cascade_output!r}: request it too, "
+                "or leave the outputs unset"
+            )
         local_opt = self.policy.local_option(mp)
         local_answer = await self._run_local(
             model, mp, request, local_opt, start, "cascade: local first"
         )
-        scores = local_answer.outputs[0].data
-        if mp.cascade_output:
-            scores = local_answer.output(mp.cascade_output).data
-        conf = min(
-            confidence(row)
-            for row in np.asarray(scores).reshape(scores.shape[0] if scores.ndim > 1 else 1, -1)
-        )
+        conf = _cascade_confidence(local_answer, mp.cascade_output)
         local_answer.parameters["confidence"] = round(conf, 4)
         if conf >= mp.cascade_threshold:
             return local_answer
@@ -387,17 +393,19 @@ class EdgeDataPlane:
         assert request.id is not None
         request.parameters = {**request.parameters, "idempotency_key": request.id}
         cloud_only = ModelPolicy(**{**mp.__dict__, "local_model": None})
-        decision = self.decide(model, request, 30.0, mode="cloud", mp=cloud_only)
+        decision = self.decide(model, request, DEFERRED_SEND_S, mode="cloud", mp=cloud_only)
         if decision.choice is None:
             raise ModelNotReady(decision.reason)
         start = time.monotonic()
+        # Nobody waits on it: give it three times what the link is expected to take.
+        budget = max(DEFERRED_SEND_S, 3 * decision.choice.latency_q_s)
         return await self._offload(
             model,
             cloud_only,
             request,
             decision.choice,
             None,
-            start + 30.0,
+            start + budget,
             start,
             False,
             "deferred",
@@ -435,6 +443,19 @@ class EdgeDataPlane:
             breaker.record_success(t)
             self.radio.transfer_done(t)
             self.est.link(name).observe_probe(rtt, t)
+
+
+def _cascade_confidence(answer: InferResponse, output: str | None) -> float:
+    """The least top-1 confidence over the batch's rows of the scores output."""
+    tensor = answer.output(output) if output else answer.outputs[0]
+    scores = tensor.data
+    if tensor.datatype in ("BYTES", "BOOL") or scores.size == 0:
+        raise InvalidInput(
+            f"output {tensor.name!r} ({tensor.datatype}, shape {list(scores.shape)}) holds no "
+            "scores to read a confidence from; set cascade_output to the model's score output"
+        )
+    rows = np.asarray(scores).reshape(scores.shape[0] if scores.ndim > 1 else 1, -1)
+    return min(confidence(row) for row in rows)
 
 
 __all__ = ["DeadlineExceeded", "EdgeDataPlane"]

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from edge.store import DeferredStore
+from edge.store import DeferredItem, DeferredStore
 from shared import envelope
 from shared.errors import (
     DeadlineExceeded,
@@ -95,12 +95,13 @@ class Deferrer:
 
         A request the cloud refuses for its own reasons (bad input, unknown
         model, an internal error on it) fails alone, after ``max_attempts``
-        for the transient kinds, and never blocks the queue behind it.
+        for the transient kinds; one the link lets down stays stored; neither
+        blocks the queue behind it.
         """
         now = time.time()
         for request_id in await self._call(self.store.expire, now):
             log.warning("deferred request %s expired before a link returned", request_id)
-        await self._call(self.store.purge, now - self.keep_results_s)
+        await self._call(self.store.purge, now - self.ttl_s - self.keep_results_s)
         done = 0
         for item in await self._call(self.store.pending, limit=limit, now_wall=now):
             if not can_send():
@@ -110,17 +111,18 @@ class Deferrer:
             try:
                 response = await send(item.model, request)
             except _RETRY_LATER as exc:
+                # The link or endpoint let this one down: keep it, try the next one
+                # (can_send() ends the flush once the breaker opens).
                 log.info("deferred %s not sent yet: %s", item.request_id, exc.message)
                 await self._call(self.store.mark_pending, item.request_id)
-                break
+                continue
             except FerryError as exc:
                 final = isinstance(exc, ModelNotFound) or exc.http_status < 500
-                if final or item.attempts + 1 >= self.max_attempts:
-                    error = f"{exc.code.value}: {exc.message}"
-                    await self._call(self.store.mark_delivered, item.request_id, None, error)
-                    done += 1
-                else:
-                    await self._call(self.store.mark_pending, item.request_id)
+                done += await self._failed(item, f"{exc.code.value}: {exc.message}", final)
+                continue
+            except Exception as exc:  # a bug must not strand the row in "sending"
+                log.exception("deferred %s: sending failed", item.request_id)
+                done += await self._failed(item, f"internal: {exc!r}", False)
                 continue
             response.id = item.request_id
             reply = envelope.encode_reply(response)
@@ -128,6 +130,14 @@ class Deferrer:
             self.delivered += 1
             done += 1
         return done
+
+    async def _failed(self, item: DeferredItem, error: str, final: bool) -> int:
+        """Fail the row for good when ``final`` or out of attempts, else put it back."""
+        if final or item.attempts + 1 >= self.max_attempts:
+            await self._call(self.store.mark_delivered, item.request_id, None, error)
+            return 1
+        await self._call(self.store.mark_pending, item.request_id)
+        return 0
 
     async def result(self, request_id: str) -> dict[str, Any]:
         """Status of a deferred request and, once answered, its response or error."""

@@ -333,9 +333,14 @@ class Estimators:
         e.extra = dict(d.get("extra", {}))
         return e
 
-    def save(self, path: Path) -> None:
+    def snapshot(self) -> bytes:
+        """The state file's bytes; take it where the estimates are updated (the loop)."""
+        return json.dumps(self.to_dict()).encode()
+
+    def save(self, path: Path, data: bytes | None = None) -> None:
+        """Write the state file atomically (``data`` from :meth:`snapshot`, or taken now)."""
         path = Path(path)
-        data = json.dumps(self.to_dict()).encode()
+        data = self.snapshot() if data is None else data
         fd, tmp = tempfile.mkstemp(prefix=".estimates-", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:

@@ -35,7 +35,6 @@ the context carries no local backlog.
 from __future__ import annotations
 
 import heapq
-import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import replace
@@ -53,9 +52,7 @@ PROBE_INTERVAL_S = 5.0
 
 def make_estimators(config: PolicyConfig) -> Estimators:
     """Estimators tracking the policy's deadline quantile, as the agent builds them."""
-    if "quantile" in inspect.signature(Estimators).parameters:
-        return Estimators(quantile=config.deadline_quantile)
-    return Estimators()  # pragma: no cover - an older Estimators
+    return Estimators(quantile=config.deadline_quantile)
 
 
 class _Agent:

@@ -14,6 +14,7 @@ network, e.g. ``{"transport": "http", "link": "lte"}``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -25,12 +26,14 @@ from aiohttp import web
 from edge.agent import Agent
 from shared import v2
 from shared.errors import FerryError, InvalidInput, ModelNotFound, ModelNotReady, PayloadTooLarge
-from shared.repository import triton_model_config
+from shared.repository import triton_model_config, v2_model_metadata
 from shared.tensors import Limits
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# A JSON part this large takes milliseconds to decode: do it in a worker thread.
+JSON_OFFLOAD_BYTES = 1 << 20
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "deferred"]
 
 
@@ -73,6 +76,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def _steering(params: dict[str, Any]) -> tuple[float | None, int | None, bool]:
     deadline_ms = params.pop("deadline_ms", None)
     timeout_us = params.pop("timeout", None)
+    if timeout_us is not None and (type(timeout_us) is not int or timeout_us < 0):
+        raise InvalidInput(f"timeout must be a non-negative integer (us), got {timeout_us!r}")
     if deadline_ms is None and timeout_us:
         deadline_ms = timeout_us / 1000.0
     if deadline_ms is not None and (
@@ -198,20 +203,7 @@ class LocalApi:
         model = self._local(name, version)
         if model is None:
             return _json(await self._cloud_json(name, "metadata"))
-        batch = [-1] if model.config.max_batch_size else []
-
-        def spec(t: Any) -> dict[str, Any]:
-            return {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
-
-        return _json(
-            {
-                "name": name,
-                "versions": [str(model.version)],
-                "platform": triton_model_config(model.config)["platform"],
-                "inputs": [spec(t) for t in model.config.inputs],
-                "outputs": [spec(t) for t in model.config.outputs],
-            }
-        )
+        return _json(v2_model_metadata(name, model.config, [str(model.version)]))
 
     async def model_config(self, request: web.Request) -> web.Response:
         name, version = request.match_info["model"], request.match_info.get("version")
@@ -253,7 +245,10 @@ class LocalApi:
             self._local(name, version)
         body = await request.read()
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
-        decoded = v2.decode_request(body, header_length, self.limits)
+        if (header_length or len(body)) > JSON_OFFLOAD_BYTES:  # big JSON: off the loop
+            decoded = await asyncio.to_thread(v2.decode_request, body, header_length, self.limits)
+        else:
+            decoded = v2.decode_request(body, header_length, self.limits)
         deadline_ms, priority, deferrable = _steering(decoded.parameters)
         response = await self.agent.dataplane.infer(
             name,

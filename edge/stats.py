@@ -4,7 +4,10 @@ So the tools that read a Triton server's ``/v2/models/stats`` (perf
 analyzers, dashboards) read the agent's too.  Beyond Triton's fields each
 entry says where the requests ran (local, cloud-mqtt, cloud-http, deferred)
 and how failures split by error code: what an agent's operator asks first.
-Only the event loop writes, so plain counters suffice.
+``compute_infer`` is runtime time (local, or the cloud's as it reports),
+``queue`` the cloud's queueing; the agent does not time input/output
+copies apart, so those fields are left out rather than faked.  Only the
+event loop writes, so plain counters suffice.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class _ModelCounters:
     fail: int = 0
     fail_ns: int = 0
     last_ms: int = 0
+    queue_ns: int = 0  # the cloud's queue time, from its replies
+    compute_ns: int = 0  # runtime time, local or in the cloud
     where: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
 
@@ -36,11 +41,14 @@ class AgentStats:
             found = self._models[model] = _ModelCounters()
         return found
 
-    def success(self, model: str, where: str, seconds: float) -> None:
+    def success(self, model: str, params: dict[str, Any], seconds: float) -> None:
+        """One answered request; ``params`` is its provenance (where, queue_us, compute_us)."""
         c = self._get(model)
         c.success += 1
         c.success_ns += int(seconds * 1e9)
-        c.where[where] += 1
+        c.queue_ns += int(params.get("queue_us", 0) or 0) * 1000
+        c.compute_ns += int(params.get("compute_us", 0) or 0) * 1000
+        c.where[str(params.get("where", "?"))] += 1
         c.last_ms = int(time.time() * 1000)
 
     def failure(self, model: str, seconds: float, code: str) -> None:
@@ -64,10 +72,8 @@ class AgentStats:
             "inference_stats": {
                 "success": {"count": c.success, "ns": c.success_ns},
                 "fail": {"count": c.fail, "ns": c.fail_ns},
-                "queue": {"count": c.success, "ns": 0},
-                "compute_input": {"count": c.success, "ns": 0},
-                "compute_infer": {"count": c.success, "ns": c.success_ns},
-                "compute_output": {"count": c.success, "ns": 0},
+                "queue": {"count": c.success, "ns": c.queue_ns},
+                "compute_infer": {"count": c.success, "ns": c.compute_ns},
             },
             "batch_stats": [],
             "where": dict(c.where),

@@ -126,7 +126,11 @@ class DeferredStore:
         return ids
 
     def purge(self, before_wall: float) -> int:
-        """Forget answered, failed and expired requests created before ``before_wall``."""
+        """Forget answered, failed and expired requests created before ``before_wall``.
+
+        Callers pass ``now - ttl - keep``: a request answered at the very end
+        of its ttl is still kept for ``keep`` after its answer.
+        """
         cur = self._db.execute(
             "DELETE FROM deferred WHERE status IN ('delivered', 'failed', 'expired')"
             " AND created_wall < ?",

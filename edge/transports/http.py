@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+from typing import Any
 
 import aiohttp
 
@@ -17,7 +18,7 @@ from shared.errors import (
     ModelNotReady,
     error_from_code,
 )
-from shared.messages import InferRequest
+from shared.messages import InferRequest, InferResponse
 from shared.tensors import DEFAULT_LIMITS, Limits
 
 
@@ -117,11 +118,7 @@ class HttpTransport:
                 payload = await resp.read()
                 if resp.status != 200:
                     raise _http_error(resp.status, payload)
-                response = v2.decode_response(
-                    payload,
-                    v2.parse_header_length(resp.headers.get(v2.HEADER_LENGTH), len(payload)),
-                    self.limits,
-                )
+                response = _decode_reply(payload, resp.headers, self.limits)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"no HTTP reply from model {model!r} within the deadline"
@@ -129,6 +126,16 @@ class HttpTransport:
         except aiohttp.ClientError as exc:
             raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
         return TransferResult(response, len(body), len(payload), started, time.monotonic())
+
+
+def _decode_reply(payload: bytes, headers: Any, limits: Limits) -> InferResponse:
+    """A 200 reply's tensors; a malformed one is the cloud's fault, not the caller's input."""
+    try:
+        return v2.decode_response(
+            payload, v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(payload)), limits
+        )
+    except FerryError as exc:
+        raise InternalError(f"the cloud's reply is malformed: {exc.message}") from None
 
 
 def _http_error(status: int, payload: bytes) -> FerryError:

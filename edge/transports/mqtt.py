@@ -143,10 +143,10 @@ class MqttTransport:
         self._pending[correlation] = pending
         started = time.monotonic()
         try:
-            self._publish(correlation, pending)
-            remaining = deadline - time.monotonic()
+            remaining = deadline - started
             if remaining <= 0:
                 raise DeadlineExceeded("deadline passed before the request was sent")
+            self._publish(correlation, pending)
             try:
                 response, received = await asyncio.wait_for(future, remaining)
             except asyncio.TimeoutError:
@@ -187,7 +187,9 @@ class MqttTransport:
         props = Properties(PacketTypes.PUBLISH)
         props.ResponseTopic = self.reply_topic
         props.CorrelationData = correlation
-        props.MessageExpiryInterval = max(1, math.ceil(pending.deadline - time.monotonic()))
+        # Message Expiry is a 4-byte count of seconds.
+        expiry = math.ceil(pending.deadline - time.monotonic())
+        props.MessageExpiryInterval = min(max(1, expiry), 2**32 - 1)
         self._client.publish(pending.topic, pending.payload, qos=1, properties=props)
 
     # ---- paho callbacks (network thread) ----------------------------------------
@@ -260,8 +262,8 @@ class MqttTransport:
             return  # a duplicate answer after a resend, or one that came too late
         try:
             _, result = envelope.decode_reply(payload, self.limits)
-        except FerryError as exc:
-            pending.future.set_exception(exc)
+        except FerryError as exc:  # the cloud's fault, not the caller's input
+            pending.future.set_exception(InternalError(f"malformed MQTT reply: {exc.message}"))
             return
         except Exception as exc:  # a malformed reply must still answer the request
             pending.future.set_exception(InternalError(f"unreadable MQTT reply: {exc!r}"))

@@ -19,7 +19,12 @@ from shared.repository.config import (
 )
 from shared.repository.legacy import parse_legacy_config
 from shared.repository.repository import ModelRepository, complete_config, validate_model_name
-from shared.repository.triton import triton_datatype, triton_model_config
+from shared.repository.triton import (
+    triton_datatype,
+    triton_model_config,
+    v2_model_metadata,
+    warm_up_inputs,
+)
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
@@ -36,5 +41,7 @@ __all__ = [
     "parse_legacy_config",
     "triton_datatype",
     "triton_model_config",
+    "v2_model_metadata",
     "validate_model_name",
+    "warm_up_inputs",
 ]

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from shared.datatypes import numpy_dtype
 from shared.repository.config import ModelConfig
 from shared.runtimes.base import TensorSpec
 
@@ -72,3 +75,38 @@ def triton_model_config(config: ModelConfig, platform_hint: str | None = None) -
             },
         }
     return result
+
+
+def v2_model_metadata(name: str, config: ModelConfig, versions: list[str]) -> dict[str, Any]:
+    """``GET /v2/models/{name}``: the V2 metadata both tiers' HTTP fronts answer."""
+    batch = [-1] if config.max_batch_size else []
+
+    def spec(t: TensorSpec) -> dict[str, Any]:
+        return {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+
+    return {
+        "name": name,
+        "versions": versions,
+        "platform": triton_model_config(config)["platform"],
+        "inputs": [spec(t) for t in config.inputs],
+        "outputs": [spec(t) for t in config.outputs],
+    }
+
+
+def warm_up_inputs(config: ModelConfig) -> dict[str, np.ndarray]:
+    """All-zeros inputs of batch 1 (dynamic dims as 1) for the completed ``config``.
+
+    Both tiers run a model once on these after loading: it pays first-call
+    costs (allocator arenas, kernel selection) before a client waits on them.
+    """
+    batch = [1] if config.max_batch_size else []
+    inputs = {}
+    for spec in config.inputs:
+        shape = tuple(batch + [d if d > 0 else 1 for d in spec.dims])
+        if spec.datatype == "BYTES":
+            arr = np.empty(shape, dtype=object)
+            arr.fill(b"")
+        else:
+            arr = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
+        inputs[spec.name] = arr
+    return inputs

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cloud.loading import MemoryProbe, session_threads, warm_up, warm_up_inputs
-from shared.repository import ModelConfig, RuntimeConfig
+from cloud.loading import MemoryProbe, session_threads, warm_up
+from shared.repository import ModelConfig, RuntimeConfig, warm_up_inputs
 from shared.runtimes import RuntimeOptions, load_session
 from shared.runtimes.base import TensorSpec
 from tests.support import write_identity_model, write_linear_model

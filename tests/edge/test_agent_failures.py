@@ -74,10 +74,14 @@ async def test_a_mistyped_cloud_model_neither_opens_the_breaker_nor_is_retried(
         assert first.parameters["where"] == "local" and first.parameters["fallback"] is True
         assert "not_found" in first.parameters["decision"]
         # The cloud said it has no such model: no more tries for a while, no fallback cost.
-        later = [(await agent.infer("typo", {"x": X}, deadline_ms=3000)).parameters for _ in range(4)]
+        later = [
+            (await agent.infer("typo", {"x": X}, deadline_ms=3000)).parameters for _ in range(4)
+        ]
         assert all(p["where"] == "local" and not p["fallback"] for p in later)
         assert agent.dataplane.breakers["http"].state == "closed"
-        other = [(await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters for _ in range(3)]
+        other = [
+            (await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters for _ in range(3)
+        ]
         assert other[-1]["where"] == "cloud-http"
 
 
@@ -174,7 +178,10 @@ async def test_a_dead_node_behind_a_live_broker_sends_work_local_without_waiting
                     break
                 await asyncio.sleep(0.05)
             assert mqtt.serves("lin") is True and "mqtt-node" in mqtt.nodes
-            wheres = [(await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"] for _ in range(3)]
+            wheres = [
+                (await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"]
+                for _ in range(3)
+            ]
             assert wheres[-1] == "cloud-mqtt"
 
             node.kill()  # no goodbye: the broker publishes the node's last will
@@ -194,7 +201,88 @@ async def test_a_dead_node_behind_a_live_broker_sends_work_local_without_waiting
                 if mqtt.serves("lin"):
                     break
                 await asyncio.sleep(0.05)
-            back = [(await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"] for _ in range(3)]
+            back = [
+                (await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"]
+                for _ in range(3)
+            ]
             assert back[-1] == "cloud-mqtt"
     finally:
         node.kill()
+
+
+async def test_two_requests_with_the_same_client_id_get_their_own_answers(
+    tmp_path, edge_repos, broker
+):
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+
+    node = cloud_server(edge_repos[0], "--node", "ids", "--mqtt", broker.url).start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        mqtt=broker.url,
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            for _ in range(40):
+                if agent.transports["mqtt"].serves("lin"):
+                    break
+                await asyncio.sleep(0.05)
+            xs = [np.full((1, 4), float(i), np.float32) for i in range(6)]
+            requests = [InferRequest(inputs=[Tensor.from_array("x", x)], id="1") for x in xs]
+            answers = await asyncio.gather(
+                *(agent.dataplane.infer("lin", r, deadline_ms=5000) for r in requests)
+            )
+        assert all(a.id == "1" and a.parameters["where"] == "cloud-mqtt" for a in answers)
+        local = [await _local_lin(agent, edge_repos, x) for x in xs]
+        for answer, expected in zip(answers, local, strict=True):
+            np.testing.assert_allclose(answer.outputs[0].data, expected, rtol=1e-5)
+    finally:
+        node.kill()
+
+
+async def _local_lin(agent, edge_repos, x):
+    from shared.runtimes import RuntimeOptions, load_session
+
+    session = load_session(
+        "onnxruntime", edge_repos[1] / "lin-local" / "1" / "model.onnx", RuntimeOptions(threads=1)
+    )
+    try:
+        return session.run({"x": x})["y"]
+    finally:
+        session.close()
+
+
+async def test_a_cascade_on_an_output_the_request_left_out_is_a_clear_error(
+    tmp_path, edge_repos, cloud
+):
+    from shared.errors import InvalidInput
+
+    models = (
+        '[models.soft]\nlocal = "soft-local"\ncloud = "soft"\nmode = "cascade"\n'
+        'cascade_output = "probs"\n'
+    )
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=models)
+    async with Agent(load_agent_config(cfg)) as agent:
+        x = np.array([[0.2, 0.1, 0, 0]], np.float32)
+        with pytest.raises(InvalidInput, match="cascades on output 'probs'"):
+            await agent.infer("soft", {"x": x}, outputs=["nope"])
+        ok = await agent.infer("soft", {"x": x}, outputs=["probs"])
+        assert ok.parameters["where"] == "cloud-http"
+
+
+async def test_a_network_change_survives_an_unrelated_config_reload(tmp_path, edge_repos, cloud):
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n',
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        agent.set_link("http", "lte")
+        cfg.write_text(cfg.read_text().replace("deadline_ms = 2000", "deadline_ms = 1500"))
+        os.utime(cfg, (6, 6))
+        await agent._watch_config()
+        assert agent.dataplane.policy.config.default_deadline_ms == 1500
+        assert agent.links["http"].name == "lte"
