@@ -54,6 +54,14 @@ class BlackHole:
             c.close()
 
 
+async def _until_serves(mqtt, want: bool, model: str = "lin", tries: int = 100) -> None:
+    """Wait for the nodes' retained status to say whether a live node hosts ``model``."""
+    for _ in range(tries):
+        if mqtt.serves(model) is want:
+            return
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 def black_hole():
     hole = BlackHole()
@@ -173,10 +181,7 @@ async def test_a_dead_node_behind_a_live_broker_sends_work_local_without_waiting
     try:
         async with Agent(load_agent_config(cfg)) as agent:
             mqtt = agent.transports["mqtt"]
-            for _ in range(40):  # the node's retained status arrives after the subscription
-                if mqtt.serves("lin"):
-                    break
-                await asyncio.sleep(0.05)
+            await _until_serves(mqtt, True)  # retained status arrives after the subscription
             assert mqtt.serves("lin") is True and "mqtt-node" in mqtt.nodes
             wheres = [
                 (await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"]
@@ -185,10 +190,7 @@ async def test_a_dead_node_behind_a_live_broker_sends_work_local_without_waiting
             assert wheres[-1] == "cloud-mqtt"
 
             node.kill()  # no goodbye: the broker publishes the node's last will
-            for _ in range(100):
-                if mqtt.serves("lin") is False:
-                    break
-                await asyncio.sleep(0.05)
+            await _until_serves(mqtt, False)
             assert mqtt.serves("lin") is False
             p = (await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters
             assert p["where"] == "local" and not p["fallback"]  # known dead: no timeout paid
@@ -197,10 +199,7 @@ async def test_a_dead_node_behind_a_live_broker_sends_work_local_without_waiting
                 await mqtt.probe(time.monotonic() + 1)
 
             node = cloud_server(edge_repos[0], "--node", "mqtt-node", "--mqtt", broker.url).start()
-            for _ in range(100):
-                if mqtt.serves("lin"):
-                    break
-                await asyncio.sleep(0.05)
+            await _until_serves(mqtt, True)
             back = [
                 (await agent.infer("lin", {"x": X}, deadline_ms=3000)).parameters["where"]
                 for _ in range(3)
@@ -225,10 +224,7 @@ async def test_two_requests_with_the_same_client_id_get_their_own_answers(
     )
     try:
         async with Agent(load_agent_config(cfg)) as agent:
-            for _ in range(40):
-                if agent.transports["mqtt"].serves("lin"):
-                    break
-                await asyncio.sleep(0.05)
+            await _until_serves(agent.transports["mqtt"], True)
             xs = [np.full((1, 4), float(i), np.float32) for i in range(6)]
             requests = [InferRequest(inputs=[Tensor.from_array("x", x)], id="1") for x in xs]
             answers = await asyncio.gather(
