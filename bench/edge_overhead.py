@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from edge.agent import Agent  # noqa: E402
 from edge.config import load_agent_config  # noqa: E402
-from edge.policy import Context  # noqa: E402
+from edge.core.policy import Context  # noqa: E402
 from edge.transports.http import HttpTransport  # noqa: E402
 from shared.messages import InferRequest  # noqa: E402
 from shared.repository import ModelRepository  # noqa: E402

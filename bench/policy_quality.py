@@ -44,10 +44,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from devices.profiles import load_device, load_link  # noqa: E402
-from edge.evaluate import BASELINES, ComputeProfile, Workload, evaluate  # noqa: E402
-from edge.policy import ModelPolicy, PolicyConfig, Weights  # noqa: E402
-from edge.profile import measure  # noqa: E402
-from edge.traces import Trace, commute, load_trace, markov_fading, steady  # noqa: E402
+from edge.core.policy import ModelPolicy, PolicyConfig, Weights  # noqa: E402
+from edge.evaluation.evaluate import BASELINES, ComputeProfile, Workload, evaluate  # noqa: E402
+from edge.evaluation.profile import measure  # noqa: E402
+from edge.netem.traces import Trace, commute, load_trace, markov_fading, steady  # noqa: E402
 
 NAMES = ("ferry", *BASELINES)
 TIE = 1e-6  # relative difference under which two mean costs are a tie

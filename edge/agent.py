@@ -28,13 +28,13 @@ import numpy as np
 
 from devices.power import RaplReader, read_all, read_battery
 from devices.profiles import LinkProfile, load_device, load_link
-from edge.breaker import CircuitBreaker
 from edge.config import RESTART_KEYS, AgentConfig, load_agent_config
+from edge.core.breaker import CircuitBreaker
+from edge.core.estimators import Estimators
+from edge.core.policy import LOCAL, Policy
 from edge.dataplane import EdgeDataPlane
 from edge.deferred import Deferrer
-from edge.estimators import Estimators
 from edge.local import LocalModels
-from edge.policy import LOCAL, Policy
 from edge.store import DeferredStore
 from edge.transports.base import Transport
 from shared.errors import ConfigError, FerryError, InvalidInput

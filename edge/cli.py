@@ -19,13 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the edge agent")
     run.add_argument("--config", type=Path, required=True, help="agent.toml")
     run.add_argument("--api-port", type=int, help="override api.port (0: any free port)")
-    from edge.linkemu import add_emulate_link_command
+    from edge.netem.linkemu import add_emulate_link_command
 
     add_emulate_link_command(sub)
     ev = sub.add_parser(
         "evaluate", help="replay a workload through a link trace: policy vs baselines vs oracle"
     )
-    from edge.evaluate_cli import add_evaluate_arguments
+    from edge.evaluation.cli import add_evaluate_arguments
 
     add_evaluate_arguments(ev)
     pr = sub.add_parser("profile", help="measure compute profiles on the real runtimes")
@@ -87,15 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return asyncio.run(_run(args.config, args.api_port))
         if args.command == "evaluate":
-            from edge.evaluate_cli import run_evaluate
+            from edge.evaluation.cli import run_evaluate
 
             return run_evaluate(args)
         if args.command == "profile":
-            from edge.evaluate_cli import run_profile
+            from edge.evaluation.cli import run_profile
 
             return run_profile(args)
         if args.command == "emulate-link":
-            from edge.linkemu import run_emulate_link
+            from edge.netem.linkemu import run_emulate_link
 
             return run_emulate_link(args)
     except FerryError as exc:

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from devices.profiles import load_device, load_link
-from edge.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weights
+from edge.core.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weights
 from shared.configcheck import NUMBER, check_keys
 from shared.errors import ConfigError
 from shared.mqtt import parse_broker_url

@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from edge.accounting import Usage, batch_rows, provenance, request_bytes
-from edge.breaker import CircuitBreaker
-from edge.energy import RadioState, local_energy_j
-from edge.estimators import Estimators
+from edge.core.accounting import Usage, batch_rows, provenance, request_bytes
+from edge.core.breaker import CircuitBreaker
+from edge.core.energy import RadioState, local_energy_j
+from edge.core.estimators import Estimators
+from edge.core.policy import LOCAL, Context, Decision, ModelPolicy, Option, Policy, fallback_plan
+from edge.core.scores import confidence
 from edge.local import LocalModels
-from edge.policy import LOCAL, Context, Decision, ModelPolicy, Option, Policy, fallback_plan
-from edge.scores import confidence
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
 from shared.errors import (

@@ -38,8 +38,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edge.linkemu import LinkEmulator  # noqa: E402
-from edge.traces import steady  # noqa: E402
+from edge.netem.linkemu import LinkEmulator  # noqa: E402
+from edge.netem.traces import steady  # noqa: E402
 from edge.transports.http import HttpTransport  # noqa: E402
 from shared.messages import InferRequest  # noqa: E402
 from shared.modeltools.samples import orientation_samples  # noqa: E402

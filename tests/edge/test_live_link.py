@@ -7,8 +7,8 @@ import pytest
 
 from edge.agent import Agent
 from edge.config import load_agent_config
-from edge.linkemu import LinkEmulator
-from edge.traces import from_phases, steady
+from edge.netem.linkemu import LinkEmulator
+from edge.netem.traces import from_phases, steady
 from tests.edge.conftest import agent_toml
 from tests.support import cloud_server
 

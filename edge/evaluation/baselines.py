@@ -1,7 +1,7 @@
 """The known policies ours is compared with, and the oracle that bounds them all.
 
-Each runs over the same :class:`~edge.evaluate_sim.Simulator` with its own
-radio (:class:`~edge.energy.RadioState`), so a baseline that offloads often
+Each runs over the same :class:`~edge.evaluation.sim.Simulator` with its own
+radio (:class:`~edge.core.energy.RadioState`), so a baseline that offloads often
 enjoys a warm radio exactly as ours does.
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edge.energy import RadioState, local_energy_j
-from edge.evaluate_sim import Outcome, Result, Simulator, no_answer
-from edge.policy import LOCAL
+from edge.core.energy import RadioState, local_energy_j
+from edge.core.policy import LOCAL
+from edge.evaluation.sim import Outcome, Result, Simulator, no_answer
 
 CLOUD = "cloud"  # the baselines' single cloud route (they know no transports)
 

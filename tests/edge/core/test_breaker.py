@@ -1,4 +1,4 @@
-from edge.breaker import CircuitBreaker
+from edge.core.breaker import CircuitBreaker
 
 
 def test_opens_after_consecutive_failures_and_probes_back():

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from devices.profiles import load_device, load_link
-from edge.estimators import Estimators
-from edge.policy import Context, ModelPolicy, Policy, PolicyConfig, Weights
+from edge.core.estimators import Estimators
+from edge.core.policy import Context, ModelPolicy, Policy, PolicyConfig, Weights
 
 IMAGE = 602_112 + 256  # a 1x3x224x224 FP32 request
 
@@ -212,7 +212,7 @@ def test_an_unmeasured_batch_size_is_priced_as_that_many_single_runs():
 
 
 def test_fallback_plan_keeps_room_for_a_local_answer():
-    from edge.policy import Option, fallback_plan
+    from edge.core.policy import Option, fallback_plan
 
     local = Option("local", None, 0.1, 0.2, 0.0, 0, 0, 0.0)
     cloud = Option("cloud-http", "http", 0.05, 0.08, 0.0, 1, 1, 0.0)

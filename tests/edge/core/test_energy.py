@@ -7,7 +7,7 @@ import time
 import pytest
 
 from devices.profiles import load_device, load_link
-from edge.energy import RadioState, local_energy_j, transfer_energy_j
+from edge.core.energy import RadioState, local_energy_j, transfer_energy_j
 from shared.errors import InvalidInput
 
 IMAGE = 602_112  # a 1x3x224x224 FP32 tensor

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from devices.profiles import load_device, load_link
-from edge.evaluate import ComputeProfile, Workload, evaluate, summarize
-from edge.evaluate_ours import make_estimators
-from edge.policy import ModelPolicy, PolicyConfig, Weights
-from edge.traces import from_phases, steady
+from edge.core.policy import ModelPolicy, PolicyConfig, Weights
+from edge.evaluation.evaluate import ComputeProfile, Workload, evaluate, summarize
+from edge.evaluation.ours import make_estimators
+from edge.netem.traces import from_phases, steady
 
 SLOW_LOCAL = ComputeProfile((1.0,), (0.01,), (0.9, 0.3), 1.0)  # a heavy model, a fast cloud
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.estimators import Estimators, LatencyEstimator, LinkEstimator
-from edge.quantile import Ewma, P2Quantile
+from edge.core.estimators import Estimators, LatencyEstimator, LinkEstimator
+from edge.core.quantile import Ewma, P2Quantile
 
 
 @pytest.mark.parametrize("kind", ["normal", "lognormal", "sorted"])

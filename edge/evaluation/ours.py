@@ -1,16 +1,16 @@
 """Our policy in a replay: the agent's request loop, step for step, on simulated time.
 
-The decisions come from the agent's own objects: :class:`~edge.policy.Policy`
-over :class:`~edge.estimators.Estimators`, one
-:class:`~edge.breaker.CircuitBreaker` per transport with its defaults, and
-:func:`~edge.policy.fallback_plan` for when to give up on the cloud.  What
+The decisions come from the agent's own objects: :class:`~edge.core.policy.Policy`
+over :class:`~edge.core.estimators.Estimators`, one
+:class:`~edge.core.breaker.CircuitBreaker` per transport with its defaults, and
+:func:`~edge.core.policy.fallback_plan` for when to give up on the cloud.  What
 the agent's dataplane does around them is mirrored here, with the
 simulation clock as ``now`` (keep the two in step; ``edge/dataplane.py``
 is the reference):
 
 * the context: breakers closed -> connected, the data used today (bytes of
   answered offloads, and the bytes sent by failed ones), the radio's idle
-  time as the agent's :class:`~edge.energy.RadioState` knows it (set when
+  time as the agent's :class:`~edge.core.energy.RadioState` knows it (set when
   an offload is answered), the last reply size, the battery when the
   workload gives one;
 * the policy file's mode: ``cost``, ``local``, ``cloud`` (a local variant
@@ -28,7 +28,7 @@ is the reference):
   transfer; its energy and bytes are charged to the next request, so the
   cost of keeping estimates fresh shows in ours.
 
-Local runs do not queue in the simulator (see :mod:`edge.evaluate_sim`), so
+Local runs do not queue in the simulator (see :mod:`edge.evaluation.sim`), so
 the context carries no local backlog.
 """
 
@@ -39,12 +39,20 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
-from edge.breaker import CircuitBreaker
+from edge.core.breaker import CircuitBreaker
+from edge.core.energy import RadioState
+from edge.core.estimators import Estimators
+from edge.core.policy import (
+    LOCAL,
+    Context,
+    ModelPolicy,
+    Option,
+    Policy,
+    PolicyConfig,
+    fallback_plan,
+)
 from edge.dataplane import STALE_PROBE_S
-from edge.energy import RadioState
-from edge.estimators import Estimators
-from edge.evaluate_sim import Outcome, Result, Simulator, no_answer
-from edge.policy import LOCAL, Context, ModelPolicy, Option, Policy, PolicyConfig, fallback_plan
+from edge.evaluation.sim import Outcome, Result, Simulator, no_answer
 
 #: The agent's default probe interval (agent.toml ``probe_interval_s``).
 PROBE_INTERVAL_S = 5.0

@@ -1,14 +1,14 @@
 """Trace-driven replay of a policy file, beside baselines and the oracle.
 
-A workload of requests (:mod:`edge.evaluate_workload`) is replayed through
+A workload of requests (:mod:`edge.evaluation.workload`) is replayed through
 a simulated link whose capacity follows an uplink and a downlink trace
-(:mod:`edge.evaluate_sim`, which states the model and its one big
+(:mod:`edge.evaluation.sim`, which states the model and its one big
 simplification: requests do not share the link).  *Our* policy is the
-agent's real :class:`~edge.policy.Policy`, estimators, breaker and fallback
+agent's real :class:`~edge.core.policy.Policy`, estimators, breaker and fallback
 plan, driven by a replica of the agent's request loop
-(:mod:`edge.evaluate_ours`); the policy file is used as given, mode and
+(:mod:`edge.evaluation.ours`); the policy file is used as given, mode and
 transports included.  The baselines and the oracle
-(:mod:`edge.evaluate_baselines`) run through the same simulator.
+(:mod:`edge.evaluation.baselines`) run through the same simulator.
 Deterministic given the workload's seed.
 """
 
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from devices.profiles import DeviceProfile, LinkProfile
-from edge.evaluate_baselines import run_cascade, run_fixed, run_oracle, run_static
-from edge.evaluate_ours import PROBE_INTERVAL_S, run_ours
-from edge.evaluate_sim import ComputeProfile, Outcome, Result, Simulator
-from edge.evaluate_workload import Range, Workload
-from edge.policy import LOCAL, ModelPolicy, PolicyConfig
-from edge.traces import Trace
+from edge.core.policy import LOCAL, ModelPolicy, PolicyConfig
+from edge.evaluation.baselines import run_cascade, run_fixed, run_oracle, run_static
+from edge.evaluation.ours import PROBE_INTERVAL_S, run_ours
+from edge.evaluation.sim import ComputeProfile, Outcome, Result, Simulator
+from edge.evaluation.workload import Range, Workload
+from edge.netem.traces import Trace
 
 __all__ = [
     "BASELINES",

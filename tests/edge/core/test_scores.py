@@ -1,6 +1,6 @@
 import numpy as np
 
-from edge.scores import confidence
+from edge.core.scores import confidence
 
 
 def test_an_int8_softmax_that_sums_to_0_99_is_read_as_probabilities():

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from devices.profiles import load_device, load_link
 from edge.config import load_policy_file
-from edge.evaluate import evaluate
-from edge.evaluate_ours import PROBE_INTERVAL_S
-from edge.evaluate_report import plots, table
-from edge.evaluate_workload import load_workload
-from edge.policy import TRANSPORTS
-from edge.profile import measure, read_profile, write_profile
-from edge.traces import Trace, steady, trace_from_spec
+from edge.core.policy import TRANSPORTS
+from edge.evaluation.evaluate import evaluate
+from edge.evaluation.ours import PROBE_INTERVAL_S
+from edge.evaluation.profile import measure, read_profile, write_profile
+from edge.evaluation.report import plots, table
+from edge.evaluation.workload import load_workload
+from edge.netem.traces import Trace, steady, trace_from_spec
 from shared.errors import ConfigError
 
 if sys.version_info >= (3, 11):

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from edge.linkemu import LinkEmulator
-from edge.traces import Trace, from_phases, read_mahimahi, steady
+from edge.netem.linkemu import LinkEmulator
+from edge.netem.traces import Trace, from_phases, read_mahimahi, steady
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-ROOT = Path(__file__).resolve().parents[2]
+TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
+ROOT = Path(__file__).resolve().parents[3]
 HOST = "127.0.0.1"
 
 
@@ -303,7 +303,7 @@ async def test_command_line_proxies_until_sigterm(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "edge.linkemu",
+        "edge.netem.linkemu",
         "--listen",
         f"{HOST}:0",
         "--to",
@@ -342,7 +342,7 @@ async def test_command_line_reports_a_missing_trace_clearly() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "edge.linkemu",
+        "edge.netem.linkemu",
         "--listen",
         f"{HOST}:0",
         "--to",

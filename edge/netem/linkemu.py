@@ -30,7 +30,7 @@ import signal
 import sys
 from collections import deque
 
-from edge.traces import Trace, trace_from_spec
+from edge.netem.traces import Trace, trace_from_spec
 from shared.errors import ConfigError, FerryError
 
 log = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ def run_emulate_link(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m edge.linkemu", description=_ABOUT)
+    parser = argparse.ArgumentParser(prog="python -m edge.netem.linkemu", description=_ABOUT)
     _add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from devices.profiles import load_device, load_link
-from edge.evaluate import BASELINES, ComputeProfile, Workload, evaluate, summarize
-from edge.evaluate_report import plots
-from edge.policy import ModelPolicy, PolicyConfig, Weights
-from edge.traces import commute, load_trace, markov_fading, steady
+from edge.core.policy import ModelPolicy, PolicyConfig, Weights
+from edge.evaluation.evaluate import BASELINES, ComputeProfile, Workload, evaluate, summarize
+from edge.evaluation.report import plots
+from edge.netem.traces import commute, load_trace, markov_fading, steady
 from shared.errors import BackendMissing
 from tests.support import ROOT
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.evaluate import Result, Simulator, summarize
-from edge.policy import LOCAL
+from edge.core.policy import LOCAL
+from edge.evaluation.evaluate import Result, Simulator, summarize
 from shared.errors import BackendMissing
 
 MODEL_NOTE = (

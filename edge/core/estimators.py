@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge.quantile import Ewma, P2Quantile
+from edge.core.quantile import Ewma, P2Quantile
 
 log = logging.getLogger(__name__)
 

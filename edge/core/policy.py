@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from devices.profiles import DeviceProfile, LinkProfile
-from edge.energy import local_energy_j, transfer_energy_j
-from edge.estimators import Estimators
+from edge.core.energy import local_energy_j, transfer_energy_j
+from edge.core.estimators import Estimators
 
 LOCAL = "local"
 MODES = ("cost", "cascade", "local", "cloud")

@@ -18,9 +18,9 @@ runs are independent in the same way (no queue on the device).  The reason
 is the oracle: with independent requests, each request's cheapest option
 can be found on its own, so the oracle is a true per-request lower bound.
 
-Radio.  The LTE/3G/WiFi radio model of :mod:`edge.energy` (Huang et al.,
+Radio.  The LTE/3G/WiFi radio model of :mod:`edge.core.energy` (Huang et al.,
 MobiSys 2012), with the radio state tracked per replay by
-:class:`edge.energy.RadioState`: a transfer that starts while the radio is
+:class:`edge.core.energy.RadioState`: a transfer that starts while the radio is
 idle (never used, or past its tail) waits ``promotion_s`` and pays the
 promotion and a full tail; one that starts within the tail of the previous
 transfer (or during it) starts at once and only extends the tail.  The
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from devices.profiles import DeviceProfile, LinkProfile
-from edge.energy import RadioState, local_energy_j, transfer_energy_j
-from edge.evaluate_workload import Requests
-from edge.policy import LOCAL, Weights
-from edge.traces import Trace
+from edge.core.energy import RadioState, local_energy_j, transfer_energy_j
+from edge.core.policy import LOCAL, Weights
+from edge.evaluation.workload import Requests
+from edge.netem.traces import Trace
 
 #: Bytes each way of the agent's link probe (a small publish or a health GET).
 PROBE_BYTES = 200

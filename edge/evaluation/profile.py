@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.evaluate_sim import ComputeProfile
-from edge.scores import confidence
+from edge.core.scores import confidence
+from edge.evaluation.sim import ComputeProfile
 from shared.datatypes import numpy_dtype
 from shared.errors import ConfigError
 from shared.repository import ModelRepository, complete_config

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from edge.policy import Option
+from edge.core.policy import Option
 from shared.messages import InferRequest
 
 # Framing bytes of a V2 binary request besides the tensor data (JSON header).

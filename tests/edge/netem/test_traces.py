@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.traces import (
+from edge.netem.traces import (
     Trace,
     commute,
     from_phases,
@@ -23,7 +23,7 @@ from edge.traces import (
 )
 from shared.errors import ConfigError
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
 
 
 def real_files() -> list[Path]:

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from devices.profiles import LinkProfile, load_device
-from edge.energy import RadioState
-from edge.evaluate_baselines import run_cascade, static_choice
-from edge.evaluate_sim import ComputeProfile, Simulator
-from edge.evaluate_workload import Range, Requests, Workload, load_workload
-from edge.policy import Weights
-from edge.traces import Trace, steady
+from edge.core.energy import RadioState
+from edge.core.policy import Weights
+from edge.evaluation.baselines import run_cascade, static_choice
+from edge.evaluation.sim import ComputeProfile, Simulator
+from edge.evaluation.workload import Range, Requests, Workload, load_workload
+from edge.netem.traces import Trace, steady
 from shared.errors import ConfigError
 
 # A made-up link with round numbers, so every figure below can be worked by hand.
