@@ -7,6 +7,7 @@ the provenance every answer carries in its parameters.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,19 +27,25 @@ class Usage:
     """
 
     store: dict[str, Any]
+    # The day a clock reading falls on; the agent's default is the device's
+    # calendar day (the cap resets at local midnight), a replay's its own.
+    day: Callable[[float], str] | None = None
 
-    @staticmethod
-    def _today() -> str:
+    def _today(self, now: float | None) -> str:
+        if self.day is not None and now is not None:
+            return self.day(now)
         return time.strftime("%Y-%m-%d", time.localtime())
 
-    def add(self, nbytes: int) -> None:
-        today = self._today()
+    def add(self, nbytes: int, now: float | None = None) -> None:
+        today = self._today(now)
         if self.store.get("day") != today:
             self.store["day"], self.store["mb"] = today, 0.0
         self.store["mb"] = float(self.store.get("mb", 0.0)) + nbytes / 1e6
 
-    def today(self) -> float:
-        return float(self.store.get("mb", 0.0)) if self.store.get("day") == self._today() else 0.0
+    def today(self, now: float | None = None) -> float:
+        if self.store.get("day") != self._today(now):
+            return 0.0
+        return float(self.store.get("mb", 0.0))
 
 
 def request_bytes(request: InferRequest) -> int:

@@ -247,7 +247,10 @@ class Policy:
         )
 
     def decide(self, model: str, ctx: Context, mode: str | None = None) -> Decision:
-        mp = self.model_policy(model)
+        return self.decide_for(self.model_policy(model), ctx, mode)
+
+    def decide_for(self, mp: ModelPolicy, ctx: Context, mode: str | None = None) -> Decision:
+        """The decision for a request under ``mp`` (the model's policy as the request sees it)."""
         mode = mode or mp.mode
         options: list[Option] = []
         if mode != "cloud":

@@ -1,35 +1,21 @@
-"""Our policy in a replay: the agent's request loop, step for step, on simulated time.
+"""Our policy in a replay: the agent's own flow, driven on simulated time.
 
-The decisions come from the agent's own objects: :class:`~edge.core.policy.Policy`
-over :class:`~edge.core.estimators.Estimators`, one
-:class:`~edge.core.breaker.CircuitBreaker` per transport with its defaults, and
-:func:`~edge.core.policy.fallback_plan` for when to give up on the cloud.  What
-the agent's dataplane does around them is mirrored here, with the
-simulation clock as ``now`` (keep the two in step; ``edge/dataplane.py``
-is the reference):
+The agent's per-request logic lives in :mod:`edge.core.flow` (decide,
+fallback plan, exploration, probes, breaker, cascade, learning); the live
+dataplane drives it with sockets and this module drives the very same
+:class:`~edge.core.flow.EdgeCore` with the simulator of
+:mod:`edge.evaluation.sim`.  Nothing of the agent is re-implemented here:
+an action is turned into a simulated outcome, and the event that ends it
+(a local run done, a reply in, a give-up) is fed back to the flow *at the
+simulated time it happens*, so a request that arrives while an earlier one
+is in flight decides on what the agent knew then.
 
-* the context: breakers closed -> connected, the data used today (bytes of
-  answered offloads, and the bytes sent by failed ones), the radio's idle
-  time as the agent's :class:`~edge.core.energy.RadioState` knows it (set when
-  an offload is answered), the last reply size, the battery when the
-  workload gives one;
-* the policy file's mode: ``cost``, ``local``, ``cloud`` (a local variant
-  still serves as the fallback) and ``cascade`` (local first, the cloud
-  when unsure, the local answer when the cloud fails);
-* learning: what the agent learns from an answer, a timeout or a probe is
-  applied when it would happen (a completion event at the reply's or the
-  give-up's time), not when the request is decided, so a request that
-  arrives while an earlier one is in flight decides on what the agent
-  knew then;
-* the periodic probe (``probe_interval_s``, the agent's 5 s by default): a
-  small round trip when a breaker is open (its half-open trial), or when
-  the link estimate is older than 30 s and the radio is still up from real
-  traffic (a probe from idle would pay a promotion and a whole tail).  A probe wakes the radio like any
-  transfer; its energy and bytes are charged to the next request, so the
-  cost of keeping estimates fresh shows in ours.
-
-Local runs do not queue in the simulator (see :mod:`edge.evaluation.sim`), so
-the context carries no local backlog.
+The replay's radio is the simulator's (energy and promotions are charged
+from the trace); the agent's idea of the radio is the core's, as live.
+Link probes run on the agent's cadence (``probe_interval_s``); a probe's
+energy and bytes are charged to the next request, so the cost of keeping
+estimates fresh shows in ours.  Local runs do not queue in the simulator
+(see :mod:`edge.evaluation.sim`), so the context carries no local backlog.
 """
 
 from __future__ import annotations
@@ -37,25 +23,20 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field
 
-from edge.core.breaker import CircuitBreaker
-from edge.core.energy import RadioState
+from edge.core.energy import RadioState, local_energy_j
 from edge.core.estimators import Estimators
-from edge.core.policy import (
-    LOCAL,
-    Context,
-    ModelPolicy,
-    Option,
-    Policy,
-    PolicyConfig,
-    fallback_plan,
-)
-from edge.dataplane import STALE_PROBE_S
-from edge.evaluation.sim import Outcome, Result, Simulator, no_answer
+from edge.core.flow import Action, Answer, Defer, EdgeCore, Fail, Offload, RequestFlow, RunLocal
+from edge.core.policy import Policy, PolicyConfig
+from edge.evaluation.sim import EPS, Outcome, Result, Simulator
+from shared.errors import DeadlineExceeded
 
 #: The agent's default probe interval (agent.toml ``probe_interval_s``).
 PROBE_INTERVAL_S = 5.0
+
+# Completions before arrivals at the same instant: the agent learns, then decides.
+_DONE, _ARRIVE = 0, 1
 
 
 def make_estimators(config: PolicyConfig) -> Estimators:
@@ -63,245 +44,181 @@ def make_estimators(config: PolicyConfig) -> Estimators:
     return Estimators(quantile=config.deadline_quantile)
 
 
-class _Agent:
+def make_core(
+    sim: Simulator, config: PolicyConfig, transports: tuple[str, ...], journal: int = 0
+) -> EdgeCore:
+    """The core an agent on ``sim``'s device and link starts with (link priors from its profile)."""
+    est = make_estimators(config)
+    rtt = sim.link.rtt_ms / 1000.0
+    for tr in transports:
+        est.set_link_prior(tr, sim.link.up_mbps * 1e6, sim.link.down_mbps * 1e6, rtt)
+    policy = Policy(config, est, sim.device, {tr: sim.link for tr in transports})
+    return EdgeCore(policy, transports, day=lambda now: str(int(now // 86400)), journal=journal)
+
+
+@dataclass
+class _Spent:
+    """What one request has cost so far, from the simulator's ground truth."""
+
+    energy_j: float = 0.0
+    up_bytes: int = 0
+    down_bytes: int = 0
+    money: float = 0.0
+    probes: int = 0
+    probe_energy_j: float = 0.0
+    radio: tuple[float, float] | None = None
+    spans: list[tuple[float, float]] = field(default_factory=list)
+
+
+class _Replay:
     def __init__(
         self,
         sim: Simulator,
-        config: PolicyConfig,
+        core: EdgeCore,
         model: str,
-        transports: tuple[str, ...],
         probe_interval_s: float,
         battery_percent: float | None,
-        data_used_mb: float,
     ) -> None:
-        self.sim, self.model = sim, model
-        self.est = make_estimators(config)
-        rtt = sim.link.rtt_ms / 1000.0
-        for tr in transports:
-            self.est.set_link_prior(tr, sim.link.up_mbps * 1e6, sim.link.down_mbps * 1e6, rtt)
-        self.policy = Policy(config, self.est, sim.device, {tr: sim.link for tr in transports})
-        self.mp = self.policy.model_policy(model)
-        self.transports = transports
-        self.breakers = {tr: CircuitBreaker() for tr in transports}
-        self.known_radio = RadioState()  # what the agent's dataplane records
-        self.radio = RadioState()  # the radio itself (energy and promotions)
-        self.usage_day, self.usage_mb = 0, data_used_mb
-        self.out_bytes: int | None = None
+        self.sim, self.core, self.model = sim, core, model
+        self.radio = RadioState()  # the radio itself (the core keeps the agent's view)
         self.probe_interval_s = probe_interval_s
         self.battery = battery_percent if sim.device.battery_wh else None
         self.drained_j = 0.0  # energy above idle drawn by requests so far
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._events: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self._overhead = Outcome("probe", 0.0, 0.0, 0, 0, 0.0, False)
+        self._overhead = _Spent()
+        self.outcomes: list[Outcome | None] = [None] * len(sim.requests)
 
-    # -- events -------------------------------------------------------------------
+    def at(self, when: float, fn: Callable[[], None], prio: int = _DONE) -> None:
+        heapq.heappush(self._events, (when, prio, next(self._seq), fn))
 
-    def at(self, when: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (when, next(self._seq), fn))
+    # -- requests ---------------------------------------------------------------------
 
-    def advance(self, now: float) -> None:
-        while self._events and self._events[0][0] <= now:
-            heapq.heappop(self._events)[2]()
+    def battery_now(self, now: float) -> float | None:
+        if self.battery is None:
+            return None
+        device = self.sim.device
+        assert device.battery_wh is not None
+        used_wh = (device.idle_power_w * now + self.drained_j) / 3600.0
+        return max(self.battery - 100.0 * used_wh / device.battery_wh, 0.0)
 
-    # -- what the agent knows -------------------------------------------------------
-
-    def add_usage(self, now: float, nbytes: int) -> None:
-        day = int(now // 86400)
-        if day != self.usage_day:
-            self.usage_day, self.usage_mb = day, 0.0
-        self.usage_mb += nbytes / 1e6
-
-    def context(self, now: float, deadline_s: float, in_bytes: int, mp: ModelPolicy) -> Context:
-        battery = None
-        if self.battery is not None:
-            device = self.sim.device
-            used_wh = (device.idle_power_w * now + self.drained_j) / 3600.0
-            assert device.battery_wh is not None
-            battery = max(self.battery - 100.0 * used_wh / device.battery_wh, 0.0)
-        return Context(
-            now=now,
-            deadline_s=deadline_s,
-            in_bytes=in_bytes,
-            connected={tr: b.state == "closed" for tr, b in self.breakers.items()},
-            battery_percent=battery,
-            data_used_mb_today=self.usage_mb if int(now // 86400) == self.usage_day else 0.0,
-            radio_idle_s=self.known_radio.radio_idle_s(now),
-            out_bytes=self.out_bytes,
+    def arrive(self, i: int, t: float) -> None:
+        req = self.sim.requests
+        mp = self.core.policy.model_policy(self.model)
+        spent, self._overhead = self._overhead, _Spent()
+        flow = self.core.begin(
+            self.model,
+            now=t,
+            in_bytes=int(req.in_bytes[i]),
+            connected=dict.fromkeys(self.core.transports, True),
+            local_available=mp.local_model is not None,
+            deadline_ms=float(req.deadlines_s[i]) * 1000.0,
+            battery=self.battery_now(t),
         )
+        self.step(i, t, flow, flow.start(), t, spent)
 
-    # -- probes ---------------------------------------------------------------------
+    def step(
+        self, i: int, t: float, flow: RequestFlow, action: Action, now: float, spent: _Spent
+    ) -> None:
+        """Carry out ``action`` for request ``i`` (arrived at ``t``) at simulated ``now``."""
+        sim = self.sim
+        if isinstance(action, RunLocal):
+            compute = float(sim.local_s[i])
+            spent.energy_j += local_energy_j(sim.device, compute)
+            done = now + compute
+            conf = float(sim.confidence[i])
+            self.at(
+                done,
+                lambda: self.step(i, t, flow, flow.local_done(done, compute, conf), done, spent),
+            )
+        elif isinstance(action, Offload):
+            a = sim.offload(i, now, action.give_up_at, self.radio, flow.in_bytes)
+            spent.energy_j += a.energy_j
+            spent.up_bytes += a.up_bytes
+            spent.down_bytes += a.down_bytes
+            spent.money += a.money
+            spent.radio = (a.start, a.end)
+            end = a.end
+            if a.delivered:
+
+                def reply() -> None:
+                    nxt = flow.offload_done(
+                        end,
+                        sent=a.up_bytes,
+                        received=a.down_bytes,
+                        elapsed_s=end - now,
+                        compute_us=int(a.server_s * 1e6),
+                    )
+                    self.step(i, t, flow, nxt, end, spent)
+
+                self.at(end, reply)
+            else:
+                error = DeadlineExceeded("no reply before the agent gave up")
+                self.at(
+                    end, lambda: self.step(i, t, flow, flow.offload_failed(end, error), end, spent)
+                )
+        elif isinstance(action, (Answer, Fail, Defer)):
+            self.finish(i, t, action, now, spent)
+
+    def finish(self, i: int, t: float, action: Action, now: float, spent: _Spent) -> None:
+        deadline = float(self.sim.requests.deadlines_s[i])
+        latency = now - t
+        answered = isinstance(action, Answer)
+        out = Outcome(
+            action.where if isinstance(action, Answer) else "none",
+            latency,
+            spent.energy_j,
+            spent.up_bytes,
+            spent.down_bytes,
+            spent.money,
+            not answered or latency > deadline + EPS,
+            deadline,
+            fallback=isinstance(action, Answer) and action.fallback,
+            radio=spent.radio,
+            probes=spent.probes,
+            probe_energy_j=spent.probe_energy_j,
+        )
+        idle = self.sim.device.idle_power_w * latency
+        self.drained_j += max(out.energy_j - spent.probe_energy_j - idle, 0.0)
+        self.outcomes[i] = out
+
+    # -- probes -----------------------------------------------------------------------
 
     def probe(self, now: float) -> None:
-        """dataplane.probe: one pass over the transports, each probe awaited in turn."""
-        for tr in self.transports:
-            breaker, link = self.breakers[tr], self.est.link(tr)
-            if breaker.state == "closed":
-                idle = self.known_radio.radio_idle_s(now)
-                warm = idle is not None and idle < self.sim.link.tail_s
-                if not link.stale(now, STALE_PROBE_S) or not warm:
-                    continue
-            elif not breaker.allow(now):
-                continue
+        """dataplane.probe: the core's probes, each awaited in turn."""
+        for name in self.core.probes(now):
+            started = now
             a = self.sim.probe(now, self.radio)
             o = self._overhead
             o.energy_j += a.energy_j
+            o.probe_energy_j += a.energy_j
             o.up_bytes += a.up_bytes
             o.down_bytes += a.down_bytes
             o.money += a.money
             o.probes += 1
-            started = now
+            end = a.end
             if a.delivered:
-                self.at(
-                    a.end,
-                    lambda b=breaker, s=started, e=a.end, lk=link: self._probe_ok(b, lk, s, e),
-                )
+                self.at(end, lambda n=name, s=started, e=end: self.core.probe_done(n, e, e - s))
             else:
-                self.at(a.end, lambda b=breaker, e=a.end: b.record_failure(e))
-            now = a.end
+                self.at(end, lambda n=name, e=end: self.core.probe_failed(n, e))
+            now = end
 
-    def _probe_ok(self, breaker: CircuitBreaker, link, started: float, now: float) -> None:
-        breaker.record_success(now)
-        self.known_radio.transfer_done(now)
-        link.observe_probe(now - started, now)
-
-    def charge_overhead(self, out: Outcome) -> Outcome:
-        o = self._overhead
-        if o.probes:
-            out.energy_j += o.energy_j
-            out.up_bytes += o.up_bytes
-            out.down_bytes += o.down_bytes
-            out.money += o.money
-            out.probes = o.probes
-            out.probe_energy_j = o.energy_j
-            self._overhead = Outcome("probe", 0.0, 0.0, 0, 0, 0.0, False)
-        return out
-
-    # -- one request ------------------------------------------------------------------
-
-    def local(self, i: int, t: float, begin: float = 0.0) -> Outcome:
-        out = self.sim.local(i, begin)
-        done = t + out.latency_s
-        est = self.est.local(self.mp.local_model or self.model)
-        self.at(done, lambda s=float(self.sim.local_s[i]): est.add(s, done))
-        return out
-
-    def request(self, i: int, t: float) -> Outcome:
-        req, mp = self.sim.requests, self.mp
-        deadline = t + float(req.deadlines_s[i])
-        in_bytes = int(req.in_bytes[i])
-        if mp.local_model is None and mp.mode == "local":
-            return no_answer(deadline - t)
-        mode = mp.mode if mp.local_model is not None else "cloud"
-        if mode == "cascade":
-            return self.cascade(i, t, deadline, in_bytes)
-        decision = self.policy.decide(self.model, self.context(t, deadline - t, in_bytes, mp), mode)
-        choice = decision.choice
-        if choice is None:
-            return no_answer(deadline - t)
-        if choice.name == LOCAL:
-            return self.local(i, t)
-        local = next((o for o in decision.options if o.name == LOCAL), None)
-        if local is None and mode == "cloud":
-            local = self.policy.local_option(mp)
-        return self.offload(i, t, t, deadline, choice, local, in_bytes)[0]
-
-    def offload(
-        self,
-        i: int,
-        t: float,
-        now: float,
-        deadline: float,
-        choice: Option,
-        local: Option | None,
-        in_bytes: int,
-    ) -> tuple[Outcome, bool]:
-        """dataplane._offload from ``now`` for request ``i`` that arrived at ``t``.
-
-        Returns the outcome and whether the cloud answered.
-        """
-        assert choice.transport is not None
-        tr = choice.transport
-        cloud_deadline, local = fallback_plan(now, deadline, local, choice)
-        if self.mp.local_model is None:
-            local = None
-        a = self.sim.offload(i, now, cloud_deadline, self.radio, in_bytes)
-        out = self.sim.cloud_outcome(i, t, a, choice.name)
-        if a.delivered:
-            # The agent subtracts the promotion it predicted from the transfer's time
-            # (unless the transfer was quicker than the promotion).
-            start = now + choice.promotion_s if a.end - now > choice.promotion_s else now
-            self.at(
-                a.end, lambda: self._learn(tr, a.up_bytes, a.down_bytes, start, a.end, a.server_s)
-            )
-            return out, True
-        self.at(a.end, lambda: self._learn_failure(tr, choice.up_bytes, t, a.end))
-        if local is not None and deadline - a.end > 0:
-            fb = self.local(i, t, begin=a.end - t)
-            fb.energy_j += a.energy_j
-            fb.up_bytes, fb.down_bytes, fb.money = a.up_bytes, a.down_bytes, a.money
-            fb.fallback, fb.radio = True, out.radio
-            return fb, False
-        return out, False  # the caller gets the timeout error
-
-    def _learn(self, tr: str, sent: int, received: int, start: float, now: float, server: float):
-        self.breakers[tr].record_success(now)
-        self.est.observe_reply(self.mp.cloud_model or self.model, 0, int(server * 1e6), now)
-        self.est.link(tr).observe(sent, received, now - start, server, now)
-        self.known_radio.transfer_done(now)
-        self.add_usage(now, sent + received)
-        self.out_bytes = received
-
-    def _learn_failure(self, tr: str, up_bytes: int, start: float, now: float) -> None:
-        self.add_usage(now, up_bytes)
-        self.breakers[tr].record_failure(now)
-        self.est.link(tr).observe_timeout(up_bytes, now - start, now)
-
-    def cascade(self, i: int, t: float, deadline: float, in_bytes: int) -> Outcome:
-        """dataplane._cascade: local first, the cloud when unsure, else the local answer."""
-        mp = self.mp
-        local = self.local(i, t)
-        if self.sim.confidence[i] >= mp.cascade_threshold:
-            return local
-        now = t + local.latency_s
-        self.advance(now)  # the agent decides after its local run, knowing what it knows then
-        ctx = self.context(now, deadline - now, in_bytes, mp)
-        decision = self.policy.decide(self.model, ctx, "cloud")
-        if decision.choice is None:
-            return local
-        cloud_only = replace(mp, local_model=None)
-        saved, self.mp = self.mp, cloud_only
-        try:
-            out, answered = self.offload(i, t, now, deadline, decision.choice, None, in_bytes)
-        finally:
-            self.mp = saved
-        out.energy_j += local.energy_j
-        if answered:
-            return out
-        # The offload failed: the local answer, given when the cloud was given up on.
-        local.latency_s = out.latency_s
-        local.missed = local.missed or out.latency_s > local.deadline_s + 1e-9
-        local.energy_j = out.energy_j
-        local.up_bytes, local.down_bytes, local.money = out.up_bytes, out.down_bytes, out.money
-        local.fallback, local.radio = True, out.radio
-        return local
+    # -- the run ------------------------------------------------------------------------
 
     def run(self, name: str) -> Result:
         arrivals = self.sim.requests.arrivals.tolist()
         if self.probe_interval_s > 0 and arrivals:
-            last, k = arrivals[-1], 1
-            while k * self.probe_interval_s <= last:
-                self.at(
-                    k * self.probe_interval_s, lambda p=k * self.probe_interval_s: self.probe(p)
-                )
+            k = 1
+            while k * self.probe_interval_s <= arrivals[-1]:
+                p = k * self.probe_interval_s
+                self.at(p, lambda p=p: self.probe(p), _ARRIVE)
                 k += 1
-        result = Result(name)
         for i, t in enumerate(arrivals):
-            self.advance(t)
-            out = self.charge_overhead(self.request(i, t))
-            self.drained_j += max(out.energy_j - self.sim.device.idle_power_w * out.latency_s, 0.0)
-            result.outcomes.append(out)
-            result.arrivals.append(t)
-        return result
+            self.at(t, lambda i=i, t=t: self.arrive(i, t), _ARRIVE)
+        while self._events:
+            heapq.heappop(self._events)[3]()
+        assert all(o is not None for o in self.outcomes), "every request gets one answer"
+        return Result(name, list(self.outcomes), list(arrivals))  # type: ignore[arg-type]
 
 
 def run_ours(
@@ -314,9 +231,12 @@ def run_ours(
     battery_percent: float | None = None,
     data_used_mb: float = 0.0,
     name: str = "ferry",
+    core: EdgeCore | None = None,
 ) -> Result:
-    """Replay the workload through the agent's decision loop with ``config`` as given."""
+    """Replay the workload through the agent's flow with ``config`` as given."""
     mp = Policy(config, Estimators(), sim.device, {}).model_policy(model)
     chosen = tuple(transports if transports is not None else mp.transports)
-    agent = _Agent(sim, config, model, chosen, probe_interval_s, battery_percent, data_used_mb)
-    return agent.run(name)
+    core = core or make_core(sim, config, chosen)
+    if data_used_mb:
+        core.usage.add(int(data_used_mb * 1e6), 0.0)
+    return _Replay(sim, core, model, probe_interval_s, battery_percent).run(name)

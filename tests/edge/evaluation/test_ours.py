@@ -79,9 +79,12 @@ def test_the_daily_data_cap_binds():
     # usage already on the books when the replay starts counts too
     ev = _run(capped, input_bytes=602_368, rate_per_s=0.5, data_used_mb=2.0)
     assert _where(ev).count("cloud-mqtt") == 1
-    # in cloud mode there is no local option to choose: the capped requests are refused
-    refused = _where(_run(_config(mode="cloud", data_cap_mb_per_day=3.0), input_bytes=602_368))
-    assert refused.count("cloud-mqtt") == 4 and refused.count("none") == len(refused) - 4
+    # in cloud mode the local variant is the fallback: capped requests run locally, not refused
+    ev = _run(_config(mode="cloud", data_cap_mb_per_day=3.0), input_bytes=602_368)
+    capped_where = _where(ev)
+    assert capped_where.count("cloud-mqtt") == 4 and capped_where.count("none") == 0
+    ours = ev.results["ferry"].outcomes
+    assert all(o.fallback for o in ours if o.where == "local")
 
 
 def test_a_low_battery_makes_energy_the_objective():

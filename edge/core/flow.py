@@ -1,0 +1,576 @@
+"""The agent's per-request flow, sans I/O: events in, actions out.
+
+One :class:`EdgeCore` holds what the agent knows between requests (policy,
+estimators, breakers, radio state, data used, reply sizes, models the
+cloud said it lacks).  Each request is a :class:`RequestFlow` it begins:
+the flow answers every event with the next :class:`Action` (run locally,
+offload, defer, answer, fail).  Nothing here awaits, opens a socket or
+reads a clock: every event carries its ``now``.
+
+Two drivers run it.  The live :class:`~edge.dataplane.EdgeDataPlane` turns
+actions into runtime calls and transfers on the event loop; the replay
+(:mod:`edge.evaluation.ours`) turns them into simulated outcomes on
+simulated time.  So a policy author's replay makes the agent's decisions,
+with the agent's fallback plan, breaker, probes and learning.
+
+Every event a core sees can be kept in a bounded journal; feeding a journal
+to a fresh core (:func:`replay_journal`) repeats its decisions exactly,
+which is how the live agent and the replay are held to one flow.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from edge.core.accounting import Usage
+from edge.core.breaker import CircuitBreaker
+from edge.core.energy import RadioState, local_energy_j
+from edge.core.policy import LOCAL, Context, Decision, ModelPolicy, Option, Policy, fallback_plan
+from shared.errors import (
+    DeadlineExceeded,
+    FerryError,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    error_from_code,
+)
+
+# Errors that say the endpoint (not this request) is in trouble: only these
+# count towards a transport's circuit breaker.  A 404 or a bad input says
+# nothing about whether the next request to another model will succeed.
+ENDPOINT_FAILURES = (ModelNotReady, DeadlineExceeded, Overloaded)
+# How long a cloud that answered "no such model" is not asked for it again.
+MISSING_MODEL_COOLDOWN_S = 30.0
+# The least time a stored (deferred) request is given to cross the link.
+DEFERRED_SEND_S = 30.0
+# A link estimate older than this is refreshed by a probe (when the radio is up).
+STALE_PROBE_S = 30.0
+# Events kept for replay by default (a bounded ring; 0 keeps none).
+JOURNAL_EVENTS = 0
+
+
+# ---- actions -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunLocal:
+    """Run the request on the local model, then report :meth:`RequestFlow.local_done`."""
+
+    option: Option | None
+    reason: str
+    fallback: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Send the request over ``option.transport``; stop waiting at ``give_up_at``."""
+
+    option: Option
+    cloud_model: str
+    give_up_at: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """Store the request and answer it later (``deadline_ms`` None: no deadline)."""
+
+    reason: str
+    deadline_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The request is answered: by the last local run, or by the cloud's reply."""
+
+    where: str  # LOCAL or the cloud option's name
+    option: Option | None
+    reason: str
+    fallback: bool
+    energy_j: float
+    sent: int = 0
+    received: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The request is answered with ``error``."""
+
+    error: FerryError
+
+
+Action = RunLocal | Offload | Defer | Answer | Fail
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    """One choice the flow made, for explanations and the live-vs-replay check."""
+
+    flow: int
+    now: float
+    where: str
+    reason: str
+    predicted_s: float | None
+
+
+# ---- one request ---------------------------------------------------------------
+
+
+class RequestFlow:
+    """One request from arrival to its one answer (see the module doc)."""
+
+    def __init__(
+        self,
+        core: EdgeCore,
+        fid: int,
+        model: str,
+        mp: ModelPolicy,
+        *,
+        start: float,
+        deadline: float,
+        in_bytes: int,
+        batch: int,
+        connected: dict[str, bool],
+        local_backlog: int,
+        battery: float | None,
+        deferrable: bool,
+        mode: str,
+        budget_ms: float,
+    ) -> None:
+        self.core, self.id, self.model, self.mp = core, fid, model, mp
+        self.began, self.deadline = start, deadline
+        self.in_bytes, self.batch = in_bytes, batch
+        self.connected, self.local_backlog, self.battery = connected, local_backlog, battery
+        self.deferrable, self.mode, self.budget_ms = deferrable, mode, budget_ms
+        self.policy = core.policy  # one snapshot for the whole request
+        self.decision: Decision | None = None
+        self._attempt: Option | None = None  # the offload in flight or given up on
+        self._fallback: Option | None = None
+        self._cascade_local: Answer | None = None
+        self._local_option: Option | None = None
+        self._reason = ""
+        self._was_fallback = False
+        self.wants_confidence = mode == "cascade"
+
+    # -- the context the policy reads --------------------------------------------
+
+    def context(self, now: float, mp: ModelPolicy | None = None) -> Context:
+        core, mp = self.core, mp or self.mp
+        return Context(
+            now=now,
+            deadline_s=self.deadline - now,
+            in_bytes=self.in_bytes,
+            connected=core.usable(now, self.connected, mp.cloud_model),
+            battery_percent=self.battery,
+            data_used_mb_today=core.usage.today(now),
+            radio_idle_s=core.radio.radio_idle_s(now),
+            out_bytes=core.out_bytes.get(self.model),
+            batch=self.batch,
+            local_backlog=self.local_backlog if mp.local_model else 0,
+        )
+
+    def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
+        decision = self.policy.decide_for(mp, self.context(now, mp), mode)
+        self.decision = decision
+        choice = decision.choice
+        self.core._record_decision(
+            DecisionRecord(
+                self.id,
+                now,
+                choice.name if choice else "none",
+                decision.reason,
+                choice.latency_s if choice else None,
+            )
+        )
+        return decision
+
+    # -- events ------------------------------------------------------------------
+
+    def start(self) -> Action:
+        """The first action, decided at arrival."""
+        core, mp, now = self.core, self.mp, self.began
+        core._journal(("start", self.id, now))
+        if self.mode == "cascade":
+            return self._run_local(self.policy.local_option(mp), "cascade: local first")
+        if self.mode == "deferred":
+            return self._send_deferred(now)
+        decision = self._decide(now, self.mode, mp)
+        choice = decision.choice
+        if choice is None and self.mode == "cloud" and mp.local_model is not None:
+            # Cloud by choice, but a local variant beats an error when no link is usable.
+            option = self.policy.local_option(mp, self.context(now))
+            return self._run_local(option, f"cloud unusable ({decision.reason}): local", True)
+        if choice is None:
+            if self.deferrable:
+                return Defer(decision.reason, self.budget_ms)
+            detail = ", ".join(f"{o.name}: {o.reason}" for o in decision.options) or "no options"
+            return Fail(
+                ModelNotReady(f"model {self.model!r} cannot run now: {decision.reason} ({detail})")
+            )
+        if choice.name == LOCAL:
+            return self._run_local(choice, decision.reason)
+        local = next((o for o in decision.options if o.name == LOCAL), None)
+        if local is None and self.mode == "cloud":
+            # Cloud by choice, but a local variant still beats an error when the cloud fails.
+            local = self.policy.local_option(mp)
+        return self._offload(now, choice, local, decision.reason)
+
+    def _send_deferred(self, now: float) -> Action:
+        # A stored request: nobody waits on it, so the cloud gets three times
+        # what the link is expected to take (at least the deferred budget).
+        decision = self._decide(now, "cloud", self.mp)
+        choice = decision.choice
+        if choice is None:
+            return Fail(ModelNotReady(decision.reason))
+        assert choice.transport is not None and self.mp.cloud_model is not None
+        self._attempt, self._fallback = choice, None
+        give_up = now + max(DEFERRED_SEND_S, 3 * choice.latency_q_s)
+        return Offload(choice, self.mp.cloud_model, give_up, "deferred")
+
+    def _run_local(self, option: Option | None, reason: str, fallback: bool = False) -> RunLocal:
+        # What the local answer will carry, kept for local_done.
+        self._local_option, self._reason, self._was_fallback = option, reason, fallback
+        return RunLocal(option, reason, fallback)
+
+    def _offload(self, now: float, choice: Option, local: Option | None, reason: str) -> Offload:
+        assert choice.transport is not None and self.mp.cloud_model is not None
+        give_up, local = fallback_plan(now, self.deadline, local, choice)
+        self._attempt = choice
+        self._fallback = local if self.mp.local_model is not None else None
+        return Offload(choice, self.mp.cloud_model, give_up, reason)
+
+    def local_done(self, now: float, seconds: float, confidence: float | None = None) -> Action:
+        """The local run took ``seconds`` of compute and ended at ``now``."""
+        core, mp = self.core, self.mp
+        core._journal(("local_done", self.id, now, seconds, confidence))
+        assert mp.local_model is not None
+        core.est.local(mp.local_model, self.batch).add(seconds, now)
+        energy = local_energy_j(self.policy.device, seconds)
+        extra: dict[str, Any] = {"compute_us": int(seconds * 1e6)}
+        attempt = self._attempt
+        if attempt is not None:
+            # The failed offload kept the radio on and sent bytes a metered link bills.
+            energy += attempt.energy_j
+            extra["bytes_attempted"] = attempt.up_bytes
+        reason = self._reason
+        if not self.wants_confidence:
+            return Answer(
+                LOCAL, self._local_option, reason, self._was_fallback, energy, 0, 0, extra
+            )
+        # Cascade: the local answer stands when it is sure enough.
+        assert confidence is not None, "a cascade's local run reports its confidence"
+        extra["confidence"] = round(confidence, 4)
+        local = Answer(LOCAL, self._local_option, reason, False, energy, 0, 0, extra)
+        if confidence >= mp.cascade_threshold:
+            return local
+        cloud_only = replace(mp, local_model=None)
+        decision = self._decide(now, "cloud", cloud_only)
+        choice = decision.choice
+        if choice is None or decision.reason.startswith("no option meets"):
+            why = f"unsure ({confidence:.2f}) but no cloud in time: {decision.reason}"
+            return replace(local, extra={**extra, "cascade": why})
+        self._cascade_local = local
+        self.mp = cloud_only
+        assert choice.transport is not None and mp.cloud_model is not None
+        self._attempt, self._fallback = choice, None
+        why = f"cascade: local confidence {confidence:.2f} < {mp.cascade_threshold}"
+        return Offload(choice, mp.cloud_model, self.deadline, why)
+
+    def offload_done(
+        self,
+        now: float,
+        *,
+        sent: int,
+        received: int,
+        elapsed_s: float,
+        queue_us: int = 0,
+        compute_us: int = 0,
+    ) -> Answer:
+        """The cloud answered at ``now``; the transfer took ``elapsed_s`` end to end."""
+        core, choice = self.core, self._attempt
+        core._journal(
+            ("offload_done", self.id, now, sent, received, elapsed_s, queue_us, compute_us)
+        )
+        assert choice is not None and choice.transport is not None
+        core.breakers[choice.transport].record_success(now)
+        core.est.observe_reply(self.mp.cloud_model or self.model, queue_us, compute_us, now)
+        # The radio's promotion is in the transfer's time and the policy adds it
+        # itself; a transfer quicker than the promotion found the radio up already.
+        net = elapsed_s - choice.promotion_s if elapsed_s > choice.promotion_s else elapsed_s
+        core.est.link(choice.transport).observe(
+            sent, received, net, (queue_us + compute_us) / 1e6, now
+        )
+        core.radio.transfer_done(now)
+        core.usage.add(sent + received, now)
+        core.out_bytes[self.model] = received
+        reason = self.decision.reason if self.decision else ""
+        energy, extra = choice.energy_j, {}
+        if self._cascade_local is not None:
+            energy += self._cascade_local.energy_j
+            extra["confidence"] = self._cascade_local.extra.get("confidence")
+            reason = (
+                f"cascade: local confidence {extra['confidence']} < {self.mp.cascade_threshold}"
+            )
+        return Answer(choice.name, choice, reason, False, energy, sent, received, extra)
+
+    def offload_failed(self, now: float, error: FerryError) -> Action:
+        """The offload ended at ``now`` without an answer (``error`` says why)."""
+        core, choice = self.core, self._attempt
+        core._journal(("offload_failed", self.id, now, error.code.value, error.message))
+        if isinstance(error, InvalidInput):
+            return Fail(error)  # the request's own fault: no other route fixes it
+        assert choice is not None and choice.transport is not None
+        core.learn_failure(choice, self.mp.cloud_model or self.model, error, self.began, now)
+        why = f"{choice.name} failed ({error.code.value}: {error.message})"
+        if self._cascade_local is not None:
+            local = self._cascade_local
+            return replace(
+                local,
+                fallback=True,
+                energy_j=local.energy_j + choice.energy_j,
+                extra={**local.extra, "cascade": f"offload failed: {error.message}"},
+            )
+        if self._fallback is not None and self.deadline - now > 0:
+            return self._run_local(self._fallback, why, True)
+        if self.deferrable:
+            return Defer(why, None)
+        return Fail(error)
+
+
+# ---- the agent's state between requests ---------------------------------------------
+
+
+class EdgeCore:
+    """What the agent knows between requests; begins each request's flow."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        transports: Iterable[str],
+        *,
+        breakers: Mapping[str, CircuitBreaker] | None = None,
+        day: Callable[[float], str] | None = None,
+        journal: int = JOURNAL_EVENTS,
+    ) -> None:
+        self.policy = policy
+        self.transports = tuple(transports)
+        self.breakers = dict(breakers or {t: CircuitBreaker() for t in self.transports})
+        self.radio = RadioState()
+        self.usage = Usage(policy.est.extra.setdefault("usage", {}), day)
+        self.out_bytes: dict[str, int] = {}
+        self.missing: dict[tuple[str, str], float] = {}  # (transport, cloud model) -> until
+        self.events: deque[tuple[Any, ...]] | None = deque(maxlen=journal) if journal else None
+        self.decisions: deque[DecisionRecord] | None = deque(maxlen=journal) if journal else None
+        self._ids = itertools.count(1)
+
+    @property
+    def est(self) -> Any:
+        return self.policy.est
+
+    # -- journal -------------------------------------------------------------------
+
+    def _journal(self, event: tuple[Any, ...]) -> None:
+        if self.events is not None:
+            self.events.append(event)
+
+    def _record_decision(self, record: DecisionRecord) -> None:
+        if self.decisions is not None:
+            self.decisions.append(record)
+
+    # -- what may be used -----------------------------------------------------------
+
+    def usable(
+        self, now: float, connected: Mapping[str, bool], cloud_model: str | None = None
+    ) -> dict[str, bool]:
+        """Transports a request for ``cloud_model`` may take now (link up, breaker closed)."""
+        out = {}
+        for name in self.transports:
+            ok = connected.get(name, False) and self.breakers[name].state == "closed"
+            if ok and cloud_model is not None:
+                ok = self.missing.get((name, cloud_model), 0.0) <= now
+            out[name] = ok
+        return out
+
+    # -- requests ----------------------------------------------------------------------
+
+    def begin(
+        self,
+        model: str,
+        *,
+        now: float,
+        in_bytes: int,
+        connected: Mapping[str, bool],
+        local_available: bool = True,
+        deadline_ms: float | None = None,
+        batch: int = 1,
+        local_backlog: int = 0,
+        battery: float | None = None,
+        deferrable: bool = False,
+        mode: str | None = None,
+        cloud_only: bool = False,
+    ) -> RequestFlow:
+        """A new request's flow; raises the request's own errors (unknown model, bad deadline)."""
+        policy = self.policy
+        mp = policy.model_policy(model)
+        if cloud_only or (mp.local_model is not None and not local_available):
+            mp = replace(mp, local_model=None)
+        if mp.local_model is None and mp.cloud_model is None:
+            raise ModelNotFound(f"unknown model {model!r}")
+        if mp.local_model is None and mp.mode == "local" and not cloud_only:
+            raise ModelNotReady(f"model {model!r} is local-only and its local variant is missing")
+        budget_ms = deadline_ms or mp.deadline_ms or policy.config.default_deadline_ms
+        if budget_ms <= 0:
+            raise InvalidInput(f"deadline_ms must be positive, got {budget_ms}")
+        links = {t: bool(connected.get(t, False)) for t in self.transports}
+        fid = next(self._ids)
+        self._journal(
+            (
+                "begin",
+                fid,
+                model,
+                now,
+                in_bytes,
+                links,
+                local_available,
+                deadline_ms,
+                batch,
+                local_backlog,
+                battery,
+                deferrable,
+                mode,
+                cloud_only,
+            )
+        )
+        run_mode = mode or (mp.mode if mp.local_model is not None else "cloud")
+        return RequestFlow(
+            self,
+            fid,
+            model,
+            mp,
+            start=now,
+            deadline=now + budget_ms / 1000.0,
+            in_bytes=in_bytes,
+            batch=batch,
+            connected=links,
+            local_backlog=local_backlog,
+            battery=battery,
+            deferrable=deferrable,
+            mode=run_mode,
+            budget_ms=budget_ms,
+        )
+
+    def learn_failure(
+        self, choice: Option, cloud_model: str, error: FerryError, start: float, now: float
+    ) -> None:
+        """What an offload that ended without an answer teaches."""
+        assert choice.transport is not None
+        transport = choice.transport
+        # Bytes that left the device count against the daily cap even without an answer.
+        self.usage.add(choice.up_bytes, now)
+        if isinstance(error, ModelNotFound):
+            self.missing[(transport, cloud_model)] = now + MISSING_MODEL_COOLDOWN_S
+            return
+        if not isinstance(error, ENDPOINT_FAILURES):
+            return  # this request's own failure; the endpoint is fine
+        self.radio.transfer_done(now)  # the radio was on until the agent gave up
+        self.breakers[transport].record_failure(now)
+        if isinstance(error, DeadlineExceeded):
+            self.est.link(transport).observe_timeout(choice.up_bytes, now - start, now)
+        else:
+            self.est.link(transport).observe_failure(now)
+
+    # -- probes ------------------------------------------------------------------------
+
+    def probes(self, now: float) -> list[str]:
+        """Transports to probe now: an open breaker's trial, or a stale RTT while the radio is up.
+
+        A stale estimate is refreshed only while the radio is still in its
+        tail from real traffic: on a cellular link a probe from idle costs a
+        promotion and a whole tail (~12 J on LTE) to learn an RTT, and a
+        request that can afford it explores the link anyway.
+        """
+        self._journal(("probes", now))
+        out = []
+        idle = self.radio.radio_idle_s(now)
+        for name in self.transports:
+            breaker = self.breakers[name]
+            if breaker.state == "closed":
+                link = self.policy.links.get(name)
+                warm = idle is not None and link is not None and idle < link.tail_s
+                if not warm or not self.est.link(name).stale(now, STALE_PROBE_S):
+                    continue
+            elif not breaker.allow(now):
+                continue
+            out.append(name)
+        return out
+
+    def probe_done(self, transport: str, now: float, rtt_s: float) -> None:
+        self._journal(("probe_done", transport, now, rtt_s))
+        self.breakers[transport].record_success(now)
+        self.radio.transfer_done(now)
+        self.est.link(transport).observe_probe(rtt_s, now)
+
+    def probe_failed(self, transport: str, now: float) -> None:
+        self._journal(("probe_failed", transport, now))
+        self.breakers[transport].record_failure(now)
+
+
+def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[DecisionRecord]:
+    """Feed a journal of another core's events to ``core``; returns the decisions it makes.
+
+    ``core`` must start from the state the journalled core started from.
+    Every event goes through the same methods with the recorded ``now``,
+    so equal decisions mean one flow, whatever drove the original.
+    """
+    if core.decisions is None:
+        core.decisions = deque(maxlen=None)
+    flows: dict[int, RequestFlow] = {}
+    for event in events:
+        kind = event[0]
+        if kind == "begin":
+            (_, fid, model, now, in_bytes, links, local_ok, deadline_ms, batch) = event[:9]
+            backlog, battery, deferrable, mode, cloud_only = event[9:]
+            flow = core.begin(
+                model,
+                now=now,
+                in_bytes=in_bytes,
+                connected=links,
+                local_available=local_ok,
+                deadline_ms=deadline_ms,
+                batch=batch,
+                local_backlog=backlog,
+                battery=battery,
+                deferrable=deferrable,
+                mode=mode,
+                cloud_only=cloud_only,
+            )
+            flows[fid] = flow
+        elif kind == "start":
+            flows[event[1]].start()
+        elif kind == "local_done":
+            flows[event[1]].local_done(event[2], event[3], event[4])
+        elif kind == "offload_done":
+            _, fid, now, sent, received, elapsed, queue_us, compute_us = event
+            flows[fid].offload_done(
+                now,
+                sent=sent,
+                received=received,
+                elapsed_s=elapsed,
+                queue_us=queue_us,
+                compute_us=compute_us,
+            )
+        elif kind == "offload_failed":
+            flows[event[1]].offload_failed(event[2], error_from_code(event[3], event[4]))
+        elif kind == "probes":
+            core.probes(event[1])
+        elif kind == "probe_done":
+            core.probe_done(event[1], event[2], event[3])
+        elif kind == "probe_failed":
+            core.probe_failed(event[1], event[2])
+    return list(core.decisions)
