@@ -204,7 +204,7 @@ class Agent:
         try:
             for _ in range(2):
                 _, seconds = await self.local.run(name, inputs)
-            self.estimators.local(name).add(seconds, time.monotonic())
+            self.dataplane.core.warmed(name, seconds, time.monotonic())
         except FerryError as exc:
             log.warning("warm-up of %s failed: %s", name, exc.message)
 

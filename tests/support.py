@@ -5,6 +5,7 @@ Everything binds 127.0.0.1 on a free port; nothing reaches a public broker.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -372,3 +374,34 @@ class SecuredBroker(Broker):
     @property
     def url(self) -> str:
         return f"mqtts://127.0.0.1:{self.port}"
+
+
+# ---- cellular traces: the real ones where they exist, generated ones otherwise ----------
+
+
+@functools.cache
+def cellular_trace_dir() -> Path:
+    """A folder of mahimahi ``.up``/``.down`` pairs for tests that want real traces.
+
+    ``../shared/traces`` (the real cellular traces) where the checkout has it;
+    elsewhere (a clone outside the workspace) small traces of the same format
+    generated here, with outages and fades, so those tests run rather than skip.
+    """
+    real = ROOT.parent / "shared" / "traces"
+    if real.is_dir() and any(p.with_suffix(".down").exists() for p in real.glob("*.up")):
+        return real
+    from edge.netem.traces import commute, markov_fading, write_mahimahi
+
+    folder = Path(tempfile.mkdtemp(prefix="ferry-traces-"))
+    for name, up, down in (
+        ("generated-fading", markov_fading(90, seed=11, bad_mbps=0.0), markov_fading(90, seed=12)),
+        ("generated-commute", commute(90, seed=13), commute(90, seed=14)),
+    ):
+        write_mahimahi(up, folder / f"{name}.up")
+        write_mahimahi(down, folder / f"{name}.down")
+    return folder
+
+
+def cellular_trace_pairs() -> list[str]:
+    folder = cellular_trace_dir()
+    return sorted(p.stem for p in folder.glob("*.up") if p.with_suffix(".down").exists())

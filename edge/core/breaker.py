@@ -24,6 +24,15 @@ class CircuitBreaker:
         self._cooldown = cooldown_s
         self._open_until = 0.0
         self._trial_out = False
+        self.opened_at: float | None = None  # when it last opened from closed
+
+    def ready(self, now: float) -> bool:
+        """Whether :meth:`allow` would grant a request now (without claiming the trial)."""
+        if self.state == "closed":
+            return True
+        if self.state == "open" and now < self._open_until:
+            return False
+        return not (self.state == "half_open" and self._trial_out)
 
     def allow(self, now: float) -> bool:
         if self.state == "closed":
@@ -39,6 +48,7 @@ class CircuitBreaker:
         return True
 
     def record_success(self, now: float) -> None:
+        self.opened_at = None
         self._consecutive = 0
         self._cooldown = self.base_cooldown_s
         self._trial_out = False
@@ -50,6 +60,7 @@ class CircuitBreaker:
             self._cooldown = min(self._cooldown * 2, self.max_cooldown_s)
             self._open(now)
         elif self.state == "closed" and self._consecutive >= self.failures:
+            self.opened_at = now
             self._open(now)
 
     def _open(self, now: float) -> None:

@@ -35,6 +35,8 @@ option of every request, so each costs a microsecond or so.
 
 from __future__ import annotations
 
+import math
+
 from devices.profiles import DeviceProfile, LinkProfile
 from shared.errors import InvalidInput
 
@@ -53,12 +55,20 @@ def transfer_energy_j(
     wait_s: float,
     device: DeviceProfile,
     radio_idle_s: float | None = None,
+    tail_after_s: float | None = None,
 ) -> float:
     """Joules the device spends to offload one request over ``link`` (see the module doc).
 
     ``up_bps``/``down_bps`` are the throughputs expected (or measured) for
     this transfer; ``radio_idle_s`` is how long ago the previous transfer
     ended (None: never, or unknown, so the radio is assumed asleep).
+
+    The tail is attributed backwards by default (a transfer pays the tail
+    that ran before it, or a whole one when it woke the radio): what a
+    simulator charges.  ``tail_after_s`` attributes it forwards instead: the
+    transfer pays the tail it opens, until the next transfer or the timer
+    (the expected value a policy can price a decision with).  Summed over a
+    run of transfers the two are equal.
     """
     base = link.base_power_w
     t_up = t_down = 0.0
@@ -75,13 +85,29 @@ def transfer_energy_j(
         energy += (base + link.alpha_down_w_per_mbps * down_bps / 1e6) * t_down
     wait = max(wait_s, 0.0)
     energy += (device.idle_power_w + base) * wait + device.idle_power_w * (t_up + t_down)
-    if radio_idle_s is None or radio_idle_s >= link.tail_s:
+    asleep = radio_idle_s is None or radio_idle_s >= link.tail_s
+    if asleep:
         energy += link.promotion_power_w * link.promotion_s
         energy += device.idle_power_w * link.promotion_s  # the request waits for the radio
+    if tail_after_s is not None:
+        energy += link.tail_power_w * min(max(tail_after_s, 0.0), link.tail_s)
+    elif asleep:
         energy += link.tail_power_w * link.tail_s
     else:
-        energy += link.tail_power_w * max(radio_idle_s, 0.0)
+        energy += link.tail_power_w * max(radio_idle_s or 0.0, 0.0)
     return energy
+
+
+def expected_tail_s(link: LinkProfile, rate_per_s: float) -> float:
+    """E[min(gap, tail)] for Poisson arrivals at ``rate_per_s``: the tail one transfer opens."""
+    if rate_per_s <= 0:
+        return link.tail_s
+    return (1.0 - math.exp(-rate_per_s * link.tail_s)) / rate_per_s
+
+
+def wake_energy_j(link: LinkProfile) -> float:
+    """Joules a transfer from an idle radio pays before moving a byte: promotion and tail."""
+    return link.promotion_power_w * link.promotion_s + link.tail_power_w * link.tail_s
 
 
 class RadioState:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import time
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 from edge.core.quantile import Ewma, P2Quantile
@@ -25,9 +27,25 @@ SMALL_BYTES = 4096
 
 
 class LatencyEstimator:
+    """Mean (EWMA) and a high quantile of a latency, honest about how much it has seen.
+
+    The quantile is the larger of a P-square estimate and a log-normal one
+    whose spread is shrunk towards ``PRIOR_LOG_SD`` while samples are few
+    (under ``TRUST_P2``):
+    a P-square 95th percentile of three samples is their largest, which is
+    how a fallback reserve ends up too short for the local run's tail.
+    """
+
+    PRIOR_LOG_SD = 0.2  # a run-to-run spread of ~20% before it is measured
+    PRIOR_WEIGHT = 5.0  # the prior counts as this many samples
+    TRUST_P2 = 20  # samples after which the P-square estimate stands alone
+
     def __init__(self, q: float = 0.95, alpha: float = 0.2) -> None:
         self._ewma = Ewma(alpha)
         self._q = P2Quantile(q)
+        self._z = NormalDist().inv_cdf(q)
+        self._log_mean: float | None = None
+        self._log_var = 0.0
         self.last_update: float | None = None
 
     @property
@@ -36,7 +54,14 @@ class LatencyEstimator:
 
     @property
     def quantile(self) -> float | None:
-        return self._q.value
+        p2 = self._q.value
+        n = self._ewma.count
+        if self._log_mean is None or (p2 is not None and n >= self.TRUST_P2):
+            return p2
+        w0 = self.PRIOR_WEIGHT
+        var = (n * self._log_var + w0 * self.PRIOR_LOG_SD**2) / (n + w0)
+        parametric = math.exp(self._log_mean + self._z * math.sqrt(var))
+        return parametric if p2 is None else max(p2, parametric)
 
     @property
     def count(self) -> int:
@@ -47,6 +72,14 @@ class LatencyEstimator:
             return
         self._ewma.add(seconds)
         self._q.add(seconds)
+        if seconds > 0:
+            x = math.log(seconds)
+            if self._log_mean is None:
+                self._log_mean = x
+            else:
+                r = x - self._log_mean
+                self._log_mean += 0.1 * r
+                self._log_var = 0.9 * (self._log_var + 0.1 * r * r)
         self.last_update = now
 
     def stale(self, now: float, max_age_s: float) -> bool:
@@ -56,6 +89,7 @@ class LatencyEstimator:
         return {
             "ewma": self._ewma.to_dict(),
             "q": self._q.to_dict(),
+            "log": [self._log_mean, self._log_var],
             "age_s": None if self.last_update is None else now - self.last_update,
         }
 
@@ -67,17 +101,111 @@ class LatencyEstimator:
         """Track another quantile; the new tracker starts empty (reads fall back to the mean)."""
         if q != self._q.q:
             self._q = P2Quantile(q)
+            self._z = NormalDist().inv_cdf(q)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], now: float, q: float | None = None) -> LatencyEstimator:
         e = cls()
         e._ewma = Ewma.from_dict(d["ewma"])
         e._q = P2Quantile.from_dict(d["q"])
+        e._z = NormalDist().inv_cdf(e._q.q)
+        if "log" in d:
+            e._log_mean, e._log_var = d["log"][0], float(d["log"][1])
         if q is not None:
             e.retarget(q)
         age = d.get("age_s")
         e.last_update = None if age is None else now - float(age)
         return e
+
+
+class LogRate:
+    """A belief over a link direction's rate: Gaussian in log(bps), widening with age.
+
+    The mean follows the observed log rates (EWMA); the spread is the
+    uncertainty of that mean: the observations' variance over their
+    effective count.  Unobserved, the belief relaxes towards the link
+    profile's prior (an Ornstein-Uhlenbeck process with time constant
+    ``REVERT_S``): an old estimate is an uncertain one, and a bad spell long
+    past stops ruling the link out, so a link not used for a while becomes
+    worth trying again.  A two-sided CUSUM on the
+    standardised residuals detects a shift in the link's behaviour (a
+    handover, a tunnel, a new cell) and restarts the belief from the new
+    level instead of averaging the old regime in.
+    """
+
+    ALPHA = 0.3
+    N_EFF = (2 - ALPHA) / ALPHA  # an EWMA's effective sample count
+    PRIOR_SIGMA = 1.0  # a factor of e either way before anything is seen
+    REVERT_S = 60.0  # how fast what was learnt fades back into the prior
+    CUSUM_K, CUSUM_H = 0.5, 4.0
+
+    __slots__ = ("_hi", "_lo", "count", "mu", "updated", "var")
+
+    def __init__(self) -> None:
+        self.mu: float | None = None
+        self.var = 0.25  # observation variance of log rate (a guess until measured)
+        self.count = 0
+        self.updated: float | None = None
+        self._hi = self._lo = 0.0
+
+    def weight(self, now: float) -> float:
+        """How much of the learnt mean still holds (1 fresh, 0 faded into the prior)."""
+        if self.mu is None or self.updated is None:
+            return 0.0
+        return math.exp(-max(now - self.updated, 0.0) / self.REVERT_S)
+
+    def sigma(self, now: float) -> float:
+        """The spread of the belief in the current mean log rate."""
+        w = self.weight(now)
+        if w == 0.0:
+            return self.PRIOR_SIGMA
+        n = min(self.count, self.N_EFF)
+        return math.sqrt(self.var / n * w * w + self.PRIOR_SIGMA**2 * (1 - w * w))
+
+    def rate(self, learnt_bps: float, prior_bps: float, now: float) -> float:
+        """``learnt_bps`` relaxed towards ``prior_bps`` by the belief's age (geometrically)."""
+        w = self.weight(now)
+        if w >= 0.999 or learnt_bps <= 0 or prior_bps <= 0:
+            return learnt_bps if w > 0 else prior_bps
+        return math.exp(w * math.log(learnt_bps) + (1 - w) * math.log(prior_bps))
+
+    def add(self, bps: float, now: float) -> bool:
+        """Observe one rate; True when it revealed a change of regime."""
+        if not bps > 0:
+            return False
+        x = math.log(bps)
+        self.updated = now
+        if self.mu is None:
+            self.mu, self.count = x, 1
+            return False
+        r = x - self.mu
+        z = r / math.sqrt(self.var + 1e-6)
+        self._hi = max(0.0, self._hi + z - self.CUSUM_K)
+        self._lo = max(0.0, self._lo - z - self.CUSUM_K)
+        if self.count >= 3 and (self._hi > self.CUSUM_H or self._lo > self.CUSUM_H):
+            self.mu, self.count, self._hi, self._lo = x, 1, 0.0, 0.0
+            return True
+        a = self.ALPHA
+        self.mu += a * r
+        self.var = (1 - a) * (self.var + a * r * r)
+        self.count += 1
+        return False
+
+    def to_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "mu": self.mu,
+            "var": self.var,
+            "n": self.count,
+            "age_s": None if self.updated is None else now - self.updated,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], now: float) -> LogRate:
+        b = cls()
+        b.mu, b.var, b.count = d.get("mu"), float(d.get("var", 0.25)), int(d.get("n", 0))
+        age = d.get("age_s")
+        b.updated = None if age is None else now - float(age)
+        return b
 
 
 def _low(tail: P2Quantile, mean: float) -> float:
@@ -104,6 +232,10 @@ class LinkEstimator:
         # deadline is checked against must carry the link's variance, not only RTT's.
         self._up_lo = P2Quantile(1 - q)
         self._down_lo = P2Quantile(1 - q)
+        # What is known of each direction's rate, with its uncertainty (exploration reads it).
+        self.up_belief = LogRate()
+        self.down_belief = LogRate()
+        self.changes = 0  # regime changes detected (a diagnostic)
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = (
             prior_up_bps,
             prior_down_bps,
@@ -144,16 +276,22 @@ class LinkEstimator:
         elif sent_bytes >= received_bytes:
             t = net - self.rtt_s - received_bytes * 8 / self.down_bps
             rate = sent_bytes * 8 / max(t, net * 0.1, 1e-4)
-            self._up.add(rate)
-            self._up_lo.add(rate)
-            self.bandwidth_update = now
+            self._add_rate(rate, self._up, "_up_lo", self.up_belief, now)
         else:
             t = net - self.rtt_s - sent_bytes * 8 / self.up_bps
             rate = received_bytes * 8 / max(t, net * 0.1, 1e-4)
-            self._down.add(rate)
-            self._down_lo.add(rate)
-            self.bandwidth_update = now
+            self._add_rate(rate, self._down, "_down_lo", self.down_belief, now)
         self._refresh()
+
+    def _add_rate(self, rate: float, mean: Ewma, tail: str, belief: LogRate, now: float) -> None:
+        if belief.add(rate, now):
+            # A new regime: forget the old one's level and slow tail at once.
+            self.changes += 1
+            mean.value = None
+            setattr(self, tail, P2Quantile(getattr(self, tail).q))
+        mean.add(rate)
+        getattr(self, tail).add(rate)
+        self.bandwidth_update = now
 
     def observe_probe(self, rtt_s: float, now: float) -> None:
         if rtt_s > 0:
@@ -178,6 +316,7 @@ class LinkEstimator:
             bound = sent_bytes * 8 / elapsed_s
             self._up_lo.add(bound)
             if bound < self.up_bps:
+                self.up_belief.add(bound, now)
                 self._up.value = bound
                 self._up.count += 1
                 self.last_update = now
@@ -193,6 +332,13 @@ class LinkEstimator:
             self._up_lo, self._down_lo = P2Quantile(1 - q), P2Quantile(1 - q)
             self._refresh()
 
+    def rates(self, now: float) -> tuple[float, float]:
+        """(up, down) bps as believed at ``now``: learnt rates, faded towards the priors."""
+        return (
+            self.up_belief.rate(self.up_bps, self.prior_up_bps, now),
+            self.down_belief.rate(self.down_bps, self.prior_down_bps, now),
+        )
+
     def transfer_time(self, up_bytes: int, down_bytes: int) -> float:
         return self.rtt_s + up_bytes * 8 / self.up_bps + down_bytes * 8 / self.down_bps
 
@@ -205,6 +351,8 @@ class LinkEstimator:
             "up_lo": self._up_lo.to_dict(),
             "down_lo": self._down_lo.to_dict(),
             "samples": self.samples,
+            "up_belief": self.up_belief.to_dict(now),
+            "down_belief": self.down_belief.to_dict(now),
             "prior": [self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s],
             "age_s": None if self.last_update is None else now - self.last_update,
             "bw_age_s": None if self.bandwidth_update is None else now - self.bandwidth_update,
@@ -225,6 +373,9 @@ class LinkEstimator:
         if q is not None and q != e._rtt_q.q:
             e.retarget(q)
         e.samples = int(d.get("samples", 0))
+        if "up_belief" in d:
+            e.up_belief = LogRate.from_dict(d["up_belief"], now)
+            e.down_belief = LogRate.from_dict(d["down_belief"], now)
         age = d.get("age_s")
         e.last_update = None if age is None else now - float(age)
         bw_age = d.get("bw_age_s")

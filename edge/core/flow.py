@@ -28,7 +28,7 @@ from typing import Any
 
 from edge.core.accounting import Usage
 from edge.core.breaker import CircuitBreaker
-from edge.core.energy import RadioState, local_energy_j
+from edge.core.energy import RadioState, local_energy_j, wake_energy_j
 from edge.core.policy import LOCAL, Context, Decision, ModelPolicy, Option, Policy, fallback_plan
 from shared.errors import (
     DeadlineExceeded,
@@ -50,6 +50,12 @@ MISSING_MODEL_COOLDOWN_S = 30.0
 DEFERRED_SEND_S = 30.0
 # A link estimate older than this is refreshed by a probe (when the radio is up).
 STALE_PROBE_S = 30.0
+# An open breaker is probed from an idle radio only when waking the radio costs
+# less than this (WiFi: ~0.2 J; LTE: a promotion and a ~12 J tail), or after
+# this long without a word from the link; otherwise a request the policy
+# prices as worth it carries the breaker's trial.
+PROBE_WAKE_J = 1.0
+BLIND_PROBE_S = 60.0
 # Events kept for replay by default (a bounded ring; 0 keeps none).
 JOURNAL_EVENTS = 0
 
@@ -173,6 +179,7 @@ class RequestFlow:
             out_bytes=core.out_bytes.get(self.model),
             batch=self.batch,
             local_backlog=self.local_backlog if mp.local_model else 0,
+            rate_per_s=core.rate_per_s(self.model),
         )
 
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
@@ -229,6 +236,7 @@ class RequestFlow:
         if choice is None:
             return Fail(ModelNotReady(decision.reason))
         assert choice.transport is not None and self.mp.cloud_model is not None
+        self.core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback = choice, None
         give_up = now + max(DEFERRED_SEND_S, 3 * choice.latency_q_s)
         return Offload(choice, self.mp.cloud_model, give_up, "deferred")
@@ -241,6 +249,7 @@ class RequestFlow:
     def _offload(self, now: float, choice: Option, local: Option | None, reason: str) -> Offload:
         assert choice.transport is not None and self.mp.cloud_model is not None
         give_up, local = fallback_plan(now, self.deadline, local, choice)
+        self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial
         self._attempt = choice
         self._fallback = local if self.mp.local_model is not None else None
         return Offload(choice, self.mp.cloud_model, give_up, reason)
@@ -278,6 +287,7 @@ class RequestFlow:
         self._cascade_local = local
         self.mp = cloud_only
         assert choice.transport is not None and mp.cloud_model is not None
+        core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback = choice, None
         why = f"cascade: local confidence {confidence:.2f} < {mp.cascade_threshold}"
         return Offload(choice, mp.cloud_model, self.deadline, why)
@@ -368,6 +378,8 @@ class EdgeCore:
         self.events: deque[tuple[Any, ...]] | None = deque(maxlen=journal) if journal else None
         self.decisions: deque[DecisionRecord] | None = deque(maxlen=journal) if journal else None
         self._ids = itertools.count(1)
+        self._arrived: dict[str, float] = {}  # model -> last arrival
+        self._gap: dict[str, float] = {}  # model -> EWMA of the time between arrivals
 
     @property
     def est(self) -> Any:
@@ -383,6 +395,23 @@ class EdgeCore:
         if self.decisions is not None:
             self.decisions.append(record)
 
+    def rate_per_s(self, model: str) -> float | None:
+        """The model's recent request rate (None until two requests were seen)."""
+        gap = self._gap.get(model)
+        return 1.0 / gap if gap else None
+
+    def _arrival(self, model: str, now: float) -> None:
+        last = self._arrived.get(model)
+        self._arrived[model] = now
+        if last is not None and now >= last:
+            gap = self._gap.get(model)
+            self._gap[model] = now - last if gap is None else gap + 0.2 * (now - last - gap)
+
+    def warmed(self, local_model: str, seconds: float, now: float) -> None:
+        """A warm-up run of ``local_model`` took ``seconds``: the first local estimate."""
+        self._journal(("warmed", local_model, seconds, now))
+        self.est.local(local_model).add(seconds, now)
+
     # -- what may be used -----------------------------------------------------------
 
     def usable(
@@ -391,7 +420,7 @@ class EdgeCore:
         """Transports a request for ``cloud_model`` may take now (link up, breaker closed)."""
         out = {}
         for name in self.transports:
-            ok = connected.get(name, False) and self.breakers[name].state == "closed"
+            ok = connected.get(name, False) and self.breakers[name].ready(now)
             if ok and cloud_model is not None:
                 ok = self.missing.get((name, cloud_model), 0.0) <= now
             out[name] = ok
@@ -428,6 +457,7 @@ class EdgeCore:
         if budget_ms <= 0:
             raise InvalidInput(f"deadline_ms must be positive, got {budget_ms}")
         links = {t: bool(connected.get(t, False)) for t in self.transports}
+        self._arrival(model, now)
         fid = next(self._ids)
         self._journal(
             (
@@ -488,25 +518,30 @@ class EdgeCore:
     # -- probes ------------------------------------------------------------------------
 
     def probes(self, now: float) -> list[str]:
-        """Transports to probe now: an open breaker's trial, or a stale RTT while the radio is up.
+        """Transports to probe now, each probe priced by what waking the radio costs.
 
-        A stale estimate is refreshed only while the radio is still in its
-        tail from real traffic: on a cellular link a probe from idle costs a
-        promotion and a whole tail (~12 J on LTE) to learn an RTT, and a
-        request that can afford it explores the link anyway.
+        A stale RTT is refreshed only while the radio is still in its tail
+        from real traffic.  An open breaker gets its trial probe while the
+        radio is up, where waking it is cheap (``PROBE_WAKE_J``), or after
+        ``BLIND_PROBE_S`` without one; otherwise the next request the policy
+        finds worth offloading carries the trial (see :meth:`usable`).  On a
+        cellular link a probe from idle costs a promotion and a whole tail
+        (~13 J on LTE) to learn one RTT.
         """
         self._journal(("probes", now))
         out = []
         idle = self.radio.radio_idle_s(now)
         for name in self.transports:
-            breaker = self.breakers[name]
+            breaker, link = self.breakers[name], self.policy.links.get(name)
+            warm = idle is not None and link is not None and idle < link.tail_s
             if breaker.state == "closed":
-                link = self.policy.links.get(name)
-                warm = idle is not None and link is not None and idle < link.tail_s
                 if not warm or not self.est.link(name).stale(now, STALE_PROBE_S):
                     continue
-            elif not breaker.allow(now):
-                continue
+            else:
+                cheap = link is None or wake_energy_j(link) <= PROBE_WAKE_J
+                blind = breaker.opened_at is None or now - breaker.opened_at >= BLIND_PROBE_S
+                if not (warm or cheap or blind) or not breaker.allow(now):
+                    continue
             out.append(name)
         return out
 
@@ -518,7 +553,10 @@ class EdgeCore:
 
     def probe_failed(self, transport: str, now: float) -> None:
         self._journal(("probe_failed", transport, now))
-        self.breakers[transport].record_failure(now)
+        breaker = self.breakers[transport]
+        breaker.record_failure(now)
+        if breaker.opened_at is not None and now - breaker.opened_at >= BLIND_PROBE_S:
+            breaker.opened_at = now  # the next blind probe waits another while
 
 
 def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[DecisionRecord]:
@@ -567,6 +605,8 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
             )
         elif kind == "offload_failed":
             flows[event[1]].offload_failed(event[2], error_from_code(event[3], event[4]))
+        elif kind == "warmed":
+            core.warmed(event[1], event[2], event[3])
         elif kind == "probes":
             core.probes(event[1])
         elif kind == "probe_done":

@@ -16,10 +16,11 @@ cap; local-only and cloud-only models; no usable link -> local.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from devices.profiles import DeviceProfile, LinkProfile
-from edge.core.energy import local_energy_j, transfer_energy_j
+from edge.core.energy import expected_tail_s, local_energy_j, transfer_energy_j
 from edge.core.estimators import Estimators
 
 LOCAL = "local"
@@ -58,9 +59,11 @@ class PolicyConfig:
     battery_floor_percent: float = 15.0
     data_cap_mb_per_day: float | None = None
     default_deadline_ms: float = 1000.0
-    # A link estimate older than this is refreshed by routing one request that
-    # can afford it through that link (0: never explore).  Without it, an agent
-    # that stays local never learns that the link got better.
+    # How long what one exploring request teaches stays useful: the requests
+    # expected in this window are the horizon over which an exploration's
+    # expected saving is weighed against its price (0: never explore).  An
+    # estimate older than this is also no longer trusted to rule the link
+    # out of a deadline.
     explore_after_s: float = 10.0
     models: dict[str, ModelPolicy] = field(default_factory=dict)
 
@@ -80,6 +83,15 @@ class Option:
     reason: str = ""
     stale: bool = False
     promotion_s: float = 0.0  # radio promotion included in the latency (cloud options)
+    # d(cost)/d(1/bps) of the bottleneck direction, its mean rate and the spread of
+    # the belief in it (log space): what exploration prices the option's upside with.
+    cost_per_inv_bps: float = 0.0
+    rate_bps: float = 0.0
+    rate_sigma: float = 0.0
+    # What the option would cost with the radio already up (cloud options from an
+    # idle radio): no promotion, the tail priced at the expected gap to the next request.
+    warm_cost: float | None = None
+    measured: bool = False  # the latency prediction rests on this link's own transfers
 
 
 @dataclass(slots=True)
@@ -96,6 +108,7 @@ class Context:
     out_bytes: int | None = None
     batch: int = 1  # rows in the request (local latency is learnt per batch size)
     local_backlog: int = 0  # requests already waiting for or running on the local model
+    rate_per_s: float | None = None  # the model's recent request rate (exploration's horizon)
 
 
 @dataclass(slots=True)
@@ -112,8 +125,25 @@ class Decision:
 # Time kept back from the cloud for a local answer, as a multiple of the local
 # latency quantile (room for the local run's own jitter), and at least enough
 # to get the fallback scheduled at all.
-FALLBACK_RESERVE = 1.5
+FALLBACK_RESERVE = 1.15
 FALLBACK_MIN_RESERVE_S = 0.02
+# A cloud reply this many times later than its predicted latency quantile is
+# given up on (the local fallback then answers sooner).
+GIVE_UP_AFTER = 5.0
+# Transfers a link must have shown before its latency prediction is trusted to
+# cut a wait short.
+MEASURED_SAMPLES = 3
+# How far ahead a decision's consequences are counted (what an exploration
+# teaches, the warm run a wake-up starts), and the most requests credited.
+HORIZON_S = 30.0
+MAX_HORIZON = 20.0
+
+
+def horizon_requests(rate_per_s: float | None) -> float:
+    """Requests expected within HORIZON_S (at least 1, at most MAX_HORIZON)."""
+    if not rate_per_s:
+        return 1.0
+    return min(max(rate_per_s * HORIZON_S, 1.0), MAX_HORIZON)
 
 
 def fallback_plan(
@@ -131,13 +161,45 @@ def fallback_plan(
     reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
     if reserve >= deadline - now:
         return deadline, local
-    return min(max(deadline - reserve, now + choice.latency_q_s), deadline), local
+    give_up = min(max(deadline - reserve, now + choice.latency_q_s), deadline)
+    if choice.measured:
+        # A reply long past its own (measured) slow tail is more likely lost (an
+        # outage) than late: stop waiting while the local answer is quick to get.
+        overdue = now + max(GIVE_UP_AFTER * choice.latency_q_s, FALLBACK_MIN_RESERVE_S)
+        give_up = min(give_up, overdue)
+    return give_up, local
 
 
 def _fallback_fits(cloud: Option, local: Option, deadline_s: float) -> bool:
     """Whether giving ``cloud`` its predicted time still leaves room to answer locally."""
     reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
     return cloud.latency_q_s + reserve <= deadline_s
+
+
+def exploration_value(o: Option, best_cost: float) -> tuple[float, float]:
+    """(P(o beats ``best_cost``), expected saving per request) under o's rate belief.
+
+    The option's cost is affine in ``x = 1/rate`` of its bottleneck
+    direction with slope ``o.cost_per_inv_bps``; the belief is log-normal
+    around ``o.rate_bps`` with spread ``o.rate_sigma``.  The saving is
+    ``E[(best - cost(x))+]``, in closed form (two normal CDFs), so pricing an
+    exploration costs about a microsecond.
+    """
+    slope, sigma = o.cost_per_inv_bps, o.rate_sigma
+    if slope <= 0 or sigma <= 0 or o.rate_bps <= 0:
+        return 0.0, 0.0
+    x_m = 1.0 / o.rate_bps
+    x_star = x_m - (o.cost - best_cost) / slope  # break-even 1/rate
+    if x_star <= 0:
+        return 0.0, 0.0  # even an infinitely fast link would not win
+    d = math.log(x_star / x_m) / sigma
+    p = _phi(d)
+    saving = slope * (x_star * p - x_m * math.exp(sigma * sigma / 2) * _phi(d - sigma))
+    return p, max(saving, 0.0)
+
+
+def _phi(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
 
 class Policy:
@@ -207,12 +269,12 @@ class Policy:
             and (seen is None or ctx.now - seen > explore)
             and (claim is None or ctx.now - claim > explore)
         )
-        up_bps, down_bps = link.up_bps, link.down_bps
-        up_low, down_low = link.up_bps_low, link.down_bps_low
+        up_bps, down_bps = link.rates(ctx.now)
+        up_low, down_low = min(link.up_bps_low, up_bps), min(link.down_bps_low, down_bps)
         if stale:
-            # Optimism under uncertainty: an old estimate (a bad spell long
-            # past) must not keep the option infeasible forever.
-            up_bps, down_bps = max(up_bps, link.prior_up_bps), max(down_bps, link.prior_down_bps)
+            # An old estimate (a bad spell long past) must not keep the option
+            # out of a deadline forever: its slow tail is no longer trusted.
+            # Its cost stays the mean's; whether to learn more is priced in choose().
             up_low, down_low = up_bps, down_bps
         t_up = up * 8.0 / up_bps
         t_down = down * 8.0 / down_bps
@@ -222,6 +284,8 @@ class Policy:
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
         latency = promotion + link.rtt_s + t_up + t_down + server
         latency_q = promotion + max(link.rtt_quantile, link.rtt_s) + t_q + server_q
+        # The tail this transfer opens, at the rate requests come (see transfer_energy_j).
+        tail = expected_tail_s(profile, ctx.rate_per_s) if ctx.rate_per_s else None
         energy = transfer_energy_j(
             profile,
             up,
@@ -231,8 +295,27 @@ class Policy:
             server + link.rtt_s,
             self.device,
             ctx.radio_idle_s,
+            tail,
         )
         money = (up + down) / 1e6 * profile.cost_per_mb if profile.metered else 0.0
+        # Cost is affine in the bottleneck's transfer time: latency, the radio's
+        # base power and the device's idle power for as long as the bytes take.
+        w = self.config.weights
+        per_s = w.latency_s + w.energy_j * (profile.base_power_w + self.device.idle_power_w)
+        warm_cost = None
+        if promotion > 0 and tail is not None:
+            # The same offload from a radio already up: no promotion (its time and power).
+            saved_j = (profile.promotion_power_w + self.device.idle_power_w) * promotion
+            warm_cost = (
+                w.latency_s * (latency - promotion)
+                + w.energy_j * (energy - saved_j)
+                + w.data_mb * (up + down) / 1e6
+                + w.money * money
+            )
+        if up >= down:
+            nbits, rate, belief = up * 8.0, up_bps, link.up_belief
+        else:
+            nbits, rate, belief = down * 8.0, down_bps, link.down_belief
         return Option(
             f"cloud-{transport}",
             transport,
@@ -244,6 +327,11 @@ class Policy:
             money,
             stale=stale,
             promotion_s=promotion,
+            cost_per_inv_bps=nbits * per_s,
+            rate_bps=rate,
+            rate_sigma=belief.sigma(ctx.now),
+            warm_cost=warm_cost,
+            measured=link.samples >= MEASURED_SAMPLES and not stale,
         )
 
     def decide(self, model: str, ctx: Context, mode: str | None = None) -> Decision:
@@ -294,14 +382,14 @@ class Policy:
             if o.feasible and (best is None or o.cost < best.cost):
                 best = o
         if best is not None:
-            if not low_battery:
-                local = next((o for o in options if o.transport is None and o.feasible), None)
-                for o in options:
-                    if o.stale and o.feasible and o is not best and o.transport is not None:
-                        if local is not None and not _fallback_fits(o, local, ctx.deadline_s):
-                            continue  # exploring must not cost this request its deadline
-                        self.est.link(o.transport).exploring_since = ctx.now
-                        return Decision(o, options, "explore: link estimate is stale")
+            if not low_battery and best.transport is None:
+                warm_up = self._warm_up(options, best, ctx)
+                if warm_up is not None:
+                    return warm_up
+            if not low_battery and cfg.explore_after_s > 0:
+                explore = self._exploration(options, best, ctx)
+                if explore is not None:
+                    return explore
             return Decision(
                 best, options, "low battery: least energy" if low_battery else "least cost"
             )
@@ -311,6 +399,82 @@ class Policy:
             fallback = min(usable, key=lambda o: o.latency_q_s)
             return Decision(fallback, options, "no option meets the deadline: fastest")
         return Decision(None, options, "no usable option")
+
+    def _warm_up(self, options: list[Option], best: Option, ctx: Context) -> Decision | None:
+        """Offload from an idle radio when the warm run it starts pays for the wake-up.
+
+        Priced one request at a time, a cellular radio's promotion and tail
+        make every offload from idle dearer than running locally, even where
+        offloading every request would be cheaper: after the first, each
+        finds the radio up.  So an offload from idle is taken when the
+        expected saving of the requests that follow within the tail (each
+        saving ``best - warm_cost``), over the expected length of that run
+        at the current request rate, exceeds its extra cost now.
+        """
+        rate = ctx.rate_per_s
+        if not rate:
+            return None
+        pick: tuple[float, Option] | None = None
+        for o in options:
+            if o.transport is None or not o.feasible or o.warm_cost is None:
+                continue
+            # The warm run's saving at the pessimistic edge of the rate belief: a
+            # wake-up is a bet on the link, made only when it pays even then.
+            doubt = o.cost_per_inv_bps / o.rate_bps * math.expm1(o.rate_sigma) if o.rate_bps else 0
+            saving = best.cost - o.warm_cost - doubt
+            if saving <= 0:
+                continue
+            link = self.links[o.transport]
+            p_next = 1.0 - math.exp(-rate * link.tail_s)  # the next one comes within the tail
+            run = min(p_next / max(1.0 - p_next, 1e-9), horizon_requests(rate))
+            price = o.cost - best.cost
+            if saving * run <= price:
+                continue
+            if not _fallback_fits(o, best, ctx.deadline_s):
+                continue
+            if pick is None or saving * run - price > pick[0]:
+                pick = (saving * run - price, o)
+        if pick is None:
+            return None
+        gain, o = pick
+        why = f"wake the radio: the warm run after it saves {gain + o.cost - best.cost:.4g} > {o.cost - best.cost:.4g} now"
+        return Decision(o, options, why)
+
+    def _exploration(self, options: list[Option], best: Option, ctx: Context) -> Decision | None:
+        """An offload worth making for what it teaches, if any (see :func:`exploration_value`).
+
+        Only an option that could beat the best one, whose expected saving
+        over the requests that would use the knowledge exceeds its price
+        now, and whose attempt still leaves time to answer locally.
+        """
+        local = next((o for o in options if o.transport is None and o.feasible), None)
+        horizon = horizon_requests(ctx.rate_per_s)
+        pick: tuple[float, Option, float, float] | None = None
+        for o in options:
+            if o is best or o.transport is None or not o.feasible or o.rate_sigma < 0.05:
+                continue
+            claim = self.est.link(o.transport).exploring_since
+            if claim is not None and ctx.now - claim < self.config.explore_after_s:
+                continue  # one exploring request at a time
+            price = o.cost - best.cost
+            p_better, saving = exploration_value(o, best.cost)
+            value = saving * horizon
+            if value <= price:
+                continue
+            if local is not None and not _fallback_fits(o, local, ctx.deadline_s):
+                continue  # exploring must not cost this request its deadline
+            if pick is None or value - price > pick[0]:
+                pick = (value - price, o, p_better, price)
+        if pick is None:
+            return None
+        _, o, p_better, price = pick
+        assert o.transport is not None
+        self.est.link(o.transport).exploring_since = ctx.now
+        why = (
+            f"explore: P(better) {p_better:.2f}, expected saving {pick[0] + price:.4g} "
+            f"over {horizon:.0f} requests > price {price:.4g}"
+        )
+        return Decision(o, options, why)
 
     def cascade_offload(self, model: str, confidence: float) -> bool:
         """Sedna-style joint inference: offload when the local top-1 is unsure."""

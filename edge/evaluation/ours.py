@@ -25,6 +25,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from edge.core.energy import RadioState, local_energy_j
 from edge.core.estimators import Estimators
 from edge.core.flow import Action, Answer, Defer, EdgeCore, Fail, Offload, RequestFlow, RunLocal
@@ -237,6 +239,10 @@ def run_ours(
     mp = Policy(config, Estimators(), sim.device, {}).model_policy(model)
     chosen = tuple(transports if transports is not None else mp.transports)
     core = core or make_core(sim, config, chosen)
+    if mp.local_model is not None:
+        # The agent times its warm-up runs at start: a typical local run.
+        typical = float(np.median(sim.profile.local_s)) * sim.profile.local_speed_factor
+        core.warmed(mp.local_model, typical, 0.0)
     if data_used_mb:
         core.usage.add(int(data_used_mb * 1e6), 0.0)
     return _Replay(sim, core, model, probe_interval_s, battery_percent).run(name)

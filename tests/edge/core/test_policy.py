@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import pytest
 
 from devices.profiles import load_device, load_link
@@ -150,28 +151,60 @@ def test_cascade_offloads_only_unsure_answers(confidence, offload):
     assert p.cascade_offload("m", confidence) is offload
 
 
-def test_a_stale_link_is_explored_once_then_the_claim_holds():
-    p = _policy(local_ms=40, up_mbps=5.0, explore_after_s=5.0)  # cost says local
-    ctx = _ctx(deadline_ms=5000)
+def test_a_link_that_could_win_is_explored_once_then_the_claim_holds():
+    # Never measured: the cloud's rate is only the prior (a wide belief); at its
+    # mean the cloud loses narrowly to local, but it may well be faster.
+    p = _policy(local_ms=150, up_mbps=8.0, explore_after_s=5.0)
+    ctx = _ctx(deadline_ms=5000, in_bytes=60_000, rate_per_s=1.0)
     first, second = p.decide("m", ctx), p.decide("m", ctx)  # one per transport
     assert {first.where, second.where} == {"cloud-mqtt", "cloud-http"}
-    assert "explore" in first.reason and "explore" in second.reason
+    assert "explore" in first.reason and "P(better)" in first.reason
     # While those explorations are in flight, requests stay on the cost choice.
     assert p.decide("m", ctx).where == "local"
 
 
-def test_an_old_bad_estimate_relaxes_to_the_prior_for_exploration():
+def test_a_link_that_cannot_win_is_never_explored_however_old():
+    # On LTE a 60 KB offload pays a promotion and ~12 J of tail: with energy
+    # priced, even an infinitely fast link loses to a 40 ms local run.
+    weights = Weights(latency_s=1.0, energy_j=0.05)
+    p = _policy(local_ms=40, up_mbps=8.0, explore_after_s=5.0, link="lte", weights=weights)
+    for later in (0.0, 60.0, 3600.0):
+        d = p.decide("m", _ctx(deadline_ms=5000, in_bytes=60_000, now=time.monotonic() + later))
+        assert d.where == "local" and "explore" not in d.reason
+
+
+def test_exploration_value_is_zero_without_upside_and_grows_with_doubt():
+    from edge.core.policy import Option, exploration_value
+
+    def option(cost: float, sigma: float) -> Option:
+        o = Option("cloud-http", "http", 0.2, 0.3, 0.0, 60_000, 1_000, 0.0, cost=cost)
+        o.cost_per_inv_bps, o.rate_bps, o.rate_sigma = 480_000.0, 4e6, sigma
+        return o
+
+    # The transfer is worth 0.12 of cost at 4 Mbps: a cost gap above it cannot close.
+    assert exploration_value(option(0.5, 1.0), 0.3) == (0.0, 0.0)
+    p_low, gain_low = exploration_value(option(0.3, 0.2), 0.25)
+    p_high, gain_high = exploration_value(option(0.3, 1.0), 0.25)
+    assert 0 < p_low < p_high < 0.5 and 0 < gain_low < gain_high
+    # The closed form agrees with sampling the log-normal belief.
+    rng = np.random.default_rng(0)
+    x = 1 / (4e6 * np.exp(1.0 * rng.standard_normal(200_000)))
+    costs = 0.3 + 480_000.0 * (x - 1 / 4e6)
+    assert p_high == pytest.approx(np.mean(costs < 0.25), abs=0.01)
+    assert gain_high == pytest.approx(np.mean(np.maximum(0.25 - costs, 0)), rel=0.05)
+
+
+def test_an_old_bad_estimate_fades_back_to_the_prior():
     p = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)
     link = p.est.link("http")
-    link.observe_timeout(IMAGE, 8.0, 0.0)  # a bad spell: at most ~0.6 Mbps
-    assert link.up_bps < 1e6
     now = time.monotonic()
-    link.bandwidth_update = now  # fresh: offloading would miss the deadline
-    p.est.link("mqtt").bandwidth_update = now
-    assert p.decide("m", _ctx(now=now)).where == "local"
-    later = now + 6.0  # stale: explore with the prior's optimism
-    d = p.decide("m", _ctx(now=later))
-    assert d.where.startswith("cloud-") and "explore" in d.reason
+    for tr in ("http", "mqtt"):
+        p.est.link(tr).observe_timeout(IMAGE, 8.0, now)  # a bad spell: at most ~0.6 Mbps
+    assert link.up_bps < 1e6
+    assert p.decide("m", _ctx(now=now)).where == "local"  # fresh: offloading would miss
+    much_later = now + 10 * link.up_belief.REVERT_S
+    assert link.rates(much_later)[0] == pytest.approx(20e6, rel=0.01)
+    assert p.decide("m", _ctx(now=much_later)).where.startswith("cloud-")
 
 
 def test_deadline_quantile_in_the_policy_file_changes_the_decision():
@@ -212,23 +245,31 @@ def test_an_unmeasured_batch_size_is_priced_as_that_many_single_runs():
 
 
 def test_fallback_plan_keeps_room_for_a_local_answer():
-    from edge.core.policy import Option, fallback_plan
+    from edge.core.policy import FALLBACK_RESERVE, GIVE_UP_AFTER, Option, fallback_plan
 
     local = Option("local", None, 0.1, 0.2, 0.0, 0, 0, 0.0)
-    cloud = Option("cloud-http", "http", 0.05, 0.08, 0.0, 1, 1, 0.0)
+    cloud = Option("cloud-http", "http", 0.05, 0.08, 0.0, 1, 1, 0.0, measured=True)
+    reserve = 0.2 * FALLBACK_RESERVE
+    give_up, fallback = fallback_plan(10.0, 10.5, local, cloud)
+    assert give_up == pytest.approx(10.5 - reserve) and fallback is local
+    # A reply long past its own slow tail is given up on sooner (likely lost, not late).
     give_up, fallback = fallback_plan(10.0, 11.0, local, cloud)
-    assert give_up == pytest.approx(11.0 - 0.3) and fallback is local
+    assert give_up == pytest.approx(10.0 + GIVE_UP_AFTER * 0.08)
+    assert give_up < 11.0 - reserve
+    # ... but only a prediction the link's own transfers back: a prior is no reason to give up
+    cloud.measured = False
+    assert fallback_plan(10.0, 11.0, local, cloud)[0] == pytest.approx(11.0 - reserve)
     # Local cannot make it anyway: the cloud gets the whole deadline, local stays the fallback.
-    give_up, fallback = fallback_plan(10.0, 10.25, local, cloud)
-    assert give_up == 10.25 and fallback is local
+    give_up, fallback = fallback_plan(10.0, 10.2, local, cloud)
+    assert give_up == 10.2 and fallback is local
     give_up, fallback = fallback_plan(10.0, 10.05, None, cloud)
     assert give_up == pytest.approx(10.08) and fallback is None
 
 
 def test_a_stale_link_is_not_explored_when_the_local_fallback_would_no_longer_fit():
-    p = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)  # local q 300 ms
-    # Deadline 500 ms: the cloud (~135 ms) alone fits, but cloud + 1.5 x 300 ms of reserve does not.
-    d = p.decide("m", _ctx(deadline_ms=500, in_bytes=100_000))
+    p = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)  # local q ~300 ms
+    # Deadline 440 ms: the cloud (~135 ms) alone fits, but not with the local reserve after it.
+    d = p.decide("m", _ctx(deadline_ms=440, in_bytes=100_000, rate_per_s=1.0))
     assert "explore" not in d.reason
-    roomy = p.decide("m", _ctx(deadline_ms=3000, in_bytes=100_000))
+    roomy = p.decide("m", _ctx(deadline_ms=3000, in_bytes=100_000, rate_per_s=1.0))
     assert "explore" in roomy.reason

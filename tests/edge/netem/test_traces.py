@@ -22,16 +22,14 @@ from edge.netem.traces import (
     write_mahimahi,
 )
 from shared.errors import ConfigError
-
-TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
+from tests.support import cellular_trace_dir
 
 
 def real_files() -> list[Path]:
-    if not TRACES.is_dir():
-        pytest.skip(f"real cellular traces not found at {TRACES} (../shared/traces from the repo)")
-    files = sorted(p for p in TRACES.iterdir() if p.suffix in (".up", ".down"))
-    if not files:
-        pytest.skip(f"no .up/.down trace files in {TRACES}")
+    """The real cellular traces, or generated ones of the same format (never skipped)."""
+    folder = cellular_trace_dir()
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".up", ".down"))
+    assert files, f"no .up/.down trace files in {folder}"
     return files
 
 
