@@ -162,6 +162,17 @@ class LogRate:
         n = min(self.count, self.N_EFF)
         return math.sqrt(self.var / n * w * w + self.PRIOR_SIGMA**2 * (1 - w * w))
 
+    def at(self, learnt_bps: float, prior_bps: float, now: float) -> tuple[float, float]:
+        """(rate, sigma) at ``now`` in one pass: what the policy reads per option."""
+        if self.mu is None or self.updated is None:
+            return (learnt_bps if learnt_bps > 0 else prior_bps), self.PRIOR_SIGMA
+        w = math.exp(-max(now - self.updated, 0.0) / self.REVERT_S)
+        var = self.var / min(self.count, self.N_EFF)
+        sigma = math.sqrt(var * w * w + self.PRIOR_SIGMA**2 * (1 - w * w))
+        if w >= 0.999 or learnt_bps <= 0 or prior_bps <= 0:
+            return (learnt_bps if learnt_bps > 0 else prior_bps), sigma
+        return math.exp(w * math.log(learnt_bps) + (1 - w) * math.log(prior_bps)), sigma
+
     def rate(self, learnt_bps: float, prior_bps: float, now: float) -> float:
         """``learnt_bps`` relaxed towards ``prior_bps`` by the belief's age (geometrically)."""
         w = self.weight(now)
@@ -236,6 +247,10 @@ class LinkEstimator:
         self.up_belief = LogRate()
         self.down_belief = LogRate()
         self.changes = 0  # regime changes detected (a diagnostic)
+        # Attempts and lost replies, decayed per attempt: P(no reply) of the next one.
+        self._tries = 0.0
+        self._lost = 0.0
+        self._tried_at: float | None = None
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = (
             prior_up_bps,
             prior_down_bps,
@@ -265,6 +280,7 @@ class LinkEstimator:
         self, sent_bytes: int, received_bytes: int, elapsed_s: float, server_s: float, now: float
     ) -> None:
         net = elapsed_s - max(server_s, 0.0)
+        self._attempt(False, now)
         if not net > 0:
             return
         self.samples += 1
@@ -293,6 +309,30 @@ class LinkEstimator:
         getattr(self, tail).add(rate)
         self.bandwidth_update = now
 
+    FAIL_PRIOR = (0.1, 10.0)  # Beta(lost, answered) before any attempt: ~1%
+    FAIL_DECAY = 0.97  # per attempt: the last ~30 attempts tell
+
+    def failure_rate(self, now: float) -> float:
+        """P(an offload over this link gets no reply), from the recent attempts.
+
+        The counts fade with attempts and, like the rate belief, with time
+        (``LogRate.REVERT_S``): an outage long past stops counting against
+        the link even if nothing was sent since.
+        """
+        a, b = self.FAIL_PRIOR
+        if self._tried_at is None:
+            return a / (a + b)
+        fade = math.exp(-max(now - self._tried_at, 0.0) / LogRate.REVERT_S)
+        return (self._lost * fade + a) / (self._tries * fade + a + b)
+
+    def _attempt(self, lost: bool, now: float) -> None:
+        fade = self.FAIL_DECAY
+        if self._tried_at is not None:
+            fade *= math.exp(-max(now - self._tried_at, 0.0) / LogRate.REVERT_S)
+        self._tries = self._tries * fade + 1.0
+        self._lost = self._lost * fade + (1.0 if lost else 0.0)
+        self._tried_at = now
+
     def observe_probe(self, rtt_s: float, now: float) -> None:
         if rtt_s > 0:
             self._rtt.add(rtt_s)
@@ -303,6 +343,7 @@ class LinkEstimator:
 
     def observe_failure(self, now: float) -> None:
         self.consecutive_failures += 1
+        self._attempt(True, now)
 
     def observe_timeout(self, sent_bytes: int, elapsed_s: float, now: float) -> None:
         """A transfer that did not finish in ``elapsed_s``: the uplink is at most that fast.
@@ -312,6 +353,7 @@ class LinkEstimator:
         breaker opens.
         """
         self.consecutive_failures += 1
+        self._attempt(True, now)
         if sent_bytes >= SMALL_BYTES and elapsed_s > 0:
             bound = sent_bytes * 8 / elapsed_s
             self._up_lo.add(bound)
@@ -351,6 +393,11 @@ class LinkEstimator:
             "up_lo": self._up_lo.to_dict(),
             "down_lo": self._down_lo.to_dict(),
             "samples": self.samples,
+            "attempts": [
+                self._tries,
+                self._lost,
+                None if self._tried_at is None else now - self._tried_at,
+            ],
             "up_belief": self.up_belief.to_dict(now),
             "down_belief": self.down_belief.to_dict(now),
             "prior": [self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s],
@@ -373,6 +420,10 @@ class LinkEstimator:
         if q is not None and q != e._rtt_q.q:
             e.retarget(q)
         e.samples = int(d.get("samples", 0))
+        if "attempts" in d:
+            tries, lost, age = d["attempts"]
+            e._tries, e._lost = float(tries), float(lost)
+            e._tried_at = None if age is None else now - float(age)
         if "up_belief" in d:
             e.up_belief = LogRate.from_dict(d["up_belief"], now)
             e.down_belief = LogRate.from_dict(d["down_belief"], now)

@@ -92,6 +92,8 @@ class Option:
     # idle radio): no promotion, the tail priced at the expected gap to the next request.
     warm_cost: float | None = None
     measured: bool = False  # the latency prediction rests on this link's own transfers
+    bottleneck_s: float = 0.0  # the bottleneck direction's transfer time at the mean rate
+    p_fail: float = 0.0  # P(no reply) from the link's recent attempts
 
 
 @dataclass(slots=True)
@@ -130,6 +132,12 @@ FALLBACK_MIN_RESERVE_S = 0.02
 # A cloud reply this many times later than its predicted latency quantile is
 # given up on (the local fallback then answers sooner).
 GIVE_UP_AFTER = 5.0
+# How far past the deadline quantile an offload with no room for a local
+# fallback must still fit (a multiple of its spread beyond the mean).
+SAFE_TAIL = 1.75
+SAFE_Z = 2.0
+# The most P(no reply) a link may show for an offload to go without room to fall back.
+SAFE_P_FAIL = 0.02
 # Transfers a link must have shown before its latency prediction is trusted to
 # cut a wait short.
 MEASURED_SAMPLES = 3
@@ -161,13 +169,41 @@ def fallback_plan(
     reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
     if reserve >= deadline - now:
         return deadline, local
-    give_up = min(max(deadline - reserve, now + choice.latency_q_s), deadline)
+    # The cloud gets at least its own tail (the one the deadline check trusted
+    # when no local fallback fits after it): cutting it shorter abandons replies
+    # that were on time, for a local answer that costs more.
+    patience = strict_latency_s(choice)
+    if not math.isfinite(patience):
+        patience = choice.latency_q_s
+    give_up = min(max(deadline - reserve, now + patience), deadline)
     if choice.measured:
         # A reply long past its own (measured) slow tail is more likely lost (an
         # outage) than late: stop waiting while the local answer is quick to get.
         overdue = now + max(GIVE_UP_AFTER * choice.latency_q_s, FALLBACK_MIN_RESERVE_S)
         give_up = min(give_up, overdue)
     return give_up, local
+
+
+def _safe_without_fallback(cloud: Option, deadline_s: float) -> bool:
+    """Whether ``cloud``'s tail, well past the deadline quantile, still fits.
+
+    With no room left for a local answer, an offload may break the deadline
+    only as rarely as its tail says: the measured spread beyond the mean
+    stretched by ``SAFE_TAIL`` (a 95th percentile to about a 99.5th for a
+    normal one), and the bottleneck's transfer time at the slow edge of the
+    rate belief (``SAFE_Z`` spreads): a link known only by its prior has a
+    wide belief, so it is trusted only where even a slow link would do.
+    """
+    return strict_latency_s(cloud) <= deadline_s
+
+
+def strict_latency_s(cloud: Option) -> float:
+    """A cloud option's latency well into its tail (see :func:`_safe_without_fallback`)."""
+    if cloud.p_fail > SAFE_P_FAIL:
+        return math.inf  # replies get lost here: only a fallback makes it safe
+    spread = SAFE_TAIL * max(cloud.latency_q_s - cloud.latency_s, 0.0)
+    slow = cloud.bottleneck_s * math.expm1(SAFE_Z * cloud.rate_sigma)
+    return cloud.latency_s + max(spread, slow)
 
 
 def _fallback_fits(cloud: Option, local: Option, deadline_s: float) -> bool:
@@ -260,8 +296,9 @@ class Policy:
         model = mp.cloud_model or ""
         queue = self.est.cloud_queue(model)
         compute = self.est.cloud_compute(model)
-        server = (queue.mean or 0.0) + (compute.mean or 0.0)
-        server_q = (queue.quantile or queue.mean or 0.0) + (compute.quantile or compute.mean or 0.0)
+        q_mean, c_mean = queue.mean or 0.0, compute.mean or 0.0
+        server = q_mean + c_mean
+        server_q = (queue.quantile or q_mean) + (compute.quantile or c_mean)
         explore = self.config.explore_after_s
         seen, claim = link.bandwidth_update, link.exploring_since
         stale = (
@@ -269,7 +306,8 @@ class Policy:
             and (seen is None or ctx.now - seen > explore)
             and (claim is None or ctx.now - claim > explore)
         )
-        up_bps, down_bps = link.rates(ctx.now)
+        up_bps, up_sigma = link.up_belief.at(link.up_bps, link.prior_up_bps, ctx.now)
+        down_bps, down_sigma = link.down_belief.at(link.down_bps, link.prior_down_bps, ctx.now)
         up_low, down_low = min(link.up_bps_low, up_bps), min(link.down_bps_low, down_bps)
         if stale:
             # An old estimate (a bad spell long past) must not keep the option
@@ -313,9 +351,9 @@ class Policy:
                 + w.money * money
             )
         if up >= down:
-            nbits, rate, belief = up * 8.0, up_bps, link.up_belief
+            nbits, rate, sigma = up * 8.0, up_bps, up_sigma
         else:
-            nbits, rate, belief = down * 8.0, down_bps, link.down_belief
+            nbits, rate, sigma = down * 8.0, down_bps, down_sigma
         return Option(
             f"cloud-{transport}",
             transport,
@@ -329,7 +367,9 @@ class Policy:
             promotion_s=promotion,
             cost_per_inv_bps=nbits * per_s,
             rate_bps=rate,
-            rate_sigma=belief.sigma(ctx.now),
+            rate_sigma=sigma,
+            bottleneck_s=nbits / rate if rate > 0 else 0.0,
+            p_fail=link.failure_rate(ctx.now),
             warm_cost=warm_cost,
             measured=link.samples >= MEASURED_SAMPLES and not stale,
         )
@@ -359,6 +399,10 @@ class Policy:
         )
         cap = cfg.data_cap_mb_per_day
         best: Option | None = None
+        # A local run that makes the deadline is a promise: no offload may break it.
+        local = next((o for o in options if o.transport is None), None)
+        if local is not None and local.latency_q_s > ctx.deadline_s:
+            local = None
         for o in options:
             if o.transport is not None:
                 if not ctx.connected.get(o.transport, False):
@@ -370,6 +414,11 @@ class Policy:
                     o.feasible, o.reason = False, "data cap"
             if o.feasible and o.latency_q_s > ctx.deadline_s:
                 o.feasible, o.reason = False, "deadline"
+            elif o.feasible and local is not None and o.transport is not None:
+                if not _safe_without_fallback(o, ctx.deadline_s) and not _fallback_fits(
+                    o, local, ctx.deadline_s
+                ):
+                    o.feasible, o.reason = False, "no room to fall back"
             if low_battery:
                 o.cost = o.energy_j
             else:
@@ -379,6 +428,9 @@ class Policy:
                     + w.data_mb * (o.up_bytes + o.down_bytes) / 1e6
                     + w.money * o.money
                 )
+                if o.p_fail and local is not None:
+                    # A lost reply costs the wait until giving up, then the local run.
+                    o.cost += o.p_fail * (w.latency_s * o.latency_q_s + local.cost)
             if o.feasible and (best is None or o.cost < best.cost):
                 best = o
         if best is not None:
