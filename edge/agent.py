@@ -99,7 +99,9 @@ def build_transports(config: AgentConfig) -> dict[str, Transport]:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, *, journal: int = 0) -> None:
+        """``journal``: keep that many of the decision flow's events (and decisions) in
+        memory, to replay them (:func:`edge.core.flow.replay_journal`); 0 keeps none."""
         self.config = config
         config.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_file = config.state_dir / "estimates.json"
@@ -130,6 +132,7 @@ class Agent:
             breakers={t: CircuitBreaker() for t in self.transports},
             deferrer=self.deferrer,
             battery=Battery(),
+            journal=journal,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._config_mtime = self._mtime()

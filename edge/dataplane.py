@@ -107,6 +107,7 @@ class EdgeDataPlane:
         deferrable: bool = False,
         mode: str | None = None,
         cloud_only: bool = False,
+        record: bool = True,
     ) -> RequestFlow:
         mp = self.core.policy.model_policy(model)
         local_model = None if cloud_only else mp.local_model
@@ -123,6 +124,7 @@ class EdgeDataPlane:
             deferrable=deferrable,
             mode=mode,
             cloud_only=cloud_only,
+            record=record,
         )
 
     def decide(
@@ -130,7 +132,9 @@ class EdgeDataPlane:
     ) -> Decision:
         """What the policy would choose for ``request`` now (no side effects on the link)."""
         now = time.monotonic()
-        flow = self._begin(model, request, now, deadline_ms=deadline_s * 1000.0, mode=mode)
+        flow = self._begin(
+            model, request, now, deadline_ms=deadline_s * 1000.0, mode=mode, record=False
+        )
         return self.core.policy.decide_for(flow.mp, flow.context(now), flow.mode)
 
     # ---- serving --------------------------------------------------------------

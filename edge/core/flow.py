@@ -26,10 +26,21 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from devices.profiles import DeviceProfile, LinkProfile
 from edge.core.accounting import Usage
 from edge.core.breaker import CircuitBreaker
 from edge.core.energy import RadioState, local_energy_j, wake_energy_j
-from edge.core.policy import LOCAL, Context, Decision, ModelPolicy, Option, Policy, fallback_plan
+from edge.core.estimators import Estimators
+from edge.core.policy import (
+    LOCAL,
+    Context,
+    Decision,
+    ModelPolicy,
+    Option,
+    Policy,
+    PolicyConfig,
+    fallback_plan,
+)
 from shared.errors import (
     DeadlineExceeded,
     FerryError,
@@ -443,8 +454,12 @@ class EdgeCore:
         deferrable: bool = False,
         mode: str | None = None,
         cloud_only: bool = False,
+        record: bool = True,
     ) -> RequestFlow:
-        """A new request's flow; raises the request's own errors (unknown model, bad deadline)."""
+        """A new request's flow; raises the request's own errors (unknown model, bad deadline).
+
+        ``record=False`` asks what-if: no arrival is counted and nothing journalled.
+        """
         policy = self.policy
         mp = policy.model_policy(model)
         if cloud_only or (mp.local_model is not None and not local_available):
@@ -457,26 +472,27 @@ class EdgeCore:
         if budget_ms <= 0:
             raise InvalidInput(f"deadline_ms must be positive, got {budget_ms}")
         links = {t: bool(connected.get(t, False)) for t in self.transports}
-        self._arrival(model, now)
         fid = next(self._ids)
-        self._journal(
-            (
-                "begin",
-                fid,
-                model,
-                now,
-                in_bytes,
-                links,
-                local_available,
-                deadline_ms,
-                batch,
-                local_backlog,
-                battery,
-                deferrable,
-                mode,
-                cloud_only,
+        if record:
+            self._arrival(model, now)
+            self._journal(
+                (
+                    "begin",
+                    fid,
+                    model,
+                    now,
+                    in_bytes,
+                    links,
+                    local_available,
+                    deadline_ms,
+                    batch,
+                    local_backlog,
+                    battery,
+                    deferrable,
+                    mode,
+                    cloud_only,
+                )
             )
-        )
         run_mode = mode or (mp.mode if mp.local_model is not None else "cloud")
         return RequestFlow(
             self,
@@ -557,6 +573,21 @@ class EdgeCore:
         breaker.record_failure(now)
         if breaker.opened_at is not None and now - breaker.opened_at >= BLIND_PROBE_S:
             breaker.opened_at = now  # the next blind probe waits another while
+
+
+def fresh_core(
+    config: PolicyConfig,
+    device: DeviceProfile,
+    links: Mapping[str, LinkProfile],
+    *,
+    journal: int = JOURNAL_EVENTS,
+    day: Callable[[float], str] | None = None,
+) -> EdgeCore:
+    """The core an agent with nothing learnt starts with: link priors from the profiles."""
+    est = Estimators(config.deadline_quantile)
+    for transport, link in links.items():
+        est.set_link_prior(transport, link.up_mbps * 1e6, link.down_mbps * 1e6, link.rtt_ms / 1000)
+    return EdgeCore(Policy(config, est, device, dict(links)), links, day=day, journal=journal)
 
 
 def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[DecisionRecord]:

@@ -29,7 +29,17 @@ import numpy as np
 
 from edge.core.energy import RadioState, local_energy_j
 from edge.core.estimators import Estimators
-from edge.core.flow import Action, Answer, Defer, EdgeCore, Fail, Offload, RequestFlow, RunLocal
+from edge.core.flow import (
+    Action,
+    Answer,
+    Defer,
+    EdgeCore,
+    Fail,
+    Offload,
+    RequestFlow,
+    RunLocal,
+    fresh_core,
+)
 from edge.core.policy import Policy, PolicyConfig
 from edge.evaluation.sim import EPS, Outcome, Result, Simulator
 from shared.errors import DeadlineExceeded
@@ -50,12 +60,10 @@ def make_core(
     sim: Simulator, config: PolicyConfig, transports: tuple[str, ...], journal: int = 0
 ) -> EdgeCore:
     """The core an agent on ``sim``'s device and link starts with (link priors from its profile)."""
-    est = make_estimators(config)
-    rtt = sim.link.rtt_ms / 1000.0
-    for tr in transports:
-        est.set_link_prior(tr, sim.link.up_mbps * 1e6, sim.link.down_mbps * 1e6, rtt)
-    policy = Policy(config, est, sim.device, {tr: sim.link for tr in transports})
-    return EdgeCore(policy, transports, day=lambda now: str(int(now // 86400)), journal=journal)
+    links = {tr: sim.link for tr in transports}
+    return fresh_core(
+        config, sim.device, links, journal=journal, day=lambda now: str(int(now // 86400))
+    )
 
 
 @dataclass

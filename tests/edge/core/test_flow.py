@@ -1,0 +1,116 @@
+"""The sans-IO decision flow: events in, actions out, one answer per request."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from devices.profiles import load_device, load_link
+from edge.core.flow import Answer, Fail, Offload, RunLocal, fresh_core, replay_journal
+from edge.core.policy import Context, ModelPolicy, PolicyConfig, Weights
+from shared.errors import DeadlineExceeded, InvalidInput
+
+MODELS = {"m": ModelPolicy(local_model="m-local", cloud_model="m")}
+
+
+def _core(mode: str = "cost", journal: int = 0, **cfg):
+    models = {"m": ModelPolicy(mode=mode, local_model="m-local", cloud_model="m")}
+    config = PolicyConfig(weights=Weights(latency_s=1.0), models=models, **cfg)
+    lte = load_link("lte")
+    core = fresh_core(config, load_device("raspberry-pi-4b"), {"http": lte}, journal=journal)
+    core.warmed("m-local", 1.0, 0.0)  # a slow device: the cloud is worth it
+    return core
+
+
+def test_a_failed_offload_falls_back_locally_and_answers_once():
+    core = _core(journal=100)
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=3000)
+    action = flow.start()
+    assert isinstance(action, Offload)
+    assert action.give_up_at <= flow.deadline - 1.0  # room kept for the local run
+    action = flow.offload_failed(action.give_up_at, DeadlineExceeded("no reply"))
+    assert isinstance(action, RunLocal) and action.fallback
+    answer = flow.local_done(action_end := 3.0, 1.0)
+    assert isinstance(answer, Answer) and answer.where == "local" and answer.fallback
+    assert answer.extra["bytes_attempted"] == 60_000
+    assert core.radio.radio_idle_s(action_end) is not None  # the radio was on while waiting
+
+
+def test_a_cloud_only_model_runs_its_local_variant_when_no_link_is_usable():
+    core = _core(mode="cloud")
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": False})
+    action = flow.start()
+    assert isinstance(action, RunLocal) and action.fallback
+    assert "cloud unusable" in action.reason
+
+
+def test_a_bad_input_is_the_requests_own_failure_and_opens_no_breaker():
+    core = _core()
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True})
+    action = flow.start()
+    assert isinstance(action, Offload)
+    assert isinstance(flow.offload_failed(1.1, InvalidInput("bad shape")), Fail)
+    assert core.breakers["http"].state == "closed" and core.breakers["http"]._consecutive == 0
+
+
+def test_a_journal_replays_to_the_same_decisions():
+    core = _core(journal=1000)
+    t = 1.0
+    for i in range(30):
+        flow = core.begin("m", now=t, in_bytes=60_000, connected={"http": True})
+        action = flow.start()
+        if isinstance(action, Offload):
+            if i % 7 == 3:
+                flow.offload_failed(action.give_up_at, DeadlineExceeded("lost"))
+            else:
+                flow.offload_done(t + 0.3, sent=60_000, received=1_000, elapsed_s=0.3)
+        else:
+            flow.local_done(t + 1.0, 1.0)
+        t += 2.0
+    replica = _core(journal=1000)
+    replica.events.clear()  # _core's warm-up is in the journal already
+    assert [(d.where, d.reason, d.predicted_s) for d in replay_journal(core.events, replica)] == [
+        (d.where, d.reason, d.predicted_s) for d in core.decisions
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    local_s=st.floats(0.005, 5.0),
+    up_mbps=st.floats(0.05, 100.0),
+    rtt_ms=st.floats(5.0, 500.0),
+    deadline_s=st.floats(0.05, 10.0),
+    in_bytes=st.sampled_from([1_000, 60_000, 602_368]),
+    energy=st.sampled_from([0.0, 0.05, 1.0]),
+    idle=st.one_of(st.none(), st.floats(0.0, 30.0)),
+    rate=st.one_of(st.none(), st.floats(0.01, 10.0)),
+    age_s=st.floats(0.0, 600.0),
+)
+def test_ours_never_picks_a_deadline_infeasible_option_when_a_feasible_one_exists(
+    local_s, up_mbps, rtt_ms, deadline_s, in_bytes, energy, idle, rate, age_s
+):
+    config = PolicyConfig(weights=Weights(latency_s=1.0, energy_j=energy), models=MODELS)
+    lte = load_link("lte")
+    core = fresh_core(config, load_device("raspberry-pi-4b"), {"mqtt": lte, "http": lte})
+    core.warmed("m-local", local_s, 0.0)
+    for tr in ("mqtt", "http"):
+        link = core.est.link(tr)
+        for _ in range(5):
+            link.observe(in_bytes, 1_000, in_bytes * 8 / (up_mbps * 1e6) + rtt_ms / 1000, 0.0, 0.0)
+    now = age_s
+    ctx = Context(
+        now=now,
+        deadline_s=deadline_s,
+        in_bytes=in_bytes,
+        connected={"mqtt": True, "http": True},
+        radio_idle_s=idle,
+        rate_per_s=rate,
+    )
+    decision = core.policy.decide("m", ctx)
+    feasible = [o for o in decision.options if o.latency_q_s <= deadline_s]
+    assert decision.choice is not None
+    if feasible:
+        assert decision.choice.latency_q_s <= deadline_s, decision
+        assert decision.choice.feasible and math.isfinite(decision.choice.cost)
