@@ -267,23 +267,27 @@ class Agent:
         self.dataplane.policy = Policy(new.policy, self.estimators, self.device, self.links)
         self.config = new
 
-    def set_link(self, transport: str, link: str) -> LinkProfile:
+    def set_link(self, transport: str, link: str, signal_dbm: float | None = None) -> LinkProfile:
         """The OS reported a network change (e.g. WiFi -> LTE) under ``transport``.
 
         The agent learns bandwidth from traffic, but the link's *kind* sets
-        the radio's energy model and the priors, and the device knows it.
-        Estimates restart from the new link's priors.
+        the radio's energy model and the priors, and the device knows it; a
+        signal reading (dBm) scales the priors.  A new kind or a big move of
+        the signal restarts the estimates (see ``EdgeCore.link_changed``).
         """
         if transport not in self.transports:
             raise InvalidInput(f"no transport {transport!r}; configured: {sorted(self.transports)}")
+        if signal_dbm is not None and not -150.0 <= signal_dbm <= 0.0:
+            raise InvalidInput(f"signal_dbm must be between -150 and 0 dBm, got {signal_dbm}")
         try:
             profile = load_link(link)
         except ConfigError as exc:
             raise InvalidInput(exc.message) from None
-        self.estimators.reset_link(transport)
-        self._use_link(transport, profile)
-        self.dataplane.policy = Policy(self.config.policy, self.estimators, self.device, self.links)
-        log.info("transport %s now rides on link %s", transport, profile.name)
+        self.links[transport] = profile
+        self.dataplane.core.link_changed(transport, profile, time.monotonic(), signal_dbm)
+        log.info(
+            "transport %s now rides on link %s (signal %s dBm)", transport, profile.name, signal_dbm
+        )
         return profile
 
     async def flush_deferred(self) -> None:

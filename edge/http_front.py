@@ -171,14 +171,22 @@ class LocalApi:
             body = json.loads(await request.read() or b"{}")
         except ValueError as exc:
             raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+        signal = body.get("signal_dbm") if isinstance(body, dict) else None
         if (
             not isinstance(body, dict)
             or not isinstance(body.get("transport"), str)
             or not isinstance(body.get("link"), str)
+            or not (signal is None or (isinstance(signal, int | float) and signal == signal))
+            or isinstance(signal, bool)
         ):
-            raise InvalidInput('expected {"transport": "http" | "mqtt", "link": "<link profile>"}')
-        profile = self.agent.set_link(body["transport"], body["link"])
-        return _json({"transport": body["transport"], "link": profile.name})
+            raise InvalidInput(
+                'expected {"transport": "http" | "mqtt", "link": "<link profile>", '
+                '"signal_dbm": <number, optional>}'
+            )
+        profile = self.agent.set_link(
+            body["transport"], body["link"], None if signal is None else float(signal)
+        )
+        return _json({"transport": body["transport"], "link": profile.name, "signal_dbm": signal})
 
     async def repository_index(self, request: web.Request) -> web.Response:
         entries = []

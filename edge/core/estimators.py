@@ -118,6 +118,22 @@ class LatencyEstimator:
         return e
 
 
+# A typical received signal per link kind (dBm: LTE RSRP, 3G RSCP, WiFi RSSI):
+# where the link profile's median throughput is taken to hold.
+TYPICAL_SIGNAL_DBM = {"lte": -95.0, "3g": -85.0, "wifi": -65.0}
+# Throughput falls by about half for each this many dB below the typical signal
+# (low-SNR Shannon capacity; field measurements of LTE agree to within a factor).
+HALVING_DB = 10.0
+
+
+def signal_factor(kind: str, signal_dbm: float | None) -> float:
+    """How much faster than its profile's median a link of ``kind`` is likely to be."""
+    typical = TYPICAL_SIGNAL_DBM.get(kind)
+    if signal_dbm is None or typical is None:
+        return 1.0
+    return min(max(2.0 ** ((signal_dbm - typical) / HALVING_DB), 1 / 32), 4.0)
+
+
 class LogRate:
     """A belief over a link direction's rate: Gaussian in log(bps), widening with age.
 

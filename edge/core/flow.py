@@ -30,7 +30,7 @@ from devices.profiles import DeviceProfile, LinkProfile
 from edge.core.accounting import Usage
 from edge.core.breaker import CircuitBreaker
 from edge.core.energy import RadioState, local_energy_j, wake_energy_j
-from edge.core.estimators import Estimators
+from edge.core.estimators import Estimators, signal_factor
 from edge.core.policy import (
     LOCAL,
     Context,
@@ -67,6 +67,8 @@ STALE_PROBE_S = 30.0
 # prices as worth it carries the breaker's trial.
 PROBE_WAKE_J = 1.0
 BLIND_PROBE_S = 60.0
+# A signal that moves this much is a new radio regime (a cell edge, a new cell).
+SIGNAL_JUMP_DB = 6.0
 # Events kept for replay by default (a bounded ring; 0 keeps none).
 JOURNAL_EVENTS = 0
 
@@ -391,6 +393,7 @@ class EdgeCore:
         self._ids = itertools.count(1)
         self._arrived: dict[str, float] = {}  # model -> last arrival
         self._gap: dict[str, float] = {}  # model -> EWMA of the time between arrivals
+        self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
 
     @property
     def est(self) -> Any:
@@ -417,6 +420,36 @@ class EdgeCore:
         if last is not None and now >= last:
             gap = self._gap.get(model)
             self._gap[model] = now - last if gap is None else gap + 0.2 * (now - last - gap)
+
+    def link_changed(
+        self, transport: str, link: LinkProfile, now: float, signal_dbm: float | None = None
+    ) -> bool:
+        """The connectivity manager's word on ``transport``: its link kind, maybe its signal.
+
+        The kind sets the radio's energy model and the rate priors; a signal
+        reading scales those priors (:func:`~edge.core.estimators.signal_factor`).
+        A new kind, or a signal that moved by ``SIGNAL_JUMP_DB`` or more, is a
+        new regime: what was learnt restarts from the new priors.  A small
+        change only nudges the priors.  Returns whether the estimates restarted.
+        """
+        self._journal(("link", transport, link, now, signal_dbm))
+        old = self.policy.links.get(transport)
+        last = self._signal.get(transport)
+        restart = old is None or old.kind != link.kind or old.name != link.name
+        if signal_dbm is not None and last is not None:
+            restart = restart or abs(signal_dbm - last) >= SIGNAL_JUMP_DB
+        elif signal_dbm is not None:
+            restart = True  # the first reading: the priors were the kind's median
+        self._signal[transport] = signal_dbm
+        f = signal_factor(link.kind, signal_dbm)
+        if restart:
+            self.est.reset_link(transport)
+            self.breakers[transport].record_success(now)  # a new network: a clean slate
+        self.est.set_link_prior(
+            transport, link.up_mbps * 1e6 * f, link.down_mbps * 1e6 * f, link.rtt_ms / 1000
+        )
+        self.policy.links[transport] = link
+        return restart
 
     def warmed(self, local_model: str, seconds: float, now: float) -> None:
         """A warm-up run of ``local_model`` took ``seconds``: the first local estimate."""
@@ -636,6 +669,8 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
             )
         elif kind == "offload_failed":
             flows[event[1]].offload_failed(event[2], error_from_code(event[3], event[4]))
+        elif kind == "link":
+            core.link_changed(event[1], event[2], event[3], event[4])
         elif kind == "warmed":
             core.warmed(event[1], event[2], event[3])
         elif kind == "probes":

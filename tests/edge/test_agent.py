@@ -272,3 +272,38 @@ async def test_a_reply_quicker_than_the_radio_promotion_still_teaches_the_link(
         assert reply.parameters["latency_ms"] < 50
         link = agent.estimators.link("http")
         assert link.samples == 1  # learnt from, though shorter than the promotion it predicted
+
+
+async def test_the_link_endpoint_takes_a_signal_reading_and_refuses_a_bad_one(
+    tmp_path, edge_repos, cloud
+):
+    import aiohttp
+    from aiohttp import web
+
+    from edge.http_front import LocalApi
+
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN)
+    async with Agent(load_agent_config(cfg)) as agent:
+        runner = web.AppRunner(LocalApi(agent).build_app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}/v2/agent/link"
+        try:
+            async with aiohttp.ClientSession() as s:
+                ok = await s.post(
+                    url, json={"transport": "http", "link": "lte", "signal_dbm": -115}
+                )
+                assert ok.status == 200 and (await ok.json())["signal_dbm"] == -115
+                weak = agent.estimators.link("http").prior_up_bps
+                assert weak == pytest.approx(agent.links["http"].up_mbps * 1e6 / 4)
+                for bad in (
+                    {"transport": "http", "link": "lte", "signal_dbm": "loud"},
+                    {"transport": "http", "link": "lte", "signal_dbm": 12},
+                    {"transport": "http", "link": "lte", "signal_dbm": True},
+                ):
+                    r = await s.post(url, json=bad)
+                    assert r.status == 400 and "signal" in (await r.json())["error"]
+        finally:
+            await runner.cleanup()

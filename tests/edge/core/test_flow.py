@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,3 +115,22 @@ def test_ours_never_picks_a_deadline_infeasible_option_when_a_feasible_one_exist
     if feasible:
         assert decision.choice.latency_q_s <= deadline_s, decision
         assert decision.choice.feasible and math.isfinite(decision.choice.cost)
+
+
+def test_a_weak_signal_lowers_the_link_prior_and_a_jump_restarts_the_estimates():
+    core = _core()
+    lte = load_link("lte")
+    link = core.est.link("http")
+    for _ in range(5):
+        link.observe(60_000, 1_000, 0.2, 0.0, 1.0)
+    assert core.link_changed("http", lte, 2.0, signal_dbm=-115.0)  # first reading: restart
+    assert core.est.link("http").prior_up_bps == pytest.approx(lte.up_mbps * 1e6 / 4)
+    assert core.est.link("http").samples == 0
+    learnt = core.est.link("http")
+    learnt.observe(60_000, 1_000, 0.5, 0.0, 3.0)
+    assert not core.link_changed("http", lte, 4.0, signal_dbm=-112.0)  # a small move: kept
+    assert core.est.link("http") is learnt and learnt.samples == 1
+    assert core.link_changed("http", lte, 5.0, signal_dbm=-85.0)  # 27 dB better: a new regime
+    assert core.est.link("http").prior_up_bps == pytest.approx(lte.up_mbps * 1e6 * 2)
+    assert core.link_changed("http", load_link("wifi"), 6.0)  # another kind of network
+    assert core.policy.links["http"].kind == "wifi"
