@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from edge.core.policy import Option
@@ -30,11 +30,16 @@ class Usage:
     # The day a clock reading falls on; the agent's default is the device's
     # calendar day (the cap resets at local midnight), a replay's its own.
     day: Callable[[float], str] | None = None
+    _second: int = field(default=-1, repr=False)
+    _day: str = field(default="", repr=False)
 
     def _today(self, now: float | None) -> str:
         if self.day is not None and now is not None:
             return self.day(now)
-        return time.strftime("%Y-%m-%d", time.localtime())
+        second = int(time.time())
+        if second != self._second:  # the calendar day, formatted at most once a second
+            self._second, self._day = second, time.strftime("%Y-%m-%d", time.localtime(second))
+        return self._day
 
     def add(self, nbytes: int, now: float | None = None) -> None:
         today = self._today(now)

@@ -144,6 +144,32 @@ class DecisionRecord:
 class RequestFlow:
     """One request from arrival to its one answer (see the module doc)."""
 
+    __slots__ = (
+        "_attempt",
+        "_cascade_local",
+        "_fallback",
+        "_local_option",
+        "_reason",
+        "_was_fallback",
+        "batch",
+        "battery",
+        "began",
+        "budget_ms",
+        "connected",
+        "core",
+        "deadline",
+        "decision",
+        "deferrable",
+        "id",
+        "in_bytes",
+        "local_backlog",
+        "model",
+        "mode",
+        "mp",
+        "policy",
+        "wants_confidence",
+    )
+
     def __init__(
         self,
         core: EdgeCore,
@@ -198,16 +224,17 @@ class RequestFlow:
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
         self.decision = decision
-        choice = decision.choice
-        self.core._record_decision(
-            DecisionRecord(
-                self.id,
-                now,
-                choice.name if choice else "none",
-                decision.reason,
-                choice.latency_s if choice else None,
+        if self.core.decisions is not None:
+            choice = decision.choice
+            self.core.decisions.append(
+                DecisionRecord(
+                    self.id,
+                    now,
+                    choice.name if choice else "none",
+                    decision.reason,
+                    choice.latency_s if choice else None,
+                )
             )
-        )
         return decision
 
     # -- events ------------------------------------------------------------------
@@ -235,7 +262,8 @@ class RequestFlow:
             )
         if choice.name == LOCAL:
             return self._run_local(choice, decision.reason)
-        local = next((o for o in decision.options if o.name == LOCAL), None)
+        options = decision.options
+        local = options[0] if options and options[0].transport is None else None
         if local is None and self.mode == "cloud":
             # Cloud by choice, but a local variant still beats an error when the cloud fails.
             local = self.policy.local_option(mp)
@@ -404,10 +432,6 @@ class EdgeCore:
     def _journal(self, event: tuple[Any, ...]) -> None:
         if self.events is not None:
             self.events.append(event)
-
-    def _record_decision(self, record: DecisionRecord) -> None:
-        if self.decisions is not None:
-            self.decisions.append(record)
 
     def rate_per_s(self, model: str) -> float | None:
         """The model's recent request rate (None until two requests were seen)."""

@@ -24,6 +24,7 @@ from edge.core.energy import expected_tail_s, local_energy_j, transfer_energy_j
 from edge.core.estimators import Estimators
 
 LOCAL = "local"
+_CLOUD_NAMES = {t: f"cloud-{t}" for t in ("mqtt", "http")}
 MODES = ("cost", "cascade", "local", "cloud")
 TRANSPORTS = ("mqtt", "http")
 
@@ -94,6 +95,7 @@ class Option:
     measured: bool = False  # the latency prediction rests on this link's own transfers
     bottleneck_s: float = 0.0  # the bottleneck direction's transfer time at the mean rate
     p_fail: float = 0.0  # P(no reply) from the link's recent attempts
+    strict_s: float | None = None  # strict_latency_s, once computed
 
 
 @dataclass(slots=True)
@@ -199,11 +201,16 @@ def _safe_without_fallback(cloud: Option, deadline_s: float) -> bool:
 
 def strict_latency_s(cloud: Option) -> float:
     """A cloud option's latency well into its tail (see :func:`_safe_without_fallback`)."""
+    if cloud.strict_s is not None:
+        return cloud.strict_s
     if cloud.p_fail > SAFE_P_FAIL:
-        return math.inf  # replies get lost here: only a fallback makes it safe
-    spread = SAFE_TAIL * max(cloud.latency_q_s - cloud.latency_s, 0.0)
-    slow = cloud.bottleneck_s * math.expm1(SAFE_Z * cloud.rate_sigma)
-    return cloud.latency_s + max(spread, slow)
+        strict = math.inf  # replies get lost here: only a fallback makes it safe
+    else:
+        spread = SAFE_TAIL * max(cloud.latency_q_s - cloud.latency_s, 0.0)
+        slow = cloud.bottleneck_s * math.expm1(SAFE_Z * cloud.rate_sigma)
+        strict = cloud.latency_s + max(spread, slow)
+    cloud.strict_s = strict
+    return strict
 
 
 def _fallback_fits(cloud: Option, local: Option, deadline_s: float) -> bool:
@@ -289,16 +296,25 @@ class Policy:
             LOCAL, None, wait + mean, wait + q, local_energy_j(self.device, mean), 0, 0, 0.0
         )
 
-    def cloud_option(self, mp: ModelPolicy, transport: str, ctx: Context) -> Option:
-        link = self.est.link(transport)
-        profile = self.links[transport]
-        up, down = ctx.in_bytes, ctx.out_bytes if ctx.out_bytes is not None else mp.output_bytes
+    def server_time(self, mp: ModelPolicy) -> tuple[float, float]:
+        """(mean, quantile) seconds the cloud takes for ``mp``'s model: queue plus compute."""
         model = mp.cloud_model or ""
         queue = self.est.cloud_queue(model)
         compute = self.est.cloud_compute(model)
         q_mean, c_mean = queue.mean or 0.0, compute.mean or 0.0
-        server = q_mean + c_mean
-        server_q = (queue.quantile or q_mean) + (compute.quantile or c_mean)
+        return q_mean + c_mean, (queue.quantile or q_mean) + (compute.quantile or c_mean)
+
+    def cloud_option(
+        self,
+        mp: ModelPolicy,
+        transport: str,
+        ctx: Context,
+        server: tuple[float, float] | None = None,
+    ) -> Option:
+        link = self.est.link(transport)
+        profile = self.links[transport]
+        up, down = ctx.in_bytes, ctx.out_bytes if ctx.out_bytes is not None else mp.output_bytes
+        server, server_q = server or self.server_time(mp)
         explore = self.config.explore_after_s
         seen, claim = link.bandwidth_update, link.exploring_since
         stale = (
@@ -321,7 +337,7 @@ class Policy:
         idle = ctx.radio_idle_s
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
         latency = promotion + link.rtt_s + t_up + t_down + server
-        latency_q = promotion + max(link.rtt_quantile, link.rtt_s) + t_q + server_q
+        latency_q = promotion + link.rtt_quantile + t_q + server_q  # rtt_quantile >= rtt_s
         # The tail this transfer opens, at the rate requests come (see transfer_energy_j).
         tail = expected_tail_s(profile, ctx.rate_per_s) if ctx.rate_per_s else None
         energy = transfer_energy_j(
@@ -355,7 +371,7 @@ class Policy:
         else:
             nbits, rate, sigma = down * 8.0, down_bps, down_sigma
         return Option(
-            f"cloud-{transport}",
+            _CLOUD_NAMES.get(transport) or f"cloud-{transport}",
             transport,
             latency,
             latency_q,
@@ -385,10 +401,11 @@ class Policy:
             local = self.local_option(mp, ctx)
             if local is not None:
                 options.append(local)
-        if mode not in ("local",) and mp.cloud_model is not None:
+        if mode != "local" and mp.cloud_model is not None:
+            server = self.server_time(mp)
             for transport in mp.transports:
                 if transport in self.links:
-                    options.append(self.cloud_option(mp, transport, ctx))
+                    options.append(self.cloud_option(mp, transport, ctx, server))
         return self.choose(options, ctx)
 
     def choose(self, options: list[Option], ctx: Context) -> Decision:
@@ -400,7 +417,8 @@ class Policy:
         cap = cfg.data_cap_mb_per_day
         best: Option | None = None
         # A local run that makes the deadline is a promise: no offload may break it.
-        local = next((o for o in options if o.transport is None), None)
+        # (decide_for lists the local option first, when there is one.)
+        local = options[0] if options and options[0].transport is None else None
         if local is not None and local.latency_q_s > ctx.deadline_s:
             local = None
         for o in options:
@@ -499,7 +517,9 @@ class Policy:
         over the requests that would use the knowledge exceeds its price
         now, and whose attempt still leaves time to answer locally.
         """
-        local = next((o for o in options if o.transport is None and o.feasible), None)
+        local = options[0] if options and options[0].transport is None else None
+        if local is not None and not local.feasible:
+            local = None
         horizon = horizon_requests(ctx.rate_per_s)
         pick: tuple[float, Option, float, float] | None = None
         for o in options:
@@ -509,6 +529,12 @@ class Policy:
             if claim is not None and ctx.now - claim < self.config.explore_after_s:
                 continue  # one exploring request at a time
             price = o.cost - best.cost
+            # Even an infinitely fast link saves at most this per request: if that
+            # cannot repay the price, the belief's details do not matter.
+            if o.rate_bps > 0:
+                ceiling = best.cost - o.cost + o.cost_per_inv_bps / o.rate_bps
+                if ceiling * horizon <= price:
+                    continue
             p_better, saving = exploration_value(o, best.cost)
             value = saving * horizon
             if value <= price:
