@@ -7,9 +7,10 @@ demo scripts the link: good WiFi, weak LTE, an outage, LTE, WiFi again.  A
 workload of rendered document pages goes to the agent's local V2 API; per
 phase the demo prints where requests ran, p50/p99 latency, energy and bytes,
 so the policy's switching is visible.  At each change of network the demo
-tells the agent the new link's kind (``POST /v2/agent/link``), as a device's
-connectivity manager would, so LTE phases are priced with LTE's radio model
-(promotion and tail); bandwidth and RTT the agent still learns by itself.
+tells the agent the new link's kind and signal strength (``POST
+/v2/agent/link``), as a device's connectivity manager would, so LTE phases
+are priced with LTE's radio model (promotion and tail) and the signal sets
+the link's prior; bandwidth and RTT the agent still learns by itself.
 HTTP by default (no broker needed);
 ``--mqtt`` starts a local Mosquitto and offloads over MQTT instead.
 
@@ -46,12 +47,14 @@ from shared.modeltools.samples import orientation_samples  # noqa: E402
 from shared.tensors import Tensor  # noqa: E402
 
 #: (name, seconds, uplink Mbps, downlink Mbps, one-way delay ms, link kind); 0 Mbps = outage
+# name, seconds, up Mbps, down Mbps, delay ms, link kind, signal dBm (WiFi RSSI, LTE RSRP)
+# as a connectivity manager reports them at each change
 PHASES = [
-    ("good WiFi", 10, 300.0, 300.0, 2.0, "wifi"),
-    ("weak LTE", 10, 2.0, 8.0, 35.0, "lte"),
-    ("outage", 8, 0.0, 0.0, 35.0, "lte"),
-    ("LTE", 10, 12.0, 30.0, 25.0, "lte"),
-    ("good WiFi", 12, 300.0, 300.0, 2.0, "wifi"),
+    ("good WiFi", 10, 300.0, 300.0, 2.0, "wifi", -45.0),
+    ("weak LTE", 10, 2.0, 8.0, 35.0, "lte", -112.0),
+    ("outage", 8, 0.0, 0.0, 35.0, "lte", -125.0),
+    ("LTE", 10, 12.0, 30.0, 25.0, "lte", -90.0),
+    ("good WiFi", 12, 300.0, 300.0, 2.0, "wifi", -45.0),
 ]
 
 
@@ -130,14 +133,13 @@ def start_broker(folder: Path) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-async def tell_link(api_url: str, transport: str, link: str) -> None:
+async def tell_link(api_url: str, transport: str, link: str, signal_dbm: float) -> None:
     """The network changed: what a connectivity manager would tell the agent."""
     import aiohttp
 
+    body = {"transport": transport, "link": link, "signal_dbm": signal_dbm}
     async with aiohttp.ClientSession() as session:
-        async with session.post(
-            f"{api_url}/v2/agent/link", json={"transport": transport, "link": link}
-        ) as resp:
+        async with session.post(f"{api_url}/v2/agent/link", json=body) as resp:
             resp.raise_for_status()
 
 
@@ -148,15 +150,15 @@ async def drive(
     client = HttpTransport(api_url)
     await client.start()
     results: list[tuple[str, PhaseStats]] = []
-    current = "wifi"
+    current: tuple[str, float] | None = None
     try:
-        for name, seconds, up, down, delay, kind in PHASES:
+        for name, seconds, up, down, delay, kind, signal in PHASES:
             for emu in emulators:
                 emu.set_traces(steady(up, 60, name=name), steady(down, 60, name=name))
                 emu.delay_s = delay / 1000.0
-            if kind != current:
-                await tell_link(api_url, transport, kind)
-                current = kind
+            if (kind, signal) != current:
+                await tell_link(api_url, transport, kind, signal)
+                current = (kind, signal)
             stats = PhaseStats()
             results.append((name, stats))
             print(f"  phase {name:<10} {up:>6.1f} Mbps up, {delay:>4.0f} ms delay ...", flush=True)
@@ -196,25 +198,34 @@ async def drive(
     return results
 
 
-def report(results: list[tuple[str, PhaseStats]]) -> None:
+def report(results: list[tuple[str, PhaseStats]]) -> int:
+    """Print the phase table; returns the number of requests answered with an error."""
     print(
         f"\n  {'phase':<11}{'requests':>9}  {'where (local / cloud)':<24}{'fallback':>9}"
-        f"{'p50 ms':>9}{'p99 ms':>9}{'mJ/req':>9}{'MB sent':>9}{'MB recv':>9}"
+        f"{'errors':>7}{'p50 ms':>9}{'p99 ms':>9}{'MB sent':>9}{'MB recv':>9}{'mJ/req*':>9}"
     )
+    errors = 0
     for name, s in results:
         n = len(s.where)
         local = s.where.count("local")
         cloud = sum(w.startswith("cloud") for w in s.where)
         lat = np.array(s.latency_ms) if s.latency_ms else np.array([np.nan])
+        errors += s.errors
         print(
-            f"  {name:<11}{n:>9}  {f'{local} / {cloud}':<24}{s.fallbacks:>9}"
-            f"{np.percentile(lat, 50):>9.1f}{np.percentile(lat, 99):>9.1f}"
-            f"{(np.mean(s.energy_j) * 1000 if s.energy_j else 0):>9.0f}{s.sent / 1e6:>9.1f}"
-            f"{s.received / 1e6:>9.2f}"
-            + (f"   errors={s.errors}" if s.errors else "")
+            f"  {name:<11}{n + s.errors:>9}  {f'{local} / {cloud}':<24}{s.fallbacks:>9}"
+            f"{s.errors:>7}{np.percentile(lat, 50):>9.1f}{np.percentile(lat, 99):>9.1f}"
+            f"{s.sent / 1e6:>9.1f}{s.received / 1e6:>9.2f}"
+            f"{(np.mean(s.energy_j) * 1000 if s.energy_j else 0):>9.0f}"
         )
         for kind in list(s.error_kinds)[:3]:
             print(f"      error: {kind}")
+    print(
+        "\n  Measured on this run: where each request ran, fallbacks, errors, latency (the\n"
+        "  agent's answer time through the emulated link) and bytes on the wire.\n"
+        "  * mJ/req is the agent's energy model (device and link profiles, Huang et al.'s\n"
+        "    LTE/WiFi radio model), not a meter reading: this machine is not a Pi on LTE."
+    )
+    return errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,13 +303,16 @@ def main(argv: list[str] | None = None) -> int:
                 await emu.close()
 
         results = asyncio.run(run())
-        report(results)
+        errors = report(results)
         print(
             "\nWhere each request ran is the agent's own decision: it learns the link's bandwidth and"
         )
         print(
             "RTT from every transfer, falls back locally when the cloud goes quiet, and probes back."
         )
+        if errors:
+            print(f"\n{errors} request(s) were answered with an error (see above)")
+            return 1
     finally:
         for proc in (agent, cloud):
             if proc is not None:
