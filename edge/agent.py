@@ -322,6 +322,19 @@ class Agent:
             model, request, deadline_ms=deadline_ms, priority=priority, deferrable=deferrable
         )
 
+    # What the local V2 API serves, for Python callers too (the dataplane answers both).
+    async def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        return await self.dataplane.model_metadata(name, version)
+
+    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        return await self.dataplane.model_config(name, version)
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        return self.ready and self.dataplane.model_ready(name, version)
+
+    def repository_index(self) -> list[dict[str, str]]:
+        return self.dataplane.repository_index()
+
     async def deferred_result(self, request_id: str) -> dict[str, Any]:
         return await self.deferrer.result(request_id)
 

@@ -37,8 +37,9 @@ from edge.core.scores import confidence
 from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import Transport
-from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotReady
+from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotFound, ModelNotReady
 from shared.messages import InferRequest, InferResponse
+from shared.repository import triton_model_config, v2_model_metadata
 from shared.tensors import Tensor
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,87 @@ class EdgeDataPlane:
             model, request, now, deadline_ms=deadline_s * 1000.0, mode=mode, record=False
         )
         return self.core.policy.decide_for(flow.mp, flow.context(now), flow.mode)
+
+    # ---- the app's models (both fronts: the local V2 API and the Python API) ----
+    def models(self) -> list[str]:
+        """The names an app may ask for: the policy file's, else the local models'."""
+        return sorted(self.core.policy.config.models) or self.local.names()
+
+    def resolve(self, name: str, version: str | None = None) -> Any:
+        """The loaded local variant serving ``name`` (checked against ``version``), or None
+        for a model served by the cloud only; ModelNotFound for neither."""
+        mp = self.core.policy.model_policy(name)
+        model = None
+        if mp.local_model and self.local.has(mp.local_model):
+            model = self.local.get(mp.local_model)
+        elif mp.cloud_model is None or not self.transports:
+            raise ModelNotFound(f"unknown model {name!r}")
+        if version not in (None, "") and (model is None or version != str(model.version)):
+            raise ModelNotFound(f"model {name!r} has no version {version}")
+        return model
+
+    async def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """V2 metadata: the local variant's, or the cloud's for a cloud-only model."""
+        model = self.resolve(name, version)
+        if model is None:
+            return await self._cloud_json(name, "metadata")
+        return v2_model_metadata(name, model.config, [str(model.version)])
+
+    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Triton-shaped configuration, from the same source as the metadata."""
+        model = self.resolve(name, version)
+        if model is None:
+            return await self._cloud_json(name, "config")
+        return {**triton_model_config(model.config), "name": name}
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        try:
+            self.resolve(name, version)
+        except FerryError:
+            return False
+        return True
+
+    def repository_index(self) -> list[dict[str, str]]:
+        entries = []
+        for name in self.models():
+            try:
+                model, ready = self.resolve(name), True
+            except FerryError:
+                model, ready = None, False
+            entries.append(
+                {
+                    "name": name,
+                    "version": str(model.version) if model is not None else "",
+                    "state": "READY" if ready else "UNAVAILABLE",
+                    "reason": "" if ready else "no local variant and no cloud endpoint",
+                }
+            )
+        return entries
+
+    def model_stats(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics shape (plus where each request ran and its errors)."""
+        if name is None:
+            names = sorted(set(self.models()) | set(self.stats.names()))
+        else:
+            self.resolve(name, version)
+            names = [name]
+        return {"model_stats": [self.stats.to_triton(n) for n in names]}
+
+    async def _cloud_json(self, name: str, what: str) -> dict[str, Any]:
+        """Metadata or config of a cloud-only model, from the cloud's own V2 API."""
+        mp = self.core.policy.model_policy(name)
+        http = self.transports.get("http")
+        if http is None or mp.cloud_model is None:
+            raise ModelNotReady(
+                f"model {name!r} runs in the cloud only and no HTTP endpoint is configured "
+                f"to read its {what} from"
+            )
+        doc = await http.get_json(  # type: ignore[attr-defined]
+            f"/v2/models/{mp.cloud_model}{'/config' if what == 'config' else ''}",
+            time.monotonic() + 5.0,
+        )
+        doc["name"] = name
+        return doc
 
     # ---- serving --------------------------------------------------------------
     async def infer(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,8 +24,7 @@ from aiohttp import web
 
 from edge.agent import Agent
 from shared import v2
-from shared.errors import FerryError, InvalidInput, ModelNotFound, ModelNotReady, PayloadTooLarge
-from shared.repository import triton_model_config, v2_model_metadata
+from shared.errors import FerryError, InvalidInput, PayloadTooLarge
 from shared.tensors import Limits
 
 log = logging.getLogger(__name__)
@@ -119,39 +117,6 @@ class LocalApi:
             r.add_post(base + "/infer", self.infer)
         return app
 
-    # ---- the app's models ------------------------------------------------------
-    def app_models(self) -> list[str]:
-        policy = self.agent.dataplane.policy
-        return sorted(policy.config.models) or self.agent.local.names()
-
-    def _local(self, name: str, version: str | None) -> Any:
-        """The loaded local variant serving ``name`` (checked against ``version``), or None."""
-        mp = self.agent.dataplane.policy.model_policy(name)
-        model = None
-        if mp.local_model and self.agent.local.has(mp.local_model):
-            model = self.agent.local.get(mp.local_model)
-        elif mp.cloud_model is None or not self.agent.transports:
-            raise ModelNotFound(f"unknown model {name!r}")
-        if version not in (None, "") and (model is None or version != str(model.version)):
-            raise ModelNotFound(f"model {name!r} has no version {version}")
-        return model
-
-    async def _cloud_json(self, name: str, what: str) -> dict[str, Any]:
-        """Metadata or config of a cloud-only model, from the cloud's own V2 API."""
-        mp = self.agent.dataplane.policy.model_policy(name)
-        http = self.agent.transports.get("http")
-        if http is None or mp.cloud_model is None:
-            raise ModelNotReady(
-                f"model {name!r} runs in the cloud only and no HTTP endpoint is configured "
-                f"to read its {what} from"
-            )
-        doc = await http.get_json(  # type: ignore[attr-defined]
-            f"/v2/models/{mp.cloud_model}{'/config' if what == 'config' else ''}",
-            time.monotonic() + 5.0,
-        )
-        doc["name"] = name
-        return doc
-
     # ---- handlers --------------------------------------------------------------
     async def server_metadata(self, request: web.Request) -> web.Response:
         return _json({"name": "ferry-edge", "version": "0.1.0", "extensions": EXTENSIONS})
@@ -189,55 +154,26 @@ class LocalApi:
         return _json({"transport": body["transport"], "link": profile.name, "signal_dbm": signal})
 
     async def repository_index(self, request: web.Request) -> web.Response:
-        entries = []
-        for name in self.app_models():
-            try:
-                model = self._local(name, None)
-                ready = True
-            except FerryError:
-                model, ready = None, False
-            entries.append(
-                {
-                    "name": name,
-                    "version": str(model.version) if model is not None else "",
-                    "state": "READY" if ready else "UNAVAILABLE",
-                    "reason": "" if ready else "no local variant and no cloud endpoint",
-                }
-            )
-        return _json(entries)
+        return _json(self.agent.dataplane.repository_index())
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         name, version = request.match_info["model"], request.match_info.get("version")
-        model = self._local(name, version)
-        if model is None:
-            return _json(await self._cloud_json(name, "metadata"))
-        return _json(v2_model_metadata(name, model.config, [str(model.version)]))
+        return _json(await self.agent.dataplane.model_metadata(name, version))
 
     async def model_config(self, request: web.Request) -> web.Response:
         name, version = request.match_info["model"], request.match_info.get("version")
-        model = self._local(name, version)
-        if model is None:
-            return _json(await self._cloud_json(name, "config"))
-        return _json({**triton_model_config(model.config), "name": name})
+        return _json(await self.agent.dataplane.model_config(name, version))
 
     async def model_ready(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        try:
-            self._local(name, request.match_info.get("version"))
-            ready = self.agent.ready
-        except FerryError:
-            ready = False
+        ready = self.agent.ready and self.agent.dataplane.model_ready(
+            name, request.match_info.get("version")
+        )
         return _json({"name": name, "ready": ready}, 200 if ready else 503)
 
     async def stats(self, request: web.Request) -> web.Response:
-        name = request.match_info.get("model")
-        stats = self.agent.dataplane.stats
-        if name is None:
-            names = sorted(set(self.app_models()) | set(stats.names()))
-        else:
-            self._local(name, request.match_info.get("version"))
-            names = [name]
-        return _json({"model_stats": [stats.to_triton(n) for n in names]})
+        name, version = request.match_info.get("model"), request.match_info.get("version")
+        return _json(self.agent.dataplane.model_stats(name, version))
 
     async def deferred(self, request: web.Request) -> web.Response:
         found = await self.agent.deferred_result(request.match_info["request_id"])
@@ -250,7 +186,7 @@ class LocalApi:
     async def infer(self, request: web.Request) -> web.Response:
         name, version = request.match_info["model"], request.match_info.get("version")
         if version is not None:
-            self._local(name, version)
+            self.agent.dataplane.resolve(name, version)
         body = await request.read()
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
         if (header_length or len(body)) > JSON_OFFLOAD_BYTES:  # big JSON: off the loop

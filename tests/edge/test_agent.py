@@ -13,7 +13,7 @@ import tritonclient.http as triton
 
 from edge.agent import Agent
 from edge.config import load_agent_config
-from shared.errors import InvalidInput, ModelNotReady
+from shared.errors import InvalidInput, ModelNotFound, ModelNotReady
 from tests.edge.conftest import agent_toml
 from tests.support import cloud_server, edge_agent, linear_reference, write_linear_model
 
@@ -307,3 +307,17 @@ async def test_the_link_endpoint_takes_a_signal_reading_and_refuses_a_bad_one(
                     assert r.status == 400 and "signal" in (await r.json())["error"]
         finally:
             await runner.cleanup()
+
+
+async def test_the_python_api_answers_metadata_config_readiness_and_index_as_the_http_api(
+    tmp_path, edge_repos, cloud
+):
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN)
+    async with Agent(load_agent_config(cfg)) as agent:
+        meta = await agent.model_metadata("lin")
+        assert meta["name"] == "lin" and meta["inputs"][0]["name"] == "x"
+        assert (await agent.model_config("lin"))["name"] == "lin"
+        assert agent.model_ready("lin") and not agent.model_ready("lin", "99")
+        assert [e["name"] for e in agent.repository_index()] == ["lin"]
+        with pytest.raises(ModelNotFound):
+            await agent.model_metadata("lin", "99")
