@@ -168,6 +168,7 @@ def targets(rows: list[dict[str, Any]], decision: dict[str, Any]) -> list[tuple[
         f"one cost-mode decision, mqtt+http, context included: {decision['median_us']:.1f} us "
         f"median (<= 20 us; best of rounds {rounds}; p99 {decision['p99_us']:.1f} us; "
         f"{decision['entry']}, {decision['iterations']} runs, chose {decision['choice']}; "
+        f"paths {decision.get('paths')}; "
         f"the bare Context + Policy.decide: {decision['bare']['median_us']:.1f} us)"
     )
     return [

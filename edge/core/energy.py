@@ -83,14 +83,15 @@ def transfer_energy_j(
             raise InvalidInput(f"downlink throughput must be > 0 bps to receive, got {down_bps}")
         t_down = down_bytes * 8.0 / down_bps
         energy += (base + link.alpha_down_w_per_mbps * down_bps / 1e6) * t_down
-    wait = max(wait_s, 0.0)
+    wait = wait_s if wait_s > 0.0 else 0.0
     energy += (device.idle_power_w + base) * wait + device.idle_power_w * (t_up + t_down)
     asleep = radio_idle_s is None or radio_idle_s >= link.tail_s
     if asleep:
         energy += link.promotion_power_w * link.promotion_s
         energy += device.idle_power_w * link.promotion_s  # the request waits for the radio
     if tail_after_s is not None:
-        energy += link.tail_power_w * min(max(tail_after_s, 0.0), link.tail_s)
+        tail = tail_after_s if tail_after_s < link.tail_s else link.tail_s
+        energy += link.tail_power_w * (tail if tail > 0.0 else 0.0)
     elif asleep:
         energy += link.tail_power_w * link.tail_s
     else:

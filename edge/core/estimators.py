@@ -180,10 +180,13 @@ class LogRate:
 
     def at(self, learnt_bps: float, prior_bps: float, now: float) -> tuple[float, float]:
         """(rate, sigma) at ``now`` in one pass: what the policy reads per option."""
-        if self.mu is None or self.updated is None:
+        updated = self.updated
+        if self.mu is None or updated is None:
             return (learnt_bps if learnt_bps > 0 else prior_bps), self.PRIOR_SIGMA
-        w = math.exp(-max(now - self.updated, 0.0) / self.REVERT_S)
-        var = self.var / min(self.count, self.N_EFF)
+        # (plain comparisons, not min/max: this runs for every option of every request)
+        w = math.exp((updated - now) / self.REVERT_S) if now > updated else 1.0
+        n = self.count
+        var = self.var / (n if n < self.N_EFF else self.N_EFF)
         sigma = math.sqrt(var * w * w + self.PRIOR_SIGMA**2 * (1 - w * w))
         if w >= 0.999 or learnt_bps <= 0 or prior_bps <= 0:
             return (learnt_bps if learnt_bps > 0 else prior_bps), sigma

@@ -96,6 +96,7 @@ class Option:
     bottleneck_s: float = 0.0  # the bottleneck direction's transfer time at the mean rate
     p_fail: float = 0.0  # P(no reply) from the link's recent attempts
     strict_s: float | None = None  # strict_latency_s, once computed
+    tail_s: float | None = None  # the radio tail it opens, at the request rate
 
 
 @dataclass(slots=True)
@@ -206,9 +207,9 @@ def strict_latency_s(cloud: Option) -> float:
     if cloud.p_fail > SAFE_P_FAIL:
         strict = math.inf  # replies get lost here: only a fallback makes it safe
     else:
-        spread = SAFE_TAIL * max(cloud.latency_q_s - cloud.latency_s, 0.0)
+        spread = SAFE_TAIL * (cloud.latency_q_s - cloud.latency_s)
         slow = cloud.bottleneck_s * math.expm1(SAFE_Z * cloud.rate_sigma)
-        strict = cloud.latency_s + max(spread, slow)
+        strict = cloud.latency_s + (spread if spread > slow else slow)
     cloud.strict_s = strict
     return strict
 
@@ -310,6 +311,7 @@ class Policy:
         transport: str,
         ctx: Context,
         server: tuple[float, float] | None = None,
+        tails: dict[int, float | None] | None = None,
     ) -> Option:
         link = self.est.link(transport)
         profile = self.links[transport]
@@ -324,7 +326,8 @@ class Policy:
         )
         up_bps, up_sigma = link.up_belief.at(link.up_bps, link.prior_up_bps, ctx.now)
         down_bps, down_sigma = link.down_belief.at(link.down_bps, link.prior_down_bps, ctx.now)
-        up_low, down_low = min(link.up_bps_low, up_bps), min(link.down_bps_low, down_bps)
+        up_low = link.up_bps_low if link.up_bps_low < up_bps else up_bps
+        down_low = link.down_bps_low if link.down_bps_low < down_bps else down_bps
         if stale:
             # An old estimate (a bad spell long past) must not keep the option
             # out of a deadline forever: its slow tail is no longer trusted.
@@ -338,8 +341,15 @@ class Policy:
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
         latency = promotion + link.rtt_s + t_up + t_down + server
         latency_q = promotion + link.rtt_quantile + t_q + server_q  # rtt_quantile >= rtt_s
-        # The tail this transfer opens, at the rate requests come (see transfer_energy_j).
-        tail = expected_tail_s(profile, ctx.rate_per_s) if ctx.rate_per_s else None
+        # The tail this transfer opens, at the rate requests come (see transfer_energy_j);
+        # links that share a profile share it within a decision.
+        key = id(profile)
+        if tails is not None and key in tails:
+            tail = tails[key]
+        else:
+            tail = expected_tail_s(profile, ctx.rate_per_s) if ctx.rate_per_s else None
+            if tails is not None:
+                tails[key] = tail
         energy = transfer_energy_j(
             profile,
             up,
@@ -387,6 +397,7 @@ class Policy:
             bottleneck_s=nbits / rate if rate > 0 else 0.0,
             p_fail=link.failure_rate(ctx.now),
             warm_cost=warm_cost,
+            tail_s=tail,
             measured=link.samples >= MEASURED_SAMPLES and not stale,
         )
 
@@ -403,9 +414,10 @@ class Policy:
                 options.append(local)
         if mode != "local" and mp.cloud_model is not None:
             server = self.server_time(mp)
+            tails: dict[int, float | None] = {}
             for transport in mp.transports:
                 if transport in self.links:
-                    options.append(self.cloud_option(mp, transport, ctx, server))
+                    options.append(self.cloud_option(mp, transport, ctx, server, tails))
         return self.choose(options, ctx)
 
     def choose(self, options: list[Option], ctx: Context) -> Decision:
@@ -488,14 +500,20 @@ class Policy:
         for o in options:
             if o.transport is None or not o.feasible or o.warm_cost is None:
                 continue
-            # The warm run's saving at the pessimistic edge of the rate belief: a
-            # wake-up is a bet on the link, made only when it pays even then.
-            doubt = o.cost_per_inv_bps / o.rate_bps * math.expm1(o.rate_sigma) if o.rate_bps else 0
-            saving = best.cost - o.warm_cost - doubt
+            saving = best.cost - o.warm_cost
             if saving <= 0:
                 continue
-            link = self.links[o.transport]
-            p_next = 1.0 - math.exp(-rate * link.tail_s)  # the next one comes within the tail
+            # The warm run's saving at the pessimistic edge of the rate belief: a
+            # wake-up is a bet on the link, made only when it pays even then.
+            if o.rate_bps:
+                saving -= o.cost_per_inv_bps / o.rate_bps * math.expm1(o.rate_sigma)
+                if saving <= 0:
+                    continue
+            # P(the next request comes within the tail) = rate * E[min(gap, tail)].
+            tail = (
+                o.tail_s if o.tail_s is not None else expected_tail_s(self.links[o.transport], rate)
+            )
+            p_next = rate * tail if rate * tail < 1.0 else 1.0
             run = min(p_next / max(1.0 - p_next, 1e-9), horizon_requests(rate))
             price = o.cost - best.cost
             if saving * run <= price:
