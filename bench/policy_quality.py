@@ -2,6 +2,7 @@
 
     python bench/policy_quality.py [--quick] [--seeds 5] [--duration 600] [--rate 0.5]
         [--jobs 2] [--traces ../shared/traces] [--plot bench/out/regret.png] [--json PATH]
+        [--profile bench/out/profile.json]
 
 Setup.  The example model's compute times are measured once, here, on the
 real runtimes: the int8 variant on one thread (the edge side, scaled by each
@@ -71,7 +72,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import _policy_grid as grid  # noqa: E402
 
-from edge.evaluation.profile import measure  # noqa: E402
+from edge.evaluation.profile import measure, read_profile, write_profile  # noqa: E402
 
 QUICK_TRACES = 1  # --quick: the first real trace pair (if any) and the Markov one
 
@@ -93,6 +94,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "regret.png")
     p.add_argument("--plot-trace", default=None, help="trace pair of the plot (first real one)")
     p.add_argument("--json", type=Path, default=None, help="write every cell's figures here")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="compute profile JSON: read it if it exists, else measure and write it there",
+    )
     args = p.parse_args(argv)
     if args.seeds is None:
         args.seeds = 2 if args.quick else 5
@@ -216,9 +223,20 @@ def plot(setup: grid.Setup, trace: str, path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.perf_counter()
-    print("measuring the compute profile on the real runtimes ...")
-    local_s, confidences = measure(args.repository, "orientation-int8", args.runs, threads=1)
-    cloud_s, _ = measure(args.repository, "orientation", args.runs)
+    if args.profile is not None and args.profile.exists():
+        # The compute profile is the grid's input data, not a timing: reuse one to
+        # compare runs on the same deadlines (they derive from its local p95).
+        doc = read_profile(args.profile)
+        local_s, cloud_s = list(doc.local_s), list(doc.cloud_s)
+        confidences = list(doc.confidences)
+        print(f"compute profile from {args.profile}")
+    else:
+        print("measuring the compute profile on the real runtimes ...")
+        local_s, confidences = measure(args.repository, "orientation-int8", args.runs, threads=1)
+        cloud_s, _ = measure(args.repository, "orientation", args.runs)
+        if args.profile is not None:
+            args.profile.parent.mkdir(parents=True, exist_ok=True)
+            write_profile(args.profile, local_s, cloud_s, confidences, {"runs": args.runs})
     low = float(np.mean(np.array(confidences) < 0.8)) if confidences else 0.0
     print(
         f"  local int8, 1 thread: p50 {np.median(local_s) * 1e3:.1f} ms on this host "
