@@ -12,6 +12,7 @@ predicted vs actual latency, estimated energy, bytes moved, and why.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -24,10 +25,12 @@ from edge.core.breaker import CircuitBreaker
 from edge.core.estimators import Estimators
 from edge.core.flow import (
     DEFERRED_SEND_S,
+    Action,
     Answer,
     Defer,
     EdgeCore,
     Fail,
+    Hedge,
     Offload,
     RequestFlow,
     RunLocal,
@@ -65,6 +68,7 @@ class EdgeDataPlane:
         self.deferrer = deferrer
         self.battery = battery  # callable -> percent | None
         self.stats = AgentStats()
+        self._background: set[asyncio.Task[Any]] = set()  # hedges' late halves
 
     # ---- the core's state, as the agent and its fronts read it ------------------
     @property
@@ -266,6 +270,8 @@ class EdgeDataPlane:
                 if flow.wants_confidence:
                     confidence = _cascade_confidence(local_answer, flow.mp.cascade_output)
                 action = flow.local_done(time.monotonic(), seconds, confidence)
+            elif isinstance(action, Hedge):
+                action, local_answer, cloud = await self._hedge(flow, request, action)
             elif isinstance(action, Offload):
                 transport = self.transports[action.option.transport or ""]
                 try:
@@ -313,6 +319,77 @@ class EdgeDataPlane:
             else:
                 assert isinstance(action, Fail)
                 raise action.error
+
+    async def _hedge(
+        self, flow: RequestFlow, request: InferRequest, hedge: Hedge
+    ) -> tuple[Action, InferResponse | None, InferResponse | None]:
+        """Run locally and offload at once; the first answer goes back, the other teaches.
+
+        Returns the flow's answer with the local and cloud responses so far;
+        the half still running is awaited in the background (it ends by the
+        offload's give-up time) and its outcome fed to the flow.
+        """
+        offload = hedge.offload
+        transport = self.transports[offload.option.transport or ""]
+        local_t = asyncio.create_task(self._run_local(flow, request))
+        cloud_t = asyncio.create_task(
+            transport.infer(offload.cloud_model, request, offload.give_up_at)
+        )
+        local_answer: InferResponse | None = None
+        cloud: InferResponse | None = None
+        local_error: BaseException | None = None
+        pending: set[asyncio.Task[Any]] = {local_t, cloud_t}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                action: Action | None = None
+                if task is local_t:
+                    local_error = task.exception()
+                    if local_error is None:
+                        local_answer, seconds = task.result()
+                        action = flow.local_done(time.monotonic(), seconds)
+                else:
+                    action, cloud = self._hedged_reply(flow, task)
+                if action is not None:
+                    for rest in pending:  # learnt from when it ends; nobody waits on it
+                        rest.add_done_callback(lambda t: self._late(flow, t, local_t))
+                        self._background.add(rest)
+                        rest.add_done_callback(self._background.discard)
+                    return action, local_answer, cloud
+        # Neither half answered: the cloud failed and so did the local run.
+        assert local_error is not None
+        raise local_error
+
+    def _hedged_reply(
+        self, flow: RequestFlow, task: asyncio.Task[Any]
+    ) -> tuple[Action | None, InferResponse | None]:
+        exc = task.exception()
+        if isinstance(exc, FerryError):
+            return flow.offload_failed(time.monotonic(), exc), None
+        if exc is not None:
+            raise exc
+        result = task.result()
+        params = result.response.parameters
+        action = flow.offload_done(
+            time.monotonic(),
+            sent=result.sent_bytes,
+            received=result.received_bytes,
+            elapsed_s=result.elapsed_s,
+            queue_us=int(params.get("queue_us", 0) or 0),
+            compute_us=int(params.get("compute_us", 0) or 0),
+        )
+        return action, result.response
+
+    def _late(self, flow: RequestFlow, task: asyncio.Task[Any], local_t: asyncio.Task[Any]) -> None:
+        """The half of a hedge that ended after the answer: learn from it, answer nothing."""
+        try:
+            if task is local_t:
+                if task.exception() is None:
+                    flow.local_done(time.monotonic(), task.result()[1])
+            else:
+                self._hedged_reply(flow, task)
+        except Exception:  # learning must never break the loop
+            log.exception("learning from a hedge's late half failed")
 
     async def _run_local(
         self, flow: RequestFlow, request: InferRequest

@@ -96,6 +96,19 @@ class Offload:
 
 
 @dataclass(frozen=True, slots=True)
+class Hedge:
+    """Run locally and offload at once; the first answer is the request's.
+
+    Both outcomes are reported (``local_done``, then ``offload_done`` or
+    ``offload_failed``, in whatever order they happen); the one after the
+    answer only teaches, and its event returns no action.
+    """
+
+    local: RunLocal
+    offload: Offload
+
+
+@dataclass(frozen=True, slots=True)
 class Defer:
     """Store the request and answer it later (``deadline_ms`` None: no deadline)."""
 
@@ -124,7 +137,7 @@ class Fail:
     error: FerryError
 
 
-Action = RunLocal | Offload | Defer | Answer | Fail
+Action = RunLocal | Offload | Hedge | Defer | Answer | Fail
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +158,11 @@ class RequestFlow:
     """One request from arrival to its one answer (see the module doc)."""
 
     __slots__ = (
+        "_answered",
         "_attempt",
         "_cascade_local",
         "_fallback",
+        "_hedging",
         "_local_option",
         "_reason",
         "_was_fallback",
@@ -201,6 +216,7 @@ class RequestFlow:
         self._local_option: Option | None = None
         self._reason = ""
         self._was_fallback = False
+        self._hedging = self._answered = False
         self.wants_confidence = mode == "cascade"
 
     # -- the context the policy reads --------------------------------------------
@@ -264,6 +280,8 @@ class RequestFlow:
             return self._run_local(choice, decision.reason)
         options = decision.options
         local = options[0] if options and options[0].transport is None else None
+        if decision.hedge and local is not None and mp.local_model is not None:
+            return self._hedge(now, choice, local, decision.reason)
         if local is None and self.mode == "cloud":
             # Cloud by choice, but a local variant still beats an error when the cloud fails.
             local = self.policy.local_option(mp)
@@ -282,6 +300,14 @@ class RequestFlow:
         give_up = now + max(DEFERRED_SEND_S, 3 * choice.latency_q_s)
         return Offload(choice, self.mp.cloud_model, give_up, "deferred")
 
+    def _hedge(self, now: float, choice: Option, local: Option, reason: str) -> Hedge:
+        assert choice.transport is not None and self.mp.cloud_model is not None
+        run = self._run_local(local, reason)
+        self.core.breakers[choice.transport].allow(now)
+        self._attempt, self._fallback, self._hedging = choice, None, True
+        # The attempt runs its course (to the deadline): what it teaches is its point.
+        return Hedge(run, Offload(choice, self.mp.cloud_model, self.deadline, reason))
+
     def _run_local(self, option: Option | None, reason: str, fallback: bool = False) -> RunLocal:
         # What the local answer will carry, kept for local_done.
         self._local_option, self._reason, self._was_fallback = option, reason, fallback
@@ -295,7 +321,9 @@ class RequestFlow:
         self._fallback = local if self.mp.local_model is not None else None
         return Offload(choice, self.mp.cloud_model, give_up, reason)
 
-    def local_done(self, now: float, seconds: float, confidence: float | None = None) -> Action:
+    def local_done(
+        self, now: float, seconds: float, confidence: float | None = None
+    ) -> Action | None:
         """The local run took ``seconds`` of compute and ended at ``now``."""
         core, mp = self.core, self.mp
         core._journal(("local_done", self.id, now, seconds, confidence))
@@ -303,6 +331,15 @@ class RequestFlow:
         core.est.local(mp.local_model, self.batch).add(seconds, now)
         energy = local_energy_j(self.policy.device, seconds)
         extra: dict[str, Any] = {"compute_us": int(seconds * 1e6)}
+        if self._hedging:
+            if self._answered:
+                return None  # the cloud answered first: this run only taught
+            self._answered = True
+            attempt = self._attempt
+            assert attempt is not None
+            extra.update(hedged=True, bytes_attempted=attempt.up_bytes)
+            energy += attempt.energy_j
+            return Answer(LOCAL, self._local_option, self._reason, False, energy, 0, 0, extra)
         attempt = self._attempt
         if attempt is not None:
             # The failed offload kept the radio on and sent bytes a metered link bills.
@@ -342,7 +379,7 @@ class RequestFlow:
         elapsed_s: float,
         queue_us: int = 0,
         compute_us: int = 0,
-    ) -> Answer:
+    ) -> Answer | None:
         """The cloud answered at ``now``; the transfer took ``elapsed_s`` end to end."""
         core, choice = self.core, self._attempt
         core._journal(
@@ -362,6 +399,13 @@ class RequestFlow:
         core.out_bytes[self.model] = received
         reason = self.decision.reason if self.decision else ""
         energy, extra = choice.energy_j, {}
+        if self._hedging:
+            if self._answered:
+                return None  # the local run answered first: this reply only taught
+            self._answered = True
+            local = self._local_option
+            energy += local.energy_j if local is not None else 0.0
+            extra["hedged"] = True
         if self._cascade_local is not None:
             energy += self._cascade_local.energy_j
             extra["confidence"] = self._cascade_local.extra.get("confidence")
@@ -370,10 +414,17 @@ class RequestFlow:
             )
         return Answer(choice.name, choice, reason, False, energy, sent, received, extra)
 
-    def offload_failed(self, now: float, error: FerryError) -> Action:
+    def offload_failed(self, now: float, error: FerryError) -> Action | None:
         """The offload ended at ``now`` without an answer (``error`` says why)."""
         core, choice = self.core, self._attempt
         core._journal(("offload_failed", self.id, now, error.code.value, error.message))
+        if self._hedging:
+            assert choice is not None and choice.transport is not None
+            if not isinstance(error, InvalidInput):
+                core.learn_failure(
+                    choice, self.mp.cloud_model or self.model, error, self.began, now
+                )
+            return None  # the local run answers (or has answered)
         if isinstance(error, InvalidInput):
             return Fail(error)  # the request's own fault: no other route fixes it
         assert choice is not None and choice.transport is not None

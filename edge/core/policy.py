@@ -121,6 +121,9 @@ class Decision:
     choice: Option | None
     options: list[Option]
     reason: str = ""
+    # Offload ``choice`` and run locally at once, answering with the first: an
+    # exploration whose attempt leaves no room to fall back locally afterwards.
+    hedge: bool = False
 
     @property
     def where(self) -> str:
@@ -137,13 +140,16 @@ FALLBACK_MIN_RESERVE_S = 0.02
 GIVE_UP_AFTER = 5.0
 # How far past the deadline quantile an offload with no room for a local
 # fallback must still fit (a multiple of its spread beyond the mean).
-SAFE_TAIL = 1.75
+SAFE_TAIL = 2.5
 SAFE_Z = 2.0
 # The most P(no reply) a link may show for an offload to go without room to fall back.
 SAFE_P_FAIL = 0.02
+# Why an offload is not taken outright: no room for a local answer after it (it may
+# still be explored as a hedge, beside a local run).
+NO_ROOM = "no room to fall back"
 # Transfers a link must have shown before its latency prediction is trusted to
 # cut a wait short.
-MEASURED_SAMPLES = 3
+MEASURED_SAMPLES = 5
 # How far ahead a decision's consequences are counted (what an exploration
 # teaches, the warm run a wake-up starts), and the most requests credited.
 HORIZON_S = 30.0
@@ -192,10 +198,11 @@ def _safe_without_fallback(cloud: Option, deadline_s: float) -> bool:
 
     With no room left for a local answer, an offload may break the deadline
     only as rarely as its tail says: the measured spread beyond the mean
-    stretched by ``SAFE_TAIL`` (a 95th percentile to about a 99.5th for a
-    normal one), and the bottleneck's transfer time at the slow edge of the
-    rate belief (``SAFE_Z`` spreads): a link known only by its prior has a
-    wide belief, so it is trusted only where even a slow link would do.
+    stretched by ``SAFE_TAIL`` (for a normal spread, a 95th percentile to
+    beyond four standard deviations: cellular uplinks stall), and the
+    bottleneck's transfer time at the slow edge of the rate belief (``SAFE_Z``
+    spreads).  A link not yet measured (``MEASURED_SAMPLES`` transfers) is not
+    trusted at all: a hedged exploration measures it without risking a request.
     """
     return strict_latency_s(cloud) <= deadline_s
 
@@ -204,8 +211,10 @@ def strict_latency_s(cloud: Option) -> float:
     """A cloud option's latency well into its tail (see :func:`_safe_without_fallback`)."""
     if cloud.strict_s is not None:
         return cloud.strict_s
-    if cloud.p_fail > SAFE_P_FAIL:
-        strict = math.inf  # replies get lost here: only a fallback makes it safe
+    if cloud.p_fail > SAFE_P_FAIL or not cloud.measured:
+        # Replies get lost here, or the link's tail is not measured yet (a hedge
+        # measures it safely): only a fallback makes an offload safe.
+        strict = math.inf
     else:
         spread = SAFE_TAIL * (cloud.latency_q_s - cloud.latency_s)
         slow = cloud.bottleneck_s * math.expm1(SAFE_Z * cloud.rate_sigma)
@@ -448,7 +457,7 @@ class Policy:
                 if not _safe_without_fallback(o, ctx.deadline_s) and not _fallback_fits(
                     o, local, ctx.deadline_s
                 ):
-                    o.feasible, o.reason = False, "no room to fall back"
+                    o.feasible, o.reason = False, NO_ROOM
             if low_battery:
                 o.cost = o.energy_j
             else:
@@ -498,7 +507,9 @@ class Policy:
             return None
         pick: tuple[float, Option] | None = None
         for o in options:
-            if o.transport is None or not o.feasible or o.warm_cost is None:
+            if o.transport is None or o.warm_cost is None:
+                continue
+            if not o.feasible and o.reason != NO_ROOM:
                 continue
             saving = best.cost - o.warm_cost
             if saving <= 0:
@@ -515,18 +526,24 @@ class Policy:
             )
             p_next = rate * tail if rate * tail < 1.0 else 1.0
             run = min(p_next / max(1.0 - p_next, 1e-9), horizon_requests(rate))
-            price = o.cost - best.cost
+            price, hedge = o.cost - best.cost, False
+            if not _fallback_fits(o, best, ctx.deadline_s):
+                if best.latency_q_s > ctx.deadline_s:
+                    continue
+                # No room to fall back after it: hedge, running locally meanwhile.
+                price, hedge = self._hedge_price(o, best, best), True
             if saving * run <= price:
                 continue
-            if not _fallback_fits(o, best, ctx.deadline_s):
-                continue
             if pick is None or saving * run - price > pick[0]:
-                pick = (saving * run - price, o)
+                pick = (saving * run - price, o, price, hedge)
         if pick is None:
             return None
-        gain, o = pick
-        why = f"wake the radio: the warm run after it saves {gain + o.cost - best.cost:.4g} > {o.cost - best.cost:.4g} now"
-        return Decision(o, options, why)
+        gain, o, price, hedge = pick
+        why = (
+            f"wake the radio{' (hedged)' if hedge else ''}: the warm run after it saves "
+            f"{gain + price:.4g} > {price:.4g} now"
+        )
+        return Decision(o, options, why, hedge)
 
     def _exploration(self, options: list[Option], best: Option, ctx: Context) -> Decision | None:
         """An offload worth making for what it teaches, if any (see :func:`exploration_value`).
@@ -541,8 +558,10 @@ class Policy:
         horizon = horizon_requests(ctx.rate_per_s)
         pick: tuple[float, Option, float, float] | None = None
         for o in options:
-            if o is best or o.transport is None or not o.feasible or o.rate_sigma < 0.05:
+            if o is best or o.transport is None or o.rate_sigma < 0.05:
                 continue
+            if not o.feasible and o.reason != NO_ROOM:
+                continue  # only an offload that lacks room to fall back may still be hedged
             claim = self.est.link(o.transport).exploring_since
             if claim is not None and ctx.now - claim < self.config.explore_after_s:
                 continue  # one exploring request at a time
@@ -555,22 +574,36 @@ class Policy:
                     continue
             p_better, saving = exploration_value(o, best.cost)
             value = saving * horizon
+            hedge = False
+            if local is not None and not _fallback_fits(o, local, ctx.deadline_s):
+                # Exploring must not cost this request its deadline: with no room to
+                # fall back afterwards, the local run goes at once, beside the attempt.
+                if local.latency_q_s > ctx.deadline_s:
+                    continue
+                price, hedge = self._hedge_price(o, local, best), True
             if value <= price:
                 continue
-            if local is not None and not _fallback_fits(o, local, ctx.deadline_s):
-                continue  # exploring must not cost this request its deadline
             if pick is None or value - price > pick[0]:
-                pick = (value - price, o, p_better, price)
+                pick = (value - price, o, p_better, price, hedge)
         if pick is None:
             return None
-        _, o, p_better, price = pick
+        _, o, p_better, price, hedge = pick
         assert o.transport is not None
         self.est.link(o.transport).exploring_since = ctx.now
         why = (
-            f"explore: P(better) {p_better:.2f}, expected saving {pick[0] + price:.4g} "
-            f"over {horizon:.0f} requests > price {price:.4g}"
+            f"explore{' (hedged)' if hedge else ''}: P(better) {p_better:.2f}, expected saving "
+            f"{pick[0] + price:.4g} over {horizon:.0f} requests > price {price:.4g}"
         )
-        return Decision(o, options, why)
+        return Decision(o, options, why, hedge)
+
+    def _hedge_price(self, o: Option, local: Option, best: Option) -> float:
+        """What running ``local`` and offloading ``o`` at once costs beyond ``best``.
+
+        The answer comes from whichever finishes first, so its latency is at
+        most the local run's: the hedge costs the local run plus everything of
+        the offload but its latency (radio energy, bytes, money).
+        """
+        return local.cost + o.cost - self.config.weights.latency_s * o.latency_s - best.cost
 
     def cascade_offload(self, model: str, confidence: float) -> bool:
         """Sedna-style joint inference: offload when the local top-1 is unsure."""

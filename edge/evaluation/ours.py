@@ -35,6 +35,7 @@ from edge.core.flow import (
     Defer,
     EdgeCore,
     Fail,
+    Hedge,
     Offload,
     RequestFlow,
     RunLocal,
@@ -128,11 +129,16 @@ class _Replay:
         self.step(i, t, flow, flow.start(), t, spent)
 
     def step(
-        self, i: int, t: float, flow: RequestFlow, action: Action, now: float, spent: _Spent
+        self, i: int, t: float, flow: RequestFlow, action: Action | None, now: float, spent: _Spent
     ) -> None:
         """Carry out ``action`` for request ``i`` (arrived at ``t``) at simulated ``now``."""
         sim = self.sim
-        if isinstance(action, RunLocal):
+        if action is None:
+            return  # a hedge's other half: what it taught is learnt, the answer stands
+        if isinstance(action, Hedge):
+            self.step(i, t, flow, action.local, now, spent)
+            self.step(i, t, flow, action.offload, now, spent)
+        elif isinstance(action, RunLocal):
             compute = float(sim.local_s[i])
             spent.energy_j += local_energy_j(sim.device, compute)
             done = now + compute
@@ -171,6 +177,8 @@ class _Replay:
             self.finish(i, t, action, now, spent)
 
     def finish(self, i: int, t: float, action: Action, now: float, spent: _Spent) -> None:
+        if self.outcomes[i] is not None:
+            return  # answered already (a hedge answers once)
         deadline = float(self.sim.requests.deadlines_s[i])
         latency = now - t
         answered = isinstance(action, Answer)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from devices.profiles import load_device, load_link
-from edge.core.flow import Answer, Fail, Offload, RunLocal, fresh_core, replay_journal
-from edge.core.policy import Context, ModelPolicy, PolicyConfig, Weights
+from edge.core.flow import Answer, Fail, Hedge, Offload, RunLocal, fresh_core, replay_journal
+from edge.core.policy import NO_ROOM, Context, ModelPolicy, PolicyConfig, Weights
 from shared.errors import DeadlineExceeded, InvalidInput
 
 MODELS = {"m": ModelPolicy(local_model="m-local", cloud_model="m")}
@@ -114,7 +114,9 @@ def test_ours_never_picks_a_deadline_infeasible_option_when_a_feasible_one_exist
     assert decision.choice is not None
     if feasible:
         assert decision.choice.latency_q_s <= deadline_s, decision
-        assert decision.choice.feasible and math.isfinite(decision.choice.cost)
+        assert math.isfinite(decision.choice.cost)
+        # an offload with no room to fall back is taken only beside a local run
+        assert decision.choice.feasible or (decision.hedge and decision.choice.reason == NO_ROOM)
 
 
 def test_a_weak_signal_lowers_the_link_prior_and_a_jump_restarts_the_estimates():
@@ -134,3 +136,29 @@ def test_a_weak_signal_lowers_the_link_prior_and_a_jump_restarts_the_estimates()
     assert core.est.link("http").prior_up_bps == pytest.approx(lte.up_mbps * 1e6 * 2)
     assert core.link_changed("http", load_link("wifi"), 6.0)  # another kind of network
     assert core.policy.links["http"].kind == "wifi"
+
+
+def test_a_hedge_answers_with_the_first_half_and_learns_from_the_second():
+    core = _core()
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=1200)
+    # Force the choice the policy makes for an exploration with no room to fall back.
+    local = flow.policy.local_option(flow.mp, flow.context(1.0))
+    cloud = flow.policy.cloud_option(flow.mp, "http", flow.context(1.0))
+    action = flow._hedge(1.0, cloud, local, "explore (hedged)")
+    assert isinstance(action, Hedge) and action.offload.give_up_at == flow.deadline
+    answer = flow.offload_done(1.4, sent=60_000, received=1_000, elapsed_s=0.4)
+    assert isinstance(answer, Answer) and answer.where == "cloud-http"
+    assert answer.extra["hedged"] and answer.energy_j > cloud.energy_j  # both halves ran
+    assert flow.local_done(2.0, 1.0) is None  # the slower half only teaches
+    assert core.est.local("m-local").count == 2  # the warm-up and this run
+
+
+def test_a_hedge_whose_offload_fails_is_answered_locally():
+    core = _core()
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=1200)
+    local = flow.policy.local_option(flow.mp, flow.context(1.0))
+    cloud = flow.policy.cloud_option(flow.mp, "http", flow.context(1.0))
+    flow._hedge(1.0, cloud, local, "explore (hedged)")
+    assert flow.offload_failed(1.2, DeadlineExceeded("lost")) is None  # wait for the local run
+    answer = flow.local_done(2.0, 1.0)
+    assert isinstance(answer, Answer) and answer.where == "local" and not answer.fallback

@@ -103,17 +103,17 @@ def test_data_cap_forbids_offloading_past_it():
 def test_battery_floor_makes_energy_the_objective():
     # A slow device on fast LTE: latency favours the cloud, but the radio's tail energy favours local.
     p = _policy(local_ms=600, up_mbps=100, rtt_ms=5, link="lte", battery_floor_percent=20)
-    assert p.decide("m", _ctx(battery_percent=80)).where.startswith("cloud-")
-    low = p.decide("m", _ctx(battery_percent=10))
+    assert p.decide("m", _ctx(2000, battery_percent=80)).where.startswith("cloud-")
+    low = p.decide("m", _ctx(2000, battery_percent=10))
     assert low.where == "local"
     assert low.choice.energy_j == min(o.energy_j for o in low.options if o.feasible)
 
 
 def test_energy_weight_moves_the_choice():
-    lat_only = _policy(local_ms=600, up_mbps=100, link="lte").decide("m", _ctx())
+    lat_only = _policy(local_ms=600, up_mbps=100, link="lte").decide("m", _ctx(2000))
     energy_heavy = _policy(
         local_ms=600, up_mbps=100, link="lte", weights=Weights(latency_s=1, energy_j=10)
-    ).decide("m", _ctx())
+    ).decide("m", _ctx(2000))
     assert lat_only.where.startswith("cloud-") and energy_heavy.where == "local"
 
 
@@ -267,10 +267,12 @@ def test_fallback_plan_keeps_room_for_a_local_answer():
     assert give_up == pytest.approx(10.08) and fallback is None
 
 
-def test_a_stale_link_is_not_explored_when_the_local_fallback_would_no_longer_fit():
+def test_an_exploration_without_room_to_fall_back_runs_locally_beside_it():
     p = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)  # local q ~300 ms
-    # Deadline 440 ms: the cloud (~135 ms) alone fits, but not with the local reserve after it.
+    # Deadline 440 ms: the cloud (~135 ms) alone fits, but not with the local reserve after it:
+    # the exploration is hedged (the local run starts at once, the first answer stands).
     d = p.decide("m", _ctx(deadline_ms=440, in_bytes=100_000, rate_per_s=1.0))
-    assert "explore" not in d.reason
-    roomy = p.decide("m", _ctx(deadline_ms=3000, in_bytes=100_000, rate_per_s=1.0))
-    assert "explore" in roomy.reason
+    assert "explore" not in d.reason or (d.hedge and "(hedged)" in d.reason)
+    roomy = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)
+    d = roomy.decide("m", _ctx(deadline_ms=3000, in_bytes=100_000, rate_per_s=1.0))
+    assert "explore" in d.reason and not d.hedge  # room to fall back: a plain exploration
