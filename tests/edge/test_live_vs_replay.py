@@ -91,3 +91,50 @@ async def test_the_live_agent_and_the_replay_make_every_decision_alike(
     kinds = {e[0] for e in events}
     assert {"warmed", "begin", "local_done", "offload_done", "offload_failed"} <= kinds
     assert "local" in where and "cloud-http" in where
+
+
+async def test_a_hedged_exploration_answers_first_and_the_replay_agrees(
+    tmp_path, edge_repos, cloud
+):
+    # A 400 ms local run and a 700 ms deadline: an unmeasured link leaves no room to
+    # fall back after an offload, so the agent explores it beside a local run.
+    port = int(cloud.http_url.rsplit(":", 1)[1])
+    emu = LinkEmulator(
+        ("127.0.0.1", 0), ("127.0.0.1", port), steady(100, 60), steady(100, 60), delay_ms=2
+    )
+    await emu.start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=f"http://127.0.0.1:{emu.port}",
+        models=LIN,
+        policy="explore_after_s = 0.3\n",
+        extra="[emulation]\nlocal_latency_ms = 400\n",
+    )
+    config = load_agent_config(cfg)
+    x = np.ones((1, 4), np.float32)
+    try:
+        async with Agent(config, journal=10_000) as agent:
+            answers = []
+            for _ in range(12):
+                answers.append(await agent.infer("lin", {"x": x}, deadline_ms=700))
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.6)  # the hedges' slower halves end and are learnt from
+            core = agent.dataplane.core
+            live, events = list(core.decisions), list(core.events)
+    finally:
+        await emu.close()
+
+    params = [a.parameters for a in answers]
+    hedged = [p for p in params if p.get("hedged")]
+    assert hedged and any(p["where"] == "cloud-http" for p in hedged)  # the cloud won a race
+    assert all(p["latency_ms"] < 700 for p in params)  # the local run guarded every deadline
+    assert all("hedged" in p["decision"] for p in hedged)
+    kinds = [e[0] for e in events]
+    assert kinds.count("begin") == 12 and kinds.count("start") == 12
+    links = {t: load_link(config.links[t]) for t in ("http",)}
+    replica = fresh_core(config.policy, load_device(config.device), links, journal=10_000)
+    replayed = replay_journal(events, replica)
+    assert [(d.where, d.reason, d.predicted_s) for d in replayed] == [
+        (d.where, d.reason, d.predicted_s) for d in live
+    ]
