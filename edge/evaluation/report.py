@@ -12,10 +12,11 @@ from shared.errors import BackendMissing
 
 MODEL_NOTE = (
     "Link model: each request's transfer gets the trace's whole capacity from its own start "
-    "(requests do not share the link), so the per-request oracle is a true lower bound; where "
+    "(requests do not share the link), so the oracle (the cheapest schedule for one radio, "
+    "knowing the trace) is a true lower bound on every policy's total; where "
     "offloads overlap (the 'overlap' column) a real link would be shared and offloading is "
-    "flattered, for every policy alike. The oracle also assumes the cheapest radio state "
-    "(connected, no tail) whenever that is cheaper, so it may be out of any policy's reach. "
+    "flattered, for every policy alike. The oracle may pre-warm the radio at the least any "
+    "warming costs, so it stays a bound (it may be a little out of any policy's reach). "
     "Probe energy and bytes (the agent's link probes) are charged to ours."
 )
 

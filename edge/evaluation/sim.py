@@ -15,8 +15,9 @@ overlap this model is optimistic for offloading (every policy alike); the
 report gives the share of offloaded requests that overlapped another
 transfer, so a reader can see how much that matters for a workload.  Local
 runs are independent in the same way (no queue on the device).  The reason
-is the oracle: with independent requests, each request's cheapest option
-can be found on its own, so the oracle is a true per-request lower bound.
+is the oracle: with independent requests, the only thing that couples them
+is the one radio, so the cheapest schedule follows from a dynamic programme
+over the radio's state (``baselines.run_oracle``), a true lower bound.
 
 Radio.  The LTE/3G/WiFi radio model of :mod:`edge.core.energy` (Huang et al.,
 MobiSys 2012), with the radio state tracked per replay by
