@@ -39,7 +39,7 @@ from edge.core.policy import LOCAL, Decision, ModelPolicy, Policy
 from edge.core.scores import confidence
 from edge.local import LocalModels
 from edge.stats import AgentStats
-from edge.transports.base import Transport
+from edge.transports.base import TransferResult, Transport
 from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotFound, ModelNotReady
 from shared.messages import InferRequest, InferResponse
 from shared.repository import triton_model_config, v2_model_metadata
@@ -281,16 +281,8 @@ class EdgeDataPlane:
                         log.info("offload failed: %s", exc)
                     action = flow.offload_failed(time.monotonic(), exc)
                     continue
-                params = result.response.parameters
                 cloud = result.response
-                action = flow.offload_done(
-                    time.monotonic(),
-                    sent=result.sent_bytes,
-                    received=result.received_bytes,
-                    elapsed_s=result.elapsed_s,
-                    queue_us=int(params.get("queue_us", 0) or 0),
-                    compute_us=int(params.get("compute_us", 0) or 0),
-                )
+                action = _reply_event(flow, result)
             elif isinstance(action, Answer):
                 response = cloud if action.where != LOCAL else local_answer
                 assert response is not None
@@ -369,16 +361,7 @@ class EdgeDataPlane:
         if exc is not None:
             raise exc
         result = task.result()
-        params = result.response.parameters
-        action = flow.offload_done(
-            time.monotonic(),
-            sent=result.sent_bytes,
-            received=result.received_bytes,
-            elapsed_s=result.elapsed_s,
-            queue_us=int(params.get("queue_us", 0) or 0),
-            compute_us=int(params.get("compute_us", 0) or 0),
-        )
-        return action, result.response
+        return _reply_event(flow, result), result.response
 
     def _late(self, flow: RequestFlow, task: asyncio.Task[Any], local_t: asyncio.Task[Any]) -> None:
         """The half of a hedge that ended after the answer: learn from it, answer nothing."""
@@ -448,6 +431,19 @@ class EdgeDataPlane:
                 self.core.probe_failed(name, time.monotonic())
                 continue
             self.core.probe_done(name, time.monotonic(), rtt)
+
+
+def _reply_event(flow: RequestFlow, result: TransferResult) -> Action | None:
+    """Tell the flow the cloud answered (timing, bytes, the cloud's own queue and compute)."""
+    params = result.response.parameters
+    return flow.offload_done(
+        time.monotonic(),
+        sent=result.sent_bytes,
+        received=result.received_bytes,
+        elapsed_s=result.elapsed_s,
+        queue_us=int(params.get("queue_us", 0) or 0),
+        compute_us=int(params.get("compute_us", 0) or 0),
+    )
 
 
 def _cascade_confidence(answer: InferResponse, output: str | None) -> float:

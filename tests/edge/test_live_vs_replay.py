@@ -11,13 +11,16 @@ the replay evaluator builds one, on the recorded times: every decision
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from devices.profiles import load_device, load_link
 from edge.agent import Agent
-from edge.config import load_agent_config
+from edge.config import AgentConfig, load_agent_config
 from edge.core.flow import fresh_core, replay_journal
 from edge.netem.linkemu import LinkEmulator
 from edge.netem.traces import from_phases, steady
@@ -27,16 +30,11 @@ from tests.support import cloud_server
 LIN = '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
 
 
-@pytest.fixture(scope="module")
-def cloud(edge_repos):
-    proc = cloud_server(edge_repos[0], "--node", "equivalence").start()
-    yield proc
-    proc.terminate()
-
-
-async def test_the_live_agent_and_the_replay_make_every_decision_alike(
-    tmp_path, edge_repos, cloud
-):
+@contextlib.asynccontextmanager
+async def _journalled_agent(
+    tmp_path: Path, edge_repos, cloud, policy: str, extra: str
+) -> AsyncIterator[tuple[Agent, LinkEmulator, AgentConfig]]:
+    """An agent with a journal, reaching the cloud through a live link emulator."""
     port = int(cloud.http_url.rsplit(":", 1)[1])
     emu = LinkEmulator(
         ("127.0.0.1", 0), ("127.0.0.1", port), steady(100, 60), steady(100, 60), delay_ms=2
@@ -47,42 +45,65 @@ async def test_the_live_agent_and_the_replay_make_every_decision_alike(
         edge_repos[1],
         http=f"http://127.0.0.1:{emu.port}",
         models=LIN,
-        policy="explore_after_s = 0.5\n",
-        extra="[emulation]\nlocal_latency_ms = 300\n",
+        policy=policy,
+        extra=extra,
     )
     config = load_agent_config(cfg)
-    x = np.ones((1, 4), np.float32)
     try:
         async with Agent(config, journal=10_000) as agent:
-
-            async def ask(n: int = 1) -> list[str]:
-                answers = await asyncio.gather(
-                    *(agent.infer("lin", {"x": x}, deadline_ms=2500) for _ in range(n))
-                )
-                return [a.parameters["where"] for a in answers]
-
-            where = []
-            for _ in range(5):
-                where += await ask()
-            where += await ask(3)  # three at once: they decide before any of them completes
-            outage = from_phases([(5.0, 0.0), (60.0, 100.0)])
-            emu.set_traces(outage, outage)
-            for _ in range(6):
-                where += await ask()
-            await agent.dataplane.probe()
-            await asyncio.sleep(max(5.5 - emu.elapsed_s, 0.0))  # the link is back
-            await agent.dataplane.probe()
-            for _ in range(5):
-                where += await ask()
-            core = agent.dataplane.core
-            live, events = list(core.decisions), list(core.events)
+            yield agent, emu, config
     finally:
         await emu.close()
 
+
+def _replayed(config: AgentConfig, events: list) -> list:
+    """The journal fed to a fresh core, as the replay evaluator builds one."""
     links = {t: load_link(config.links[t]) for t in ("http",)}
     replica = fresh_core(config.policy, load_device(config.device), links, journal=10_000)
-    replayed = replay_journal(events, replica)
+    return replay_journal(events, replica)
 
+
+@pytest.fixture(scope="module")
+def cloud(edge_repos):
+    proc = cloud_server(edge_repos[0], "--node", "equivalence").start()
+    yield proc
+    proc.terminate()
+
+
+async def test_the_live_agent_and_the_replay_make_every_decision_alike(tmp_path, edge_repos, cloud):
+    x = np.ones((1, 4), np.float32)
+    journalled = _journalled_agent(
+        tmp_path,
+        edge_repos,
+        cloud,
+        "explore_after_s = 0.5\n",
+        "[emulation]\nlocal_latency_ms = 300\n",
+    )
+    async with journalled as (agent, emu, config):
+
+        async def ask(n: int = 1) -> list[str]:
+            answers = await asyncio.gather(
+                *(agent.infer("lin", {"x": x}, deadline_ms=2500) for _ in range(n))
+            )
+            return [a.parameters["where"] for a in answers]
+
+        where = []
+        for _ in range(5):
+            where += await ask()
+        where += await ask(3)  # three at once: they decide before any of them completes
+        outage = from_phases([(5.0, 0.0), (60.0, 100.0)])
+        emu.set_traces(outage, outage)
+        for _ in range(6):
+            where += await ask()
+        await agent.dataplane.probe()
+        await asyncio.sleep(max(5.5 - emu.elapsed_s, 0.0))  # the link is back
+        await agent.dataplane.probe()
+        for _ in range(5):
+            where += await ask()
+        core = agent.dataplane.core
+        live, events = list(core.decisions), list(core.events)
+
+    replayed = _replayed(config, events)
     assert len(live) == len(where)  # one decision per request, all journalled
     assert [(d.where, d.reason, d.predicted_s) for d in replayed] == [
         (d.where, d.reason, d.predicted_s) for d in live
@@ -98,32 +119,22 @@ async def test_a_hedged_exploration_answers_first_and_the_replay_agrees(
 ):
     # A 400 ms local run and a 700 ms deadline: an unmeasured link leaves no room to
     # fall back after an offload, so the agent explores it beside a local run.
-    port = int(cloud.http_url.rsplit(":", 1)[1])
-    emu = LinkEmulator(
-        ("127.0.0.1", 0), ("127.0.0.1", port), steady(100, 60), steady(100, 60), delay_ms=2
-    )
-    await emu.start()
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=f"http://127.0.0.1:{emu.port}",
-        models=LIN,
-        policy="explore_after_s = 0.3\n",
-        extra="[emulation]\nlocal_latency_ms = 400\n",
-    )
-    config = load_agent_config(cfg)
     x = np.ones((1, 4), np.float32)
-    try:
-        async with Agent(config, journal=10_000) as agent:
-            answers = []
-            for _ in range(12):
-                answers.append(await agent.infer("lin", {"x": x}, deadline_ms=700))
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(0.6)  # the hedges' slower halves end and are learnt from
-            core = agent.dataplane.core
-            live, events = list(core.decisions), list(core.events)
-    finally:
-        await emu.close()
+    journalled = _journalled_agent(
+        tmp_path,
+        edge_repos,
+        cloud,
+        "explore_after_s = 0.3\n",
+        "[emulation]\nlocal_latency_ms = 400\n",
+    )
+    async with journalled as (agent, _, config):
+        answers = []
+        for _ in range(12):
+            answers.append(await agent.infer("lin", {"x": x}, deadline_ms=700))
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.6)  # the hedges' slower halves end and are learnt from
+        core = agent.dataplane.core
+        live, events = list(core.decisions), list(core.events)
 
     params = [a.parameters for a in answers]
     hedged = [p for p in params if p.get("hedged")]
@@ -132,9 +143,7 @@ async def test_a_hedged_exploration_answers_first_and_the_replay_agrees(
     assert all("hedged" in p["decision"] for p in hedged)
     kinds = [e[0] for e in events]
     assert kinds.count("begin") == 12 and kinds.count("start") == 12
-    links = {t: load_link(config.links[t]) for t in ("http",)}
-    replica = fresh_core(config.policy, load_device(config.device), links, journal=10_000)
-    replayed = replay_journal(events, replica)
+    replayed = _replayed(config, events)
     assert [(d.where, d.reason, d.predicted_s) for d in replayed] == [
         (d.where, d.reason, d.predicted_s) for d in live
     ]

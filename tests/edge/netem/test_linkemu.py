@@ -92,11 +92,15 @@ async def until(emu: LinkEmulator, t: float) -> None:
 
 
 def real_uplink() -> Trace:
-    # the real Verizon trace where it exists, else a generated one of the same format
+    return _cellular("up")
+
+
+def _cellular(direction: str) -> Trace:
+    """The real Verizon trace where it exists, else a generated one of the same format."""
     folder = cellular_trace_dir()
-    path = folder / "Verizon-LTE-short.up"
+    path = folder / f"Verizon-LTE-short.{direction}"
     if not path.is_file():
-        path = folder / f"{cellular_trace_pairs()[0]}.up"
+        path = folder / f"{cellular_trace_pairs()[0]}.{direction}"
     return read_mahimahi(path)
 
 
@@ -122,12 +126,7 @@ async def test_delivered_throughput_follows_trace_within_15_percent_per_2s_windo
 
 
 def real_downlink() -> Trace:
-    # the real Verizon trace where it exists, else a generated one of the same format
-    folder = cellular_trace_dir()
-    path = folder / "Verizon-LTE-short.down"
-    if not path.is_file():
-        path = folder / f"{cellular_trace_pairs()[0]}.down"
-    return read_mahimahi(path)
+    return _cellular("down")
 
 
 @pytest.mark.parametrize(
