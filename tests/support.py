@@ -394,8 +394,8 @@ def cellular_trace_dir() -> Path:
 
     folder = Path(tempfile.mkdtemp(prefix="ferry-traces-"))
     for name, up, down in (
-        ("generated-fading", markov_fading(90, seed=11, bad_mbps=0.0), markov_fading(90, seed=12)),
-        ("generated-commute", commute(90, seed=13), commute(90, seed=14)),
+        ("generated-fading", markov_fading(150, seed=11, bad_mbps=0.0), markov_fading(150, seed=12)),
+        ("generated-commute", commute(150, seed=13), commute(150, seed=14)),
     ):
         write_mahimahi(up, folder / f"{name}.up")
         write_mahimahi(down, folder / f"{name}.down")
