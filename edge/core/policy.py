@@ -575,12 +575,18 @@ class Policy:
             p_better, saving = exploration_value(o, best.cost)
             value = saving * horizon
             hedge = False
-            if local is not None and not _fallback_fits(o, local, ctx.deadline_s):
+            if local is not None and local.latency_q_s <= ctx.deadline_s:
                 # Exploring must not cost this request its deadline: with no room to
-                # fall back afterwards, the local run goes at once, beside the attempt.
-                if local.latency_q_s > ctx.deadline_s:
-                    continue
-                price, hedge = self._hedge_price(o, local, best), True
+                # fall back afterwards, the local run goes at once, beside the attempt;
+                # and where a hedge is the cheaper way to learn (a doubtful link that
+                # may crawl past the time to give up on it), it is taken too.
+                hedged = self._hedge_price(o, local, best)
+                if _fallback_fits(o, local, ctx.deadline_s):
+                    price = self._plain_price(o, local, best, ctx.deadline_s)
+                if hedged < price or not _fallback_fits(o, local, ctx.deadline_s):
+                    price, hedge = hedged, True
+            elif local is not None and not _fallback_fits(o, local, ctx.deadline_s):
+                continue
             if value <= price:
                 continue
             if pick is None or value - price > pick[0]:
@@ -595,6 +601,30 @@ class Policy:
             f"{pick[0] + price:.4g} over {horizon:.0f} requests > price {price:.4g}"
         )
         return Decision(o, options, why, hedge)
+
+    def _plain_price(self, o: Option, local: Option, best: Option, deadline_s: float) -> float:
+        """What offloading ``o`` alone costs beyond ``best``, its crawl risk included.
+
+        Under the rate belief the bottleneck may be too slow to finish before
+        the agent gives up (the deadline less the local reserve); then the
+        request pays that wait, the local run, and the offload's energy and
+        bytes.  ``o.cost`` alone prices only the mean.
+        """
+        reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
+        window = deadline_s - reserve - (o.latency_s - o.bottleneck_s)
+        slow_cost = (
+            self.config.weights.latency_s * (deadline_s - reserve)
+            + local.cost
+            + o.cost
+            - self.config.weights.latency_s * o.latency_s
+        )
+        if o.bottleneck_s <= 0 or o.rate_sigma <= 0:
+            p_slow = 0.0
+        elif window <= 0:
+            p_slow = 1.0
+        else:  # P(rate < the rate that finishes within the window)
+            p_slow = _phi(math.log(o.bottleneck_s / window) / o.rate_sigma)
+        return (1.0 - p_slow) * o.cost + p_slow * slow_cost - best.cost
 
     def _hedge_price(self, o: Option, local: Option, best: Option) -> float:
         """What running ``local`` and offloading ``o`` at once costs beyond ``best``.

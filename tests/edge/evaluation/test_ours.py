@@ -145,7 +145,12 @@ def test_an_outage_falls_back_at_the_planned_time_opens_the_breaker_and_probes_b
         assert o.latency_s == pytest.approx(gave_up + sim.local_s[i])
         assert not o.missed and o.up_bytes == 0  # nothing crossed a dead link
     direct = [i for i in in_outage if i > fallbacks[-1]]
-    assert direct and all(outs[i].where == "local" and outs[i].radio is None for i in direct)
+    assert direct and all(outs[i].where == "local" and not outs[i].missed for i in direct)
+    # no more waiting on the dead link: a request that still tried it (the breaker's
+    # trial) did so beside its local run, answered when that run ended
+    for i in direct:
+        assert not outs[i].fallback
+        assert outs[i].latency_s == pytest.approx(sim.local_s[i])
     assert sum(o.probes for o in outs) > 0  # the open breaker was probed ...
     back = [outs[i].where for i, t in enumerate(arrivals) if t > 48]
     assert back.count("cloud-mqtt") > 0.8 * len(back)  # ... and closed again after the tunnel
