@@ -174,6 +174,7 @@ class Agent:
         except OSError as exc:
             log.error("estimates not saved to %s: %s", self.state_file, exc)
         finally:
+            await self.dataplane.close()
             for transport in self.transports.values():
                 await transport.close()
             self.local.close()

@@ -365,6 +365,8 @@ class EdgeDataPlane:
 
     def _late(self, flow: RequestFlow, task: asyncio.Task[Any], local_t: asyncio.Task[Any]) -> None:
         """The half of a hedge that ended after the answer: learn from it, answer nothing."""
+        if task.cancelled():
+            return  # the agent is stopping
         try:
             if task is local_t:
                 if task.exception() is None:
@@ -396,6 +398,14 @@ class EdgeDataPlane:
             ),
             seconds,
         )
+
+    async def close(self) -> None:
+        """Stop learning from hedges still running (before transports and runtimes close)."""
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
 
     async def send_deferred(self, model: str, request: InferRequest) -> InferResponse:
         """Offload a stored request now (the store-and-forward flusher's sender).
