@@ -194,10 +194,7 @@ class LogRate:
 
     def rate(self, learnt_bps: float, prior_bps: float, now: float) -> float:
         """``learnt_bps`` relaxed towards ``prior_bps`` by the belief's age (geometrically)."""
-        w = self.weight(now)
-        if w >= 0.999 or learnt_bps <= 0 or prior_bps <= 0:
-            return learnt_bps if w > 0 else prior_bps
-        return math.exp(w * math.log(learnt_bps) + (1 - w) * math.log(prior_bps))
+        return self.at(learnt_bps, prior_bps, now)[0]
 
     def add(self, bps: float, now: float) -> bool:
         """Observe one rate; True when it revealed a change of regime."""
