@@ -284,7 +284,8 @@ class Agent:
             profile = load_link(link)
         except ConfigError as exc:
             raise InvalidInput(exc.message) from None
-        self.links[transport] = profile
+        # link_changed compares with the link in use, then puts the new one in place
+        # (self.links is the policy's own map).
         self.dataplane.core.link_changed(transport, profile, time.monotonic(), signal_dbm)
         log.info(
             "transport %s now rides on link %s (signal %s dBm)", transport, profile.name, signal_dbm

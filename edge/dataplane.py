@@ -331,9 +331,22 @@ class EdgeDataPlane:
         cloud: InferResponse | None = None
         local_error: BaseException | None = None
         pending: set[asyncio.Task[Any]] = {local_t, cloud_t}
+
+        def hand_over(tasks: set[asyncio.Task[Any]]) -> None:
+            # What still runs (or ended in the same tick) is learnt from when it ends.
+            for rest in tasks:
+                rest.add_done_callback(lambda t: self._late(flow, t, local_t))
+                self._background.add(rest)
+                rest.add_done_callback(self._background.discard)
+
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
+            try:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                hand_over(pending)  # the caller left; the halves still teach
+                raise
+            ordered = sorted(done, key=lambda t: t is not local_t)  # local first on a tie
+            for k, task in enumerate(ordered):
                 action: Action | None = None
                 if task is local_t:
                     local_error = task.exception()
@@ -343,10 +356,7 @@ class EdgeDataPlane:
                 else:
                     action, cloud = self._hedged_reply(flow, task)
                 if action is not None:
-                    for rest in pending:  # learnt from when it ends; nobody waits on it
-                        rest.add_done_callback(lambda t: self._late(flow, t, local_t))
-                        self._background.add(rest)
-                        rest.add_done_callback(self._background.discard)
+                    hand_over(pending | set(ordered[k + 1 :]))
                     return action, local_answer, cloud
         # Neither half answered: the cloud failed and so did the local run.
         assert local_error is not None

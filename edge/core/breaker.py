@@ -24,6 +24,7 @@ class CircuitBreaker:
         self._cooldown = cooldown_s
         self._open_until = 0.0
         self._trial_out = False
+        self._trial_at = 0.0
         self.opened_at: float | None = None  # when it last opened from closed
 
     def ready(self, now: float) -> bool:
@@ -32,7 +33,7 @@ class CircuitBreaker:
             return True
         if self.state == "open" and now < self._open_until:
             return False
-        return not (self.state == "half_open" and self._trial_out)
+        return not (self.state == "half_open" and self._trial_out and not self._lapsed(now))
 
     def allow(self, now: float) -> bool:
         if self.state == "closed":
@@ -42,10 +43,20 @@ class CircuitBreaker:
                 return False
             self.state = "half_open"
             self._trial_out = False
-        if self._trial_out:
+        if self._trial_out and not self._lapsed(now):
             return False
-        self._trial_out = True
+        self._trial_out, self._trial_at = True, now
         return True
+
+    # A trial that never reported (its request was cancelled) stops blocking after this.
+    TRIAL_LAPSE_S = 30.0
+
+    def _lapsed(self, now: float) -> bool:
+        return now - self._trial_at > self.TRIAL_LAPSE_S
+
+    def release(self, now: float) -> None:
+        """The trial ended saying nothing of the endpoint (a bad request, an unknown model)."""
+        self._trial_out = False
 
     def record_success(self, now: float) -> None:
         self.opened_at = None

@@ -418,18 +418,16 @@ class RequestFlow:
         """The offload ended at ``now`` without an answer (``error`` says why)."""
         core, choice = self.core, self._attempt
         core._journal(("offload_failed", self.id, now, error.code.value, error.message))
-        if self._hedging:
-            assert choice is not None and choice.transport is not None
-            if not isinstance(error, InvalidInput):
-                core.learn_failure(
-                    choice, self.mp.cloud_model or self.model, error, self.began, now
-                )
-            return None  # the local run answers (or has answered)
-        if isinstance(error, InvalidInput):
-            return Fail(error)  # the request's own fault: no other route fixes it
         assert choice is not None and choice.transport is not None
-        core.learn_failure(choice, self.mp.cloud_model or self.model, error, self.began, now)
+        if isinstance(error, InvalidInput):
+            core.breakers[choice.transport].release(now)  # says nothing of the endpoint
+        else:
+            core.learn_failure(choice, self.mp.cloud_model or self.model, error, self.began, now)
+        if self._hedging:
+            return None  # the local run answers (or has answered)
         why = f"{choice.name} failed ({error.code.value}: {error.message})"
+        if self._cascade_local is None and isinstance(error, InvalidInput):
+            return Fail(error)  # the request's own fault: no other route fixes it
         if self._cascade_local is not None:
             local = self._cascade_local
             return replace(
@@ -629,8 +627,10 @@ class EdgeCore:
         self.usage.add(choice.up_bytes, now)
         if isinstance(error, ModelNotFound):
             self.missing[(transport, cloud_model)] = now + MISSING_MODEL_COOLDOWN_S
+            self.breakers[transport].release(now)
             return
         if not isinstance(error, ENDPOINT_FAILURES):
+            self.breakers[transport].release(now)
             return  # this request's own failure; the endpoint is fine
         self.radio.transfer_done(now)  # the radio was on until the agent gave up
         self.breakers[transport].record_failure(now)

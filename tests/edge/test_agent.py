@@ -221,8 +221,10 @@ async def test_a_network_change_swaps_the_link_profile_and_its_energy_model(
     async with Agent(load_agent_config(cfg)) as agent:
         assert agent.links["http"].name == "wifi"
         wifi = agent.dataplane.decide("lin", _request(x), 2.0, mode="cloud").choice
+        agent.estimators.link("http").observe(60_000, 1_000, 0.05, 0.0, time.monotonic())
         agent.set_link("http", "lte")
         assert agent.links["http"].name == "lte"
+        assert agent.estimators.link("http").samples == 0  # a new network: learnt afresh
         assert agent.estimators.link("http").prior_up_bps == agent.links["http"].up_mbps * 1e6
         lte = agent.dataplane.decide("lin", _request(x), 2.0, mode="cloud").choice
         assert lte.energy_j > wifi.energy_j  # LTE's promotion and tail

@@ -162,3 +162,29 @@ def test_a_hedge_whose_offload_fails_is_answered_locally():
     assert flow.offload_failed(1.2, DeadlineExceeded("lost")) is None  # wait for the local run
     answer = flow.local_done(2.0, 1.0)
     assert isinstance(answer, Answer) and answer.where == "local" and not answer.fallback
+
+
+def test_a_breaker_trial_that_says_nothing_of_the_endpoint_is_given_back():
+    from shared.errors import ModelNotFound
+
+    core = _core()
+    breaker = core.breakers["http"]
+    for t in (1.0, 1.1, 1.2):
+        breaker.record_failure(t)
+    assert breaker.state == "open"
+    flow = core.begin("m", now=5.0, in_bytes=60_000, connected={"http": True}, deadline_ms=3000)
+    action = flow.start()
+    assert isinstance(action, Offload)  # the request carries the half-open trial
+    flow.offload_failed(5.2, ModelNotFound("no such model"))
+    assert core.usable(6.0, {"http": True}) == {"http": True}  # not stuck half-open
+    assert core.breakers["http"].ready(6.0)
+
+
+def test_a_cascade_keeps_its_local_answer_when_the_cloud_calls_the_input_bad():
+    core = _core(mode="cascade")
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=5000)
+    assert isinstance(flow.start(), RunLocal)
+    action = flow.local_done(2.0, 1.0, confidence=0.3)  # unsure: ask the cloud
+    assert isinstance(action, Offload)
+    answer = flow.offload_failed(2.2, InvalidInput("the cloud refuses it"))
+    assert isinstance(answer, Answer) and answer.where == "local"
