@@ -230,6 +230,8 @@ class LogRate:
     def from_dict(cls, d: dict[str, Any], now: float) -> LogRate:
         b = cls()
         b.mu, b.var, b.count = d.get("mu"), float(d.get("var", 0.25)), int(d.get("n", 0))
+        if b.mu is not None:
+            b.count = max(b.count, 1)  # a belief has at least the sample that set it
         age = d.get("age_s")
         b.updated = None if age is None else now - float(age)
         return b

@@ -385,7 +385,7 @@ class Policy:
                 + w.data_mb * (up + down) / 1e6
                 + w.money * money
             )
-        if up >= down:
+        if t_up >= t_down:  # the bottleneck: the direction that takes longer
             nbits, rate, sigma = up * 8.0, up_bps, up_sigma
         else:
             nbits, rate, sigma = down * 8.0, down_bps, down_sigma
