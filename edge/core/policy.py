@@ -527,9 +527,7 @@ class Policy:
             p_next = rate * tail if rate * tail < 1.0 else 1.0
             run = min(p_next / max(1.0 - p_next, 1e-9), horizon_requests(rate))
             price, hedge = o.cost - best.cost, False
-            if not _fallback_fits(o, best, ctx.deadline_s):
-                if best.latency_q_s > ctx.deadline_s:
-                    continue
+            if not _fallback_fits(o, best, ctx.deadline_s):  # best: a feasible local run
                 # No room to fall back after it: hedge, running locally meanwhile.
                 price, hedge = self._hedge_price(o, best, best), True
             if saving * run <= price:
@@ -575,18 +573,17 @@ class Policy:
             p_better, saving = exploration_value(o, best.cost)
             value = saving * horizon
             hedge = False
-            if local is not None and local.latency_q_s <= ctx.deadline_s:
+            if local is not None:  # feasible: its run makes the deadline
                 # Exploring must not cost this request its deadline: with no room to
                 # fall back afterwards, the local run goes at once, beside the attempt;
                 # and where a hedge is the cheaper way to learn (a doubtful link that
                 # may crawl past the time to give up on it), it is taken too.
                 hedged = self._hedge_price(o, local, best)
-                if _fallback_fits(o, local, ctx.deadline_s):
+                room = _fallback_fits(o, local, ctx.deadline_s)
+                if room:
                     price = self._plain_price(o, local, best, ctx.deadline_s)
-                if hedged < price or not _fallback_fits(o, local, ctx.deadline_s):
+                if hedged < price or not room:
                     price, hedge = hedged, True
-            elif local is not None and not _fallback_fits(o, local, ctx.deadline_s):
-                continue
             if value <= price:
                 continue
             if pick is None or value - price > pick[0]:
