@@ -21,7 +21,6 @@ from aiohttp import web
 from cloud.dataplane import DataPlane
 from shared import v2
 from shared.errors import ConfigError, FerryError, InvalidInput, PayloadTooLarge, Unauthenticated
-from shared.messages import InferRequest, InferResponse
 from shared.repository import parse_config_json, validate_model_name
 from shared.tensors import Limits
 
@@ -38,13 +37,6 @@ EXTENSIONS = [
     "statistics",
     "schedule_policy",
 ]
-#: JSON bodies above this are decoded and encoded in a worker thread, so one big
-#: JSON request does not stall the event loop; binary tensors stay on the loop
-#: (their decoding is a view over the body, their encoding a list of views).
-JSON_OFFLOAD_BYTES = 1 << 20
-#: elements above which a JSON output is likely past JSON_OFFLOAD_BYTES once printed
-_JSON_OFFLOAD_ELEMENTS = JSON_OFFLOAD_BYTES // 8
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DATAPLANE: web.AppKey[DataPlane] = web.AppKey("dataplane", DataPlane)
 
@@ -59,15 +51,6 @@ def load_tokens(path: Path) -> list[bytes]:
     if not tokens:
         raise ConfigError(f"{path}: tokens file holds no token")
     return tokens
-
-
-def _json_heavy(response: InferResponse, request: InferRequest) -> bool:
-    """Whether the JSON part of the answer is big enough to print off the loop."""
-    elements = 0
-    for tensor in response.outputs:
-        if not v2.wants_binary(request, tensor.name):
-            elements += tensor.data.size
-    return elements > _JSON_OFFLOAD_ELEMENTS
 
 
 def error_response(exc: FerryError) -> web.Response:
@@ -244,14 +227,18 @@ class HttpFront:
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         m = request.match_info
+        # An unknown model is refused before its body is read or decoded.
+        self.dataplane.get(m["model"], m.get("version"))
         body = await request.read()
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
-        if (header_length or len(body)) > JSON_OFFLOAD_BYTES:
+        # Big JSON and BYTES bodies are decoded (and answered) in a worker thread, so
+        # one request cannot stall the loop; fixed-size binary tensors are views.
+        if v2.decode_needs_worker(body, header_length):
             decoded = await asyncio.to_thread(v2.decode_request, body, header_length, self.limits)
         else:
             decoded = v2.decode_request(body, header_length, self.limits)
         response = await self.dataplane.infer(m["model"], decoded, version=m.get("version"))
-        if _json_heavy(response, decoded):
+        if v2.encode_needs_worker(response, decoded):
             chunks, out_header_length = await asyncio.to_thread(
                 v2.encode_response, response, decoded
             )

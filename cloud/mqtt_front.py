@@ -280,10 +280,17 @@ class MqttFront:
             model = model_from_topic(message.topic)
             if model is None:
                 raise InvalidInput(f"not a request topic: {message.topic!r}")
-            request = envelope.decode_request(payload, self.limits)
+            self.dataplane.get(model, None)  # an unknown model is refused before decoding
+            if envelope.decode_needs_worker(payload):  # big or BYTES: off the loop
+                request = await asyncio.to_thread(envelope.decode_request, payload, self.limits)
+            else:
+                request = envelope.decode_request(payload, self.limits)
             request_id = request.id
             response = await self.dataplane.infer(model, request, deadline=deadline)
-            reply = envelope.encode_reply(response)
+            if envelope.encode_needs_worker(response):
+                reply = await asyncio.to_thread(envelope.encode_reply, response)
+            else:
+                reply = envelope.encode_reply(response)
         except FerryError as exc:
             request_id = request_id or envelope.peek_request_id(payload) or ""
             reply = envelope.encode_error_reply(request_id, exc)

@@ -30,8 +30,6 @@ from shared.tensors import Limits
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# A JSON part this large takes milliseconds to decode: do it in a worker thread.
-JSON_OFFLOAD_BYTES = 1 << 20
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "deferred"]
 
 
@@ -189,7 +187,7 @@ class LocalApi:
             self.agent.dataplane.resolve(name, version)
         body = await request.read()
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
-        if (header_length or len(body)) > JSON_OFFLOAD_BYTES:  # big JSON: off the loop
+        if v2.decode_needs_worker(body, header_length):  # big JSON or BYTES: off the loop
             decoded = await asyncio.to_thread(v2.decode_request, body, header_length, self.limits)
         else:
             decoded = v2.decode_request(body, header_length, self.limits)
@@ -201,7 +199,12 @@ class LocalApi:
             priority=priority,
             deferrable=deferrable,
         )
-        chunks, out_header_length = v2.encode_response(response, decoded)
+        if v2.encode_needs_worker(response, decoded):
+            chunks, out_header_length = await asyncio.to_thread(
+                v2.encode_response, response, decoded
+            )
+        else:
+            chunks, out_header_length = v2.encode_response(response, decoded)
         if out_header_length is None:
             return web.Response(body=chunks[0], content_type="application/json")
         return web.Response(

@@ -94,6 +94,29 @@ def _from_wire(items: list[WireTensor], limits: Limits, what: str) -> list[Tenso
     return out
 
 
+#: payloads above this are decoded in a worker thread when they may hold BYTES
+WORKER_BYTES = 64 << 10
+
+
+def decode_needs_worker(payload: bytes | memoryview) -> bool:
+    """Whether decoding ``payload`` could hold the event loop for milliseconds.
+
+    Fixed-size tensors decode as one copy of their bytes; BYTES tensors are
+    parsed element by element.  Any payload over 1 MiB goes to a worker, and a
+    smaller one over :data:`WORKER_BYTES` when the datatype name appears in it
+    (a false hit inside tensor data only costs a thread hop).
+    """
+    size = len(payload)
+    if size > 1 << 20:
+        return True
+    return size > WORKER_BYTES and bytes(payload).find(b"BYTES") >= 0
+
+
+def encode_needs_worker(response: InferResponse) -> bool:
+    """Whether a reply holds BYTES outputs big enough to encode in a worker thread."""
+    return any(t.datatype == "BYTES" and t.data.size > 16 << 10 for t in response.outputs)
+
+
 def _check_size(payload: bytes | memoryview, limits: Limits) -> None:
     if len(payload) > limits.max_body_bytes:
         raise PayloadTooLarge(

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from shared.bytescodec import decode_bytes, encode_bytes
 from shared.datatypes import element_size, numpy_dtype, v2_datatype, validate_datatype
 from shared.errors import InvalidInput, PayloadTooLarge
 
@@ -168,42 +169,12 @@ def bytes_array_from_buffer(
     name: str, shape: tuple[int, ...], count: int, buf: memoryview | bytes
 ) -> np.ndarray:
     """Parse ``count`` length-prefixed BYTES elements, which must fill ``buf`` exactly."""
-    view = memoryview(buf)
-    total = len(view)
-    if count * 4 > total:
-        raise InvalidInput(
-            f"input {name!r}: {count} BYTES elements need at least {count * 4} bytes, got {total}"
-        )
-    out = np.empty(count, dtype=object)
-    offset = 0
-    for i in range(count):
-        if offset + 4 > total:
-            raise InvalidInput(f"input {name!r}: BYTES element {i} truncated (no length prefix)")
-        (length,) = _U32.unpack_from(view, offset)
-        offset += 4
-        end = offset + length
-        if end > total:
-            raise InvalidInput(
-                f"input {name!r}: BYTES element {i} declares {length} bytes, "
-                f"only {total - offset} remain"
-            )
-        out[i] = bytes(view[offset:end])
-        offset = end
-    if offset != total:
-        raise InvalidInput(
-            f"input {name!r}: {total - offset} bytes left over after {count} BYTES elements"
-        )
-    return out.reshape(shape)
+    return decode_bytes(name, shape, count, buf)
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
     """BYTES elements as 4-byte little-endian length + data, in C order."""
-    parts: list[bytes] = []
-    for item in array.reshape(-1):
-        raw = item.encode() if isinstance(item, str) else bytes(item)
-        parts.append(_U32.pack(len(raw)))
-        parts.append(raw)
-    return b"".join(parts)
+    return encode_bytes(array)
 
 
 def array_to_buffer(array: np.ndarray, datatype: str) -> memoryview | bytes:

@@ -83,6 +83,44 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
+#: JSON parts above this take milliseconds to decode or print: worth a worker thread
+JSON_WORKER_BYTES = 1 << 20
+#: binary BYTES data above this is parsed element by element: worth a worker thread
+BYTES_WORKER_BYTES = 64 << 10
+#: elements of a JSON output likely past JSON_WORKER_BYTES once printed
+_JSON_WORKER_ELEMENTS = JSON_WORKER_BYTES // 8
+#: BYTES elements an encoder copies one by one: worth a worker thread
+_BYTES_WORKER_ELEMENTS = 16 << 10
+
+
+def decode_needs_worker(body: bytes | memoryview, header_length: int | None) -> bool:
+    """Whether decoding ``body`` could hold the event loop for milliseconds.
+
+    Fixed-size binary tensors are views over the body (cheap at any size);
+    what costs is a big JSON part, or a binary part holding BYTES, which is
+    parsed element by element.  The check reads the JSON header only.
+    """
+    if header_length is None:
+        return len(body) > JSON_WORKER_BYTES
+    if header_length > JSON_WORKER_BYTES:
+        return True
+    if len(body) - header_length <= BYTES_WORKER_BYTES:
+        return False
+    return bytes(memoryview(body)[:header_length]).find(b"BYTES") >= 0
+
+
+def encode_needs_worker(response: InferResponse, request: InferRequest | None) -> bool:
+    """Whether encoding ``response`` could hold the event loop for milliseconds."""
+    json_elements = 0
+    for tensor in response.outputs:
+        size = tensor.data.size
+        if tensor.datatype == "BYTES" and size > _BYTES_WORKER_ELEMENTS:
+            return True
+        if request is None or not wants_binary(request, tensor.name):
+            json_elements += size
+    return json_elements > _JSON_WORKER_ELEMENTS
+
+
 def _split(
     body: bytes | memoryview, header_length: int | None, limits: Limits, what: str
 ) -> tuple[memoryview, memoryview]:
