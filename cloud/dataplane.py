@@ -43,9 +43,15 @@ from shared.repository import (
     v2_model_metadata,
     validate_model_name,
 )
+from shared.repository.capacity import (
+    NodeCapacity,
+    available_memory,
+    check_capacity,
+    model_file_bytes,
+)
 from shared.runtimes import Session, load_session
 from shared.runtimes.base import available_cpus
-from shared.tensors import Tensor
+from shared.tensors import Limits, Tensor
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class DataPlane:
         idempotency_ttl_s: float = 600.0,
         idempotency_max_entries: int = 4096,
         cores: int | None = None,
+        max_elements: int = Limits.max_elements,
     ) -> None:
         self.repository = repository
         self.node = node
@@ -80,6 +87,7 @@ class DataPlane:
         self.idempotency_ttl_s = idempotency_ttl_s
         self.idempotency_max_entries = idempotency_max_entries
         self.cores = cores or available_cpus()
+        self.max_elements = max_elements
         self._models: dict[str, dict[int, LoadedModel]] = {}
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -159,6 +167,14 @@ class DataPlane:
             versions = self.repository.selected_versions(name, config)
             if not versions:
                 raise ModelNotFound(f"model {name!r} has no version with a model file")
+            _, newest = self.repository.model_file(name, versions[-1], config.backend)
+            check_capacity(
+                config,
+                NodeCapacity(self.cores, available_memory(), self.max_elements),
+                str(config.source) if config.source else "load request: parameter 'config'",
+                versions=len(versions),
+                model_bytes=model_file_bytes(newest),
+            )
             own = planned_sessions(config, len(versions))
             threads = session_threads(
                 config, self.cores, max(other_sessions + own, self._planned_sessions)

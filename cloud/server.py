@@ -46,6 +46,7 @@ class CloudServer:
             strict_readiness=config.strict_readiness,
             idempotency_ttl_s=config.idempotency_ttl_s,
             idempotency_max_entries=config.idempotency_max_entries,
+            max_elements=config.limits.max_elements,
         )
         self.gpu = GpuMonitor()
         self.cpu = CpuMonitor()

@@ -303,7 +303,7 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         cloud=_cloud(data, source, base),
         links=links,
         policy=_policy(data, source),
-        local_threads=int(_range(source, "local_threads", data.get("local_threads", 0), 0)),
+        local_threads=int(_range(source, "local_threads", data.get("local_threads", 0), 0, 1024)),
         probe_interval_s=float(
             _range(source, "probe_interval_s", data.get("probe_interval_s", 5.0), 0, low_open=True)
         ),

@@ -215,3 +215,23 @@ async def test_linear_results_are_unchanged_by_the_warm_up(repo):
     got = (await dp.infer("e", _request(x))).outputs[0].data
     np.testing.assert_allclose(got, linear_reference(x, w, b), rtol=1e-5, atol=1e-5)
     await dp.close()
+
+
+async def test_instances_that_would_not_fit_in_memory_are_refused_before_loading(repo):
+    from shared.repository.capacity import NodeCapacity, check_capacity
+
+    config = parse_config_json(json.dumps({"instance_group": {"count": 8}}), "b")
+    small = NodeCapacity(cores=2, memory_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="'instance_group.count'.*MiB"):
+        check_capacity(config, small, "b/config.toml", versions=1, model_bytes=1 << 18)
+    check_capacity(config, NodeCapacity(cores=2, memory_bytes=1 << 30), "b", model_bytes=1 << 18)
+
+
+async def test_a_repository_config_past_the_node_bounds_fails_its_load_only(repo):
+    (repo / "b" / "config.toml").write_text("[instance_group]\ncount = 100000\n")
+    dp = DataPlane(ModelRepository(repo), "n")
+    with pytest.raises(ConfigError, match=r"config.toml: key 'instance_group.count'"):
+        await dp.load("b")
+    await dp.load("a")
+    assert dp.model_ready("a")
+    await dp.close()

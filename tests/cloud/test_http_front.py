@@ -355,3 +355,34 @@ def test_json_bodies_over_a_megabyte_round_trip(server, test_repository):
     got = client.infer("bigjson", [inp], outputs=[out]).as_numpy("y")
     np.testing.assert_array_equal(got, x)
     client.unload_model("bigjson")
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"instance_group": {"count": 1000000}}, "instance_group.count"),
+        ({"runtime": {"threads": 100000}}, "runtime.threads"),
+        ({"max_batch_size": 1 << 40}, "max_batch_size"),
+        ({"dynamic_batching": {"max_queue_size": 1 << 40}}, "dynamic_batching.max_queue_size"),
+        ({"dynamic_batching": {"priority_levels": 1 << 30}}, "dynamic_batching.priority_levels"),
+        (
+            {
+                "max_batch_size": 8,
+                "input": [{"name": "x", "datatype": "FP32", "dims": [1 << 30, 4]}],
+            },
+            "input[0].dims",
+        ),
+    ],
+)
+def test_a_load_whose_sizes_exceed_the_node_is_refused_naming_the_key(
+    server, test_repository, config, key
+):
+    write_linear_model(test_repository / "greedy" / "1" / "model.onnx", seed=7)
+    status, _, doc = _post(
+        server.http_url + "/v2/repository/models/greedy/load",
+        json.dumps({"parameters": {"config": json.dumps(config)}}).encode(),
+    )
+    assert status == 400 and doc["code"] == "invalid_config", doc
+    assert repr(key) in doc["error"], doc
+    live, _, _ = _post(server.http_url + "/v2/repository/index", b"{}")
+    assert live == 200  # still up, nothing built

@@ -1,0 +1,144 @@
+"""What a node can hold, and the check that a model configuration fits in it.
+
+Every size in a configuration is user input (a ``config.toml`` or the JSON
+override of a load request), and several of them make the node allocate:
+instances are whole runtime sessions, threads are OS threads, a priority
+level is a queue.  A typo or a hostile ``instance_group.count = 1000000``
+must be refused with the key's name before anything is built, not found
+when the machine runs out of memory.  The bounds are generous (well past any
+setting that makes a model faster) and scale with the node.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ConfigError
+from shared.repository.config import ModelConfig
+from shared.tensors import Limits
+
+#: the batcher keeps one queue per priority level
+MAX_PRIORITY_LEVELS = 256
+#: a queue bound past this is no bound (the node's byte budget bounds memory anyway)
+MAX_QUEUE_SIZE = 1 << 20
+#: an hour: longer delays and timeouts are typos
+MAX_DELAY_US = 3_600_000_000
+#: runtimes keep a few times the file's size resident per session (weights, arenas)
+SESSION_MEMORY_FACTOR = 2
+
+
+def available_memory() -> int:
+    """Bytes the node may still take (MemAvailable; all of RAM where /proc is absent)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """The node's cores, the memory models may take, and the codec's element bound."""
+
+    cores: int
+    memory_bytes: int
+    max_elements: int = Limits.max_elements
+
+    @classmethod
+    def detect(cls, limits: Limits | None = None) -> NodeCapacity:
+        return cls(
+            cores=_cores(),
+            memory_bytes=available_memory(),
+            max_elements=(limits or Limits()).max_elements,
+        )
+
+    @property
+    def max_instances(self) -> int:
+        return max(8, 16 * self.cores)
+
+    @property
+    def max_threads(self) -> int:
+        return max(8, 4 * self.cores)
+
+
+def model_file_bytes(path: Path) -> int:
+    """Bytes of a model's files (an OpenVINO IR's weights live beside its .xml)."""
+    path = Path(path)
+    total = path.stat().st_size if path.is_file() else 0
+    if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
+        total += path.with_suffix(".bin").stat().st_size
+    return total
+
+
+def _refuse(source: str, key: str, value: object, bound: str) -> ConfigError:
+    return ConfigError(f"{source}: key {key!r}: {value} exceeds this node's bound ({bound})")
+
+
+def check_capacity(
+    config: ModelConfig,
+    capacity: NodeCapacity,
+    source: str,
+    *,
+    versions: int = 1,
+    model_bytes: int = 0,
+) -> None:
+    """Refuse a configuration whose sizes this node cannot hold; name the key."""
+    count = config.instance_group.count
+    if count > capacity.max_instances:
+        raise _refuse(
+            source, "instance_group.count", count,
+            f"{capacity.max_instances} instances for {capacity.cores} cores",
+        )  # fmt: skip
+    if config.runtime.threads > capacity.max_threads:
+        raise _refuse(
+            source, "runtime.threads", config.runtime.threads,
+            f"{capacity.max_threads} threads for {capacity.cores} cores",
+        )  # fmt: skip
+    mbs = config.max_batch_size or 0
+    if mbs > capacity.max_elements:
+        raise _refuse(source, "max_batch_size", mbs, f"{capacity.max_elements} elements")
+    batching = config.dynamic_batching
+    if batching is not None:
+        key = "dynamic_batching."
+        if batching.max_queue_size > MAX_QUEUE_SIZE:
+            raise _refuse(source, key + "max_queue_size", batching.max_queue_size, MAX_QUEUE_SIZE)
+        if batching.priority_levels > MAX_PRIORITY_LEVELS:
+            raise _refuse(
+                source, key + "priority_levels", batching.priority_levels, MAX_PRIORITY_LEVELS
+            )
+        for field in ("max_queue_delay_us", "default_timeout_us"):
+            value = getattr(batching, field)
+            if value > MAX_DELAY_US:
+                raise _refuse(source, key + field, value, f"{MAX_DELAY_US} us, one hour")
+    for what, specs in (("input", config.inputs), ("output", config.outputs)):
+        for i, spec in enumerate(specs):
+            fixed = 1
+            for dim in spec.dims:
+                if dim > 0:
+                    fixed *= dim
+            if fixed * max(1, mbs) > capacity.max_elements:
+                raise _refuse(
+                    source, f"{what}[{i}].dims", list(spec.dims),
+                    f"{capacity.max_elements} elements per tensor, batch included",
+                )  # fmt: skip
+    need = count * versions * model_bytes * SESSION_MEMORY_FACTOR
+    if model_bytes and need > capacity.memory_bytes:
+        raise ConfigError(
+            f"{source}: key 'instance_group.count': {count} instance(s) x {versions} version(s) "
+            f"of a {model_bytes} byte model need about {need >> 20} MiB; this node has "
+            f"{capacity.memory_bytes >> 20} MiB available"
+        )
