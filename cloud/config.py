@@ -16,7 +16,7 @@ are an error rather than silently ignored.
 from __future__ import annotations
 
 import socket
-import sys
+import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -25,11 +25,6 @@ from shared.configcheck import NUMBER, check_keys
 from shared.errors import ConfigError
 from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.tensors import Limits
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)

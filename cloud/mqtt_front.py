@@ -119,7 +119,7 @@ class MqttFront:
         client.loop_start()
         try:
             await asyncio.wait_for(self._connected.wait(), wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning(
                 "MQTT broker %s:%s not reachable yet; retrying in the background",
                 broker.host,

@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import math
 import re
-import sys
+import tomllib
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 LINK_KINDS = ("wifi", "lte", "3g", "ethernet")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")

@@ -9,7 +9,7 @@ profile, a bad broker URL, an unreadable credentials file).
 
 from __future__ import annotations
 
-import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,11 +20,6 @@ from edge.core.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weigh
 from shared.configcheck import NUMBER, check_keys
 from shared.errors import ConfigError
 from shared.mqtt import parse_broker_url
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,11 +17,6 @@ from edge.evaluation.report import plots, table
 from edge.evaluation.workload import load_workload
 from edge.netem.traces import Trace, steady, trace_from_spec
 from shared.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["add_evaluate_arguments", "load_workload", "run_evaluate", "run_profile"]
 

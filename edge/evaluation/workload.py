@@ -10,7 +10,7 @@ in one run sees exactly the same requests.
 from __future__ import annotations
 
 import math
-import sys
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -18,11 +18,6 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class MqttTransport:
         client.loop_start()
         try:
             await asyncio.wait_for(self._ready.wait(), wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("broker %s:%s not reachable yet", self.broker.host, self.broker.port)
 
     async def close(self) -> None:
@@ -149,7 +149,7 @@ class MqttTransport:
             self._publish(correlation, pending)
             try:
                 response, received = await asyncio.wait_for(future, remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise DeadlineExceeded(
                     f"no MQTT reply from model {model!r} within the deadline"
                 ) from None
@@ -176,7 +176,7 @@ class MqttTransport:
         try:
             self._client.publish(self.reply_topic, b"", qos=1, properties=props)
             await asyncio.wait_for(future, max(deadline - started, 0.001))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise DeadlineExceeded("MQTT probe timed out") from None
         finally:
             self._probes.pop(correlation, None)

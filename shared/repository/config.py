@@ -12,7 +12,7 @@ serving config is found only in production.
 from __future__ import annotations
 
 import json
-import sys
+import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,11 +21,6 @@ from shared.datatypes import DATATYPES
 from shared.errors import ConfigError
 from shared.runtimes import BACKENDS
 from shared.runtimes.base import RuntimeOptions, TensorSpec
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 #: max_batch_size given to a model whose config leaves it out and whose every
 #: tensor has a dynamic first dimension (raised to the largest preferred batch

@@ -222,7 +222,7 @@ async def test_instances_that_would_not_fit_in_memory_are_refused_before_loading
 
     config = parse_config_json(json.dumps({"instance_group": {"count": 8}}), "b")
     small = NodeCapacity(cores=2, memory_bytes=1 << 20)
-    with pytest.raises(ConfigError, match="'instance_group.count'.*MiB"):
+    with pytest.raises(ConfigError, match=r"'instance_group.count'.*MiB"):
         check_capacity(config, small, "b/config.toml", versions=1, model_bytes=1 << 18)
     check_capacity(config, NodeCapacity(cores=2, memory_bytes=1 << 30), "b", model_bytes=1 << 18)
 
