@@ -8,7 +8,11 @@ as in the model repository.
 :class:`shared.tensors.Limits`) and the node's own: ``max_queue_size``, the
 queue bound of every model that sets none (0: unbounded), and
 ``max_inflight_mqtt``, how many MQTT requests may be received but not yet
-answered before new ones get an "overloaded" reply.  TLS options
+answered before new ones get an "overloaded" reply, and ``max_inflight_bytes``,
+the bytes of such requests over HTTP and MQTT together (0: no bound).
+``[http]`` bounds how long a connection may dawdle (``header_timeout_s``,
+``body_timeout_s``, ``idle_timeout_s``) and how many may be open
+(``max_connections``).  TLS options
 (``mqtt.ca_file`` ...) need an ``mqtts://`` URL: with ``mqtt://`` they
 are an error rather than silently ignored.
 """
@@ -33,6 +37,14 @@ class HttpConfig:
     port: int = 8000
     tokens_file: Path | None = None
     open_metrics: bool = True
+    #: a connection that sends part of a request header and stops is closed after this
+    header_timeout_s: float = 10.0
+    #: a request body not fully received in this long gets 504 and frees its budget
+    body_timeout_s: float = 60.0
+    #: a kept-alive connection with no request for this long is closed
+    idle_timeout_s: float = 75.0
+    #: open connections before new ones get 503 and are closed (0: from the descriptor limit)
+    max_connections: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,8 @@ class MqttConfig:
 DEFAULT_MAX_QUEUE_SIZE = 1024
 #: MQTT requests received but not yet answered, before "overloaded" replies
 DEFAULT_MAX_INFLIGHT_MQTT = 1024
+#: bytes of requests received and not yet answered, HTTP and MQTT together
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -64,13 +78,14 @@ class CloudConfig:
     shutdown_grace_s: float = 30.0
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
     max_inflight_mqtt: int = DEFAULT_MAX_INFLIGHT_MQTT
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     #: Triton's --strict-readiness: not ready while a requested model failed to load
     strict_readiness: bool = True
     idempotency_ttl_s: float = 600.0
     idempotency_max_entries: int = 4096
 
 
-_NODE_LIMITS = {"max_queue_size": int, "max_inflight_mqtt": int}
+_NODE_LIMITS = {"max_queue_size": int, "max_inflight_mqtt": int, "max_inflight_bytes": int}
 _TLS_KEYS = ("ca_file", "cert_file", "key_file", "tls_insecure")
 
 
@@ -82,7 +97,17 @@ _SCHEMA: dict[str, Any] = {
     "strict_readiness": bool,
     "idempotency_ttl_s": NUMBER,
     "idempotency_max_entries": int,
-    "http": {"host": str, "port": int, "tokens_file": str, "open_metrics": bool, "enabled": bool},
+    "http": {
+        "host": str,
+        "port": int,
+        "tokens_file": str,
+        "open_metrics": bool,
+        "enabled": bool,
+        "header_timeout_s": NUMBER,
+        "body_timeout_s": NUMBER,
+        "idle_timeout_s": NUMBER,
+        "max_connections": int,
+    },
     "mqtt": {
         "url": str,
         "username": str,
@@ -110,6 +135,13 @@ def _read_secret(path: str, source: str, key: str) -> str:
 def _non_negative(value: int, source: str, key: str) -> int:
     if value < 0:
         raise ConfigError(f"{source}: key {key!r}: expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive(table: dict[str, Any], key: str, default: float, source: str) -> float:
+    value = float(table.get(key, default))
+    if not value > 0:
+        raise ConfigError(f"{source}: key 'http.{key}': expected a number > 0, got {value}")
     return value
 
 
@@ -153,6 +185,12 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             port=http_data.get("port", 8000),
             tokens_file=Path(tokens) if tokens else None,
             open_metrics=http_data.get("open_metrics", True),
+            header_timeout_s=_positive(http_data, "header_timeout_s", 10.0, source),
+            body_timeout_s=_positive(http_data, "body_timeout_s", 60.0, source),
+            idle_timeout_s=_positive(http_data, "idle_timeout_s", 75.0, source),
+            max_connections=_non_negative(
+                http_data.get("max_connections", 0), source, "http.max_connections"
+            ),
         )
     mqtt = None
     mqtt_data = data.get("mqtt", {})
@@ -208,6 +246,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         shutdown_grace_s=float(data.get("shutdown_grace_s", 30.0)),
         max_queue_size=node_limits.get("max_queue_size", DEFAULT_MAX_QUEUE_SIZE),
         max_inflight_mqtt=node_limits.get("max_inflight_mqtt", DEFAULT_MAX_INFLIGHT_MQTT),
+        max_inflight_bytes=node_limits.get("max_inflight_bytes", DEFAULT_MAX_INFLIGHT_BYTES),
         strict_readiness=data.get("strict_readiness", True),
         idempotency_ttl_s=ttl,
         idempotency_max_entries=max(

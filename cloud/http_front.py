@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cloud.admission import ByteBudget, ConnectionGuard, read_body
 from cloud.dataplane import DataPlane
 from shared import v2
 from shared.errors import ConfigError, FerryError, InvalidInput, PayloadTooLarge, Unauthenticated
@@ -121,15 +122,23 @@ class HttpFront:
         tokens: list[bytes] | None = None,
         open_metrics: bool = True,
         metrics: Callable[[], tuple[bytes, str]] | None = None,
+        budget: ByteBudget | None = None,
+        guard: ConnectionGuard | None = None,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self.dataplane = dataplane
         self.limits = limits
+        self.budget = budget or ByteBudget(0)
+        self.guard = guard
+        self.body_timeout_s = body_timeout_s
         self.tokens = tokens
         self.open_metrics = open_metrics
         self.metrics = metrics
 
     def build_app(self) -> web.Application:
         middlewares = [_errors]
+        if self.guard is not None:
+            middlewares.insert(0, self.guard.middleware())
         if self.tokens:
             middlewares.append(_auth(self.tokens, self.open_metrics))
         app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=middlewares)
@@ -213,8 +222,18 @@ class HttpFront:
         await self.dataplane.unload(name)
         return _json({})
 
+    async def _read(self, request: web.Request) -> tuple[bytes, int]:
+        """The body, within the node's byte budget and the body timeout."""
+        return await read_body(
+            request,
+            self.budget,
+            timeout_s=self.body_timeout_s,
+            max_bytes=self.limits.max_body_bytes,
+        )
+
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
+        raw, taken = await self._read(request)
+        self.budget.give(taken)  # parsed at once; the document is small next to the body
         if not raw.strip():
             return {}
         try:
@@ -229,7 +248,13 @@ class HttpFront:
         m = request.match_info
         # An unknown model is refused before its body is read or decoded.
         self.dataplane.get(m["model"], m.get("version"))
-        body = await request.read()
+        body, taken = await self._read(request)
+        try:
+            return await self._infer(m, request, body)
+        finally:
+            self.budget.give(taken)
+
+    async def _infer(self, m: Any, request: web.Request, body: bytes) -> web.StreamResponse:
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
         # Big JSON and BYTES bodies are decoded (and answered) in a worker thread, so
         # one request cannot stall the loop; fixed-size binary tensors are views.

@@ -6,8 +6,8 @@ request's Response Topic with its Correlation Data.  Message Expiry becomes
 the request's deadline.  paho reconnects by itself; ``on_connect``
 re-subscribes, so a broker restart needs nothing from the operator.
 
-Backpressure: at most ``max_inflight`` requests may be received and not yet
-answered.  The count is taken on paho's thread, before the message is handed
+Backpressure: at most ``max_inflight`` requests, and at most the node's byte
+budget (shared with the HTTP front), may be received and not yet answered.  The count is taken on paho's thread, before the message is handed
 to the loop or decoded, so a flood costs one "overloaded" error reply per
 message (with ``retry_after_ms``) instead of unbounded memory.
 
@@ -30,6 +30,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from cloud.admission import ByteBudget
 from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
@@ -62,6 +63,7 @@ class MqttFront:
         node: str,
         *,
         max_inflight: int = 0,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.dataplane = dataplane
         self.config = config
@@ -70,6 +72,7 @@ class MqttFront:
         self.client_id = config.client_id or f"ferry-cloud-{node}"
         self.max_inflight = max_inflight
         self._slots = threading.BoundedSemaphore(max_inflight) if max_inflight else None
+        self.budget = budget or ByteBudget(0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: mqtt.Client | None = None
         self._subscribed: set[str] = set()
@@ -213,9 +216,16 @@ class MqttFront:
                 ),
             )
             return
+        size = len(message.payload)
+        if not self.budget.try_take(size):
+            if self._slots is not None:
+                self._slots.release()
+            self._refuse(client, message, self.budget.overloaded(size))
+            return
         try:
-            self._loop.call_soon_threadsafe(self._spawn, message, received)
+            self._loop.call_soon_threadsafe(self._spawn, message, received, size)
         except RuntimeError:  # the loop is closed: the node is gone
+            self.budget.give(size)
             if self._slots is not None:
                 self._slots.release()
 
@@ -256,13 +266,14 @@ class MqttFront:
             self._client.unsubscribe(topic)
         self._subscribed = wanted
 
-    def _spawn(self, message: mqtt.MQTTMessage, received: float) -> None:
+    def _spawn(self, message: mqtt.MQTTMessage, received: float, size: int) -> None:
         task = asyncio.create_task(self._handle(message, received))
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda t: self._task_done(t, size))
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_done(self, task: asyncio.Task[None], size: int) -> None:
         self._tasks.discard(task)
+        self.budget.give(size)
         if self._slots is not None:
             self._slots.release()
 

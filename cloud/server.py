@@ -23,6 +23,7 @@ import time
 
 from aiohttp import web
 
+from cloud.admission import ByteBudget, ConnectionGuard, GuardedSite, default_max_connections
 from cloud.config import CloudConfig
 from cloud.cpu import CpuMonitor
 from cloud.dataplane import DataPlane
@@ -50,9 +51,11 @@ class CloudServer:
         )
         self.gpu = GpuMonitor()
         self.cpu = CpuMonitor()
+        self.budget = ByteBudget(config.max_inflight_bytes)
+        self.guard: ConnectionGuard | None = None
         self.mqtt: MqttFront | None = None
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._site: GuardedSite | None = None
         self.http_port: int | None = None
 
     async def start(self) -> None:
@@ -74,23 +77,39 @@ class CloudServer:
         if cfg.http is not None:
             registry = make_registry(self.dataplane.all_stats, self.gpu, self.cpu)
             tokens = load_tokens(cfg.http.tokens_file) if cfg.http.tokens_file else None
+            self.guard = ConnectionGuard(
+                max_connections=cfg.http.max_connections or default_max_connections(),
+                header_timeout_s=cfg.http.header_timeout_s,
+                idle_timeout_s=cfg.http.idle_timeout_s,
+            )
             front = HttpFront(
                 self.dataplane,
                 limits=cfg.limits,
                 tokens=tokens,
                 open_metrics=cfg.http.open_metrics,
                 metrics=lambda: render_metrics(registry),
+                budget=self.budget,
+                guard=self.guard,
+                body_timeout_s=cfg.http.body_timeout_s,
             )
             self._runner = web.AppRunner(
-                front.build_app(), access_log=None, shutdown_timeout=cfg.shutdown_grace_s
+                front.build_app(),
+                access_log=None,
+                shutdown_timeout=cfg.shutdown_grace_s,
+                keepalive_timeout=cfg.http.idle_timeout_s,
             )
             await self._runner.setup()
-            self._site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port)
+            self._site = GuardedSite(self._runner, cfg.http.host, cfg.http.port, self.guard)
             await self._site.start()
-            self.http_port = self._runner.addresses[0][1]
+            self.http_port = self._site.port
         if cfg.mqtt is not None:
             self.mqtt = MqttFront(
-                self.dataplane, cfg.mqtt, cfg.limits, cfg.node, max_inflight=cfg.max_inflight_mqtt
+                self.dataplane,
+                cfg.mqtt,
+                cfg.limits,
+                cfg.node,
+                max_inflight=cfg.max_inflight_mqtt,
+                budget=self.budget,
             )
             await self.mqtt.start()
 

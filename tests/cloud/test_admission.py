@@ -1,0 +1,226 @@
+"""What a node lets in: the byte budget over HTTP and MQTT, the connection cap, and
+reaping of connections that stall mid-header or sit idle (rules with a fake clock,
+then a real node over real sockets)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cloud.admission import ByteBudget, ConnectionGuard
+from shared import envelope
+from shared.messages import InferRequest, InferResponse
+from shared.tensors import Tensor
+from tests.cloud.conftest import http_call, infer_body
+from tests.support import cloud_server
+
+
+# ---- the rules, without sockets ---------------------------------------------------------
+class _Transport:
+    def __init__(self) -> None:
+        self.closed = False
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _guard(clock: _Clock, cap: int = 0) -> ConnectionGuard:
+    return ConnectionGuard(
+        max_connections=cap, header_timeout_s=5, idle_timeout_s=30, clock=clock
+    )
+
+
+def test_a_connection_that_stops_mid_header_is_closed_after_the_header_timeout():
+    clock = _Clock()
+    guard = _guard(clock)
+    t = _Transport()
+    assert guard._opened(t)
+    guard._data(t)  # half a header, then nothing
+    clock.now += 4.9
+    assert guard.reap() == 0
+    clock.now += 0.2
+    assert guard.reap() == 1 and t.closed and guard.reaped_header == 1
+    assert guard.open_connections == 0
+
+
+def test_an_idle_kept_alive_connection_is_closed_but_a_running_request_never_is():
+    clock = _Clock()
+    guard = _guard(clock)
+    idle, busy = _Transport(), _Transport()
+    guard._opened(idle)
+    guard._opened(busy)
+    guard._data(busy)
+    guard.begin_request(busy)  # headers complete: the handler runs for a long time
+    clock.now += 31
+    assert guard.reap() == 1 and idle.closed and not busy.closed
+    guard.end_request(busy)
+    clock.now += 29
+    assert guard.reap() == 0
+    clock.now += 2
+    assert guard.reap() == 1 and busy.closed and guard.reaped_idle == 2
+
+
+def test_connections_past_the_cap_get_503_and_are_closed():
+    guard = _guard(_Clock(), cap=2)
+    kept = [_Transport(), _Transport()]
+    assert all(guard._opened(t) for t in kept)
+    extra = _Transport()
+    assert not guard._opened(extra)
+    assert extra.closed and extra.written.startswith(b"HTTP/1.1 503")
+    assert b"Retry-After" in extra.written and guard.refused == 1
+
+
+def test_the_byte_budget_admits_one_request_of_any_size_but_bounds_the_sum():
+    budget = ByteBudget(100)
+    assert budget.try_take(500)  # alone: bounded by the body limit, not the budget
+    assert not budget.try_take(1)
+    budget.give(500)
+    assert budget.try_take(60) and budget.try_take(40) and not budget.try_take(1)
+    assert budget.refused == 2
+
+
+# ---- a real node ------------------------------------------------------------------------
+@pytest.fixture
+def tight_node(tmp_path: Path, test_repository: Path, broker):
+    config = tmp_path / "cloud.toml"
+    config.write_text(
+        f'repository = "{test_repository}"\n'
+        "[http]\nheader_timeout_s = 0.5\nidle_timeout_s = 1.0\nbody_timeout_s = 2.0\n"
+        "max_connections = 24\n"
+        "[limits]\nmax_inflight_bytes = 4000000\n"
+    )
+    proc = cloud_server(
+        test_repository,
+        "--config", str(config),
+        "--models", "linear,echo_bytes",
+        "--mqtt", broker.url,
+        "--node", "tight",
+    ).start()  # fmt: skip
+    yield proc
+    proc.terminate()
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_stalled_and_idle_connections_are_reaped_and_the_cap_holds(tight_node):
+    address = _address(tight_node.http_url)
+    silent = [socket.create_connection(address) for _ in range(8)]
+    half = []
+    for _ in range(8):
+        s = socket.create_connection(address)
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # never finished
+        half.append(s)
+    assert all(_closed_by_peer(s, 5.0) for s in half), "half-header connections stayed open"
+    assert all(_closed_by_peer(s, 5.0) for s in silent), "silent connections stayed open"
+    for s in silent + half:
+        s.close()
+    held = [socket.create_connection(address) for _ in range(24)]
+    time.sleep(0.2)
+    extra = socket.create_connection(address)
+    extra.settimeout(5)
+    assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+    for s in [*held, extra]:
+        s.close()
+    time.sleep(0.3)
+    status, _, _ = http_call(tight_node.http_url + "/v2/health/live")
+    assert status == 200
+
+
+def test_bodies_past_the_node_budget_are_refused_before_they_are_read(tight_node, broker):
+    address = _address(tight_node.http_url)
+    # a client that declares 3 MB and sends it slowly holds 3 MB of the 4 MB budget
+    slow = socket.create_connection(address)
+    slow.sendall(
+        b"POST /v2/models/linear/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 3000000\r\n\r\n{"
+    )
+    time.sleep(0.3)
+    body, headers = infer_body(np.zeros((1, 4), np.float32))
+    status, _, _ = http_call(tight_node.http_url + "/v2/models/linear/infer", body, headers)
+    assert status == 200
+    status, answer_headers, answer = http_call(
+        tight_node.http_url + "/v2/models/linear/infer",
+        b"{" + b" " * 1_999_999,
+        {"Content-Type": "application/json"},
+    )
+    assert status == 503 and b"overloaded" in answer, answer[:200]
+    assert "Retry-After" in answer_headers
+    # the same budget holds over MQTT
+    reply = _mqtt_request(broker, "echo_bytes", 1_500_000)
+    assert not isinstance(reply, InferResponse) and reply.code.value == "overloaded"
+    # the stalled body times out (504) and gives its bytes back
+    slow.settimeout(5.0)
+    assert slow.recv(4096).startswith(b"HTTP/1.1 504")
+    slow.close()
+    time.sleep(0.3)
+    reply = _mqtt_request(broker, "echo_bytes", 1_500_000)
+    assert isinstance(reply, InferResponse), reply
+
+
+def _mqtt_request(broker, model: str, nbytes: int):
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    item = b"x" * (nbytes // 6)
+    data = np.empty((2, 3), dtype=object)
+    data[:] = [[item] * 3] * 2
+    payload = envelope.encode_request(InferRequest(inputs=[Tensor("x", "BYTES", data)], id="b"))
+    got: list[bytes] = []
+    done = threading.Event()
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=f"budget-{time.monotonic_ns()}",
+        protocol=mqtt.MQTTv5,
+    )
+    client.on_message = lambda c, u, m: (got.append(m.payload), done.set())
+    host, port = broker.url.removeprefix("mqtt://").split(":")
+    client.connect(host, int(port))
+    client.subscribe(f"ferry/v1/replies/{client._client_id.decode()}", qos=1)
+    client.loop_start()
+    try:
+        time.sleep(0.2)
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = f"ferry/v1/replies/{client._client_id.decode()}"
+        client.publish(f"ferry/v1/models/{model}/infer", payload, qos=1, properties=props)
+        assert done.wait(30), "no reply"
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    return envelope.decode_reply(got[0])[1]
