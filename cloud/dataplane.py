@@ -33,7 +33,13 @@ from cloud.idempotency import IdempotencyCache, idempotency_key
 from cloud.loading import MemoryProbe, planned_sessions, session_threads, warm_up
 from cloud.stats import OTHER, ModelStats
 from cloud.validation import output_tensor, validated_inputs, validated_outputs
-from shared.errors import FerryError, InvalidInput, ModelNotFound, ModelNotReady
+from shared.errors import (
+    FerryError,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    ShuttingDown,
+)
 from shared.messages import InferRequest, InferResponse
 from shared.repository import (
     ModelConfig,
@@ -133,17 +139,22 @@ class DataPlane:
         """
         validate_model_name(name)
         if self._closing:
-            raise ModelNotReady("server is shutting down")
+            raise ShuttingDown("server is shutting down")
         async with self._lock(name):
             self.repository.model_dir(name)  # ModelNotFound before anything is built
             loop = asyncio.get_running_loop()
+            # A failed hot reload leaves the versions already serving in place (and the
+            # node ready); only a model with nothing loaded is marked failed.
+            serving = name in self._models
             try:
                 built = await loop.run_in_executor(None, self._build, name, config)
             except FerryError as exc:
-                self._failed[name] = exc.message
+                if not serving:
+                    self._failed[name] = exc.message
                 raise
             except Exception as exc:  # a runtime's own failure
-                self._failed[name] = str(exc)
+                if not serving:
+                    self._failed[name] = str(exc)
                 raise ModelNotReady(f"model {name!r} failed to load: {exc}") from exc
             for model in built.values():
                 await model.batcher.start()
@@ -390,7 +401,7 @@ class DataPlane:
     ) -> InferResponse:
         start = time.monotonic()
         if self._closing:
-            raise ModelNotReady("node is shutting down")
+            raise ShuttingDown("node is shutting down")
         model = self.get(name, version or request.model_version)
         try:
             inputs = validated_inputs(model.config, request)

@@ -34,7 +34,7 @@ from cloud.admission import ByteBudget
 from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
-from shared.errors import FerryError, InternalError, InvalidInput, ModelNotReady, Overloaded
+from shared.errors import FerryError, InternalError, InvalidInput, Overloaded, ShuttingDown
 from shared.mqtt import model_from_topic, shared_request_topic, status_topic
 from shared.tensors import Limits
 from shared.tls import client_tls_context
@@ -287,7 +287,7 @@ class MqttFront:
         request_id = None
         try:
             if not self._accepting:
-                raise ModelNotReady(f"node {self.node} is shutting down")
+                raise ShuttingDown(f"node {self.node} is shutting down")
             model = model_from_topic(message.topic)
             if model is None:
                 raise InvalidInput(f"not a request topic: {message.topic!r}")

@@ -27,6 +27,7 @@ from edge.store import DeferredItem, DeferredStore
 from shared import envelope
 from shared.errors import (
     DeadlineExceeded,
+    EndpointUnavailable,
     FerryError,
     ModelNotFound,
     ModelNotReady,
@@ -41,7 +42,7 @@ Sender = Callable[[str, InferRequest], Awaitable[InferResponse]]
 T = TypeVar("T")
 
 # The link or the endpoint is down (or refuses us): keep the request, stop this flush.
-_RETRY_LATER = (ModelNotReady, DeadlineExceeded, Overloaded, Unauthenticated)
+_RETRY_LATER = (EndpointUnavailable, ModelNotReady, DeadlineExceeded, Overloaded, Unauthenticated)
 
 
 class Deferrer:

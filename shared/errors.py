@@ -20,6 +20,8 @@ class ErrorCode(str, Enum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     NOT_FOUND = "not_found"
     UNAVAILABLE = "unavailable"
+    SHUTTING_DOWN = "shutting_down"
+    MODEL_NOT_READY = "model_not_ready"
     OVERLOADED = "overloaded"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     UNAUTHENTICATED = "unauthenticated"
@@ -34,6 +36,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.MODEL_NOT_READY: 503,
     ErrorCode.OVERLOADED: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.UNAUTHENTICATED: 401,
@@ -91,8 +95,30 @@ class ModelNotFound(FerryError):
     code = ErrorCode.NOT_FOUND
 
 
-class ModelNotReady(FerryError):
+class EndpointUnavailable(FerryError):
+    """The endpoint cannot serve anything now (unreachable, not connected, no node).
+
+    The agent counts it against the transport's circuit breaker; a model-level
+    failure (:class:`ModelNotReady`) must not be, or one broken model in the
+    cloud would close the transport for every model.
+    """
+
     code = ErrorCode.UNAVAILABLE
+
+
+class ShuttingDown(EndpointUnavailable):
+    """The node is draining: it answers what it has and takes nothing new."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+    def __init__(self, message: str, *, retry_after: float | None = 1.0) -> None:
+        super().__init__(message, retry_after=retry_after)
+
+
+class ModelNotReady(FerryError):
+    """This model cannot run here now (failed to load, unloaded, session closed)."""
+
+    code = ErrorCode.MODEL_NOT_READY
 
 
 class Overloaded(FerryError):
@@ -129,6 +155,8 @@ _BY_CODE: dict[str, type[FerryError]] = {
         InvalidInput,
         PayloadTooLarge,
         ModelNotFound,
+        EndpointUnavailable,
+        ShuttingDown,
         ModelNotReady,
         Overloaded,
         DeadlineExceeded,

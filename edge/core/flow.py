@@ -43,6 +43,7 @@ from edge.core.policy import (
 )
 from shared.errors import (
     DeadlineExceeded,
+    EndpointUnavailable,
     FerryError,
     InvalidInput,
     ModelNotFound,
@@ -54,9 +55,12 @@ from shared.errors import (
 # Errors that say the endpoint (not this request) is in trouble: only these
 # count towards a transport's circuit breaker.  A 404 or a bad input says
 # nothing about whether the next request to another model will succeed.
-ENDPOINT_FAILURES = (ModelNotReady, DeadlineExceeded, Overloaded)
+ENDPOINT_FAILURES = (EndpointUnavailable, DeadlineExceeded, Overloaded)
 # How long a cloud that answered "no such model" is not asked for it again.
 MISSING_MODEL_COOLDOWN_S = 30.0
+# How long a model the cloud says is not ready (failed load, unloading) is not
+# offloaded on that transport; the transport stays open for every other model.
+NOT_READY_MODEL_COOLDOWN_S = 10.0
 # The least time a stored (deferred) request is given to cross the link.
 DEFERRED_SEND_S = 30.0
 # A link estimate older than this is refreshed by a probe (when the radio is up).
@@ -625,8 +629,13 @@ class EdgeCore:
         transport = choice.transport
         # Bytes that left the device count against the daily cap even without an answer.
         self.usage.add(choice.up_bytes, now)
-        if isinstance(error, ModelNotFound):
-            self.missing[(transport, cloud_model)] = now + MISSING_MODEL_COOLDOWN_S
+        if isinstance(error, ModelNotFound | ModelNotReady):
+            cooldown = (
+                MISSING_MODEL_COOLDOWN_S
+                if isinstance(error, ModelNotFound)
+                else NOT_READY_MODEL_COOLDOWN_S
+            )
+            self.missing[(transport, cloud_model)] = now + cooldown
             self.breakers[transport].release(now)
             return
         if not isinstance(error, ENDPOINT_FAILURES):

@@ -13,9 +13,9 @@ from edge.transports.base import TransferResult
 from shared import v2
 from shared.errors import (
     DeadlineExceeded,
+    EndpointUnavailable,
     FerryError,
     InternalError,
-    ModelNotReady,
     error_from_code,
 )
 from shared.messages import InferRequest, InferResponse
@@ -58,7 +58,7 @@ class HttpTransport:
     async def probe(self, deadline: float) -> float:
         """Round trip of ``GET /v2/health/live``: a light RTT sample."""
         if self._session is None:
-            raise ModelNotReady("HTTP transport not started")
+            raise EndpointUnavailable("HTTP transport not started")
         started = time.monotonic()
         try:
             async with self._session.get(
@@ -67,17 +67,17 @@ class HttpTransport:
             ) as resp:
                 await resp.read()
                 if resp.status != 200:
-                    raise ModelNotReady(f"cloud endpoint answered HTTP {resp.status}")
+                    raise EndpointUnavailable(f"cloud endpoint answered HTTP {resp.status}")
         except TimeoutError:
             raise DeadlineExceeded("HTTP probe timed out") from None
         except aiohttp.ClientError as exc:
-            raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
         return time.monotonic() - started
 
     async def get_json(self, path: str, deadline: float) -> dict:
         """GET a JSON document of the cloud's V2 API (metadata, config) for the local API."""
         if self._session is None:
-            raise ModelNotReady("HTTP transport not started")
+            raise EndpointUnavailable("HTTP transport not started")
         try:
             async with self._session.get(
                 f"{self.base_url}{path}",
@@ -89,7 +89,7 @@ class HttpTransport:
         except TimeoutError:
             raise DeadlineExceeded(f"no reply to GET {path} within the deadline") from None
         except aiohttp.ClientError as exc:
-            raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
         try:
             doc = json.loads(payload)
         except ValueError:
@@ -100,7 +100,7 @@ class HttpTransport:
 
     async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
         if self._session is None:
-            raise ModelNotReady("HTTP transport not started")
+            raise EndpointUnavailable("HTTP transport not started")
         chunks, header_length = v2.encode_request(request)
         body = v2.join(chunks)
         headers = {"Content-Type": v2.BINARY_CONTENT_TYPE}
@@ -124,7 +124,7 @@ class HttpTransport:
                 f"no HTTP reply from model {model!r} within the deadline"
             ) from None
         except aiohttp.ClientError as exc:
-            raise ModelNotReady(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
         return TransferResult(response, len(body), len(payload), started, time.monotonic())
 
 
@@ -149,6 +149,6 @@ def _http_error(status: int, payload: bytes) -> FerryError:
         return error_from_code(code, message)
     return {
         404: error_from_code("not_found", message),
-        503: ModelNotReady(message),
+        503: EndpointUnavailable(message),
         504: DeadlineExceeded(message),
     }.get(status, InternalError(f"HTTP {status}: {message}"))

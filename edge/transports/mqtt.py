@@ -30,7 +30,13 @@ from paho.mqtt.properties import Properties
 
 from edge.transports.base import TransferResult
 from shared import envelope
-from shared.errors import DeadlineExceeded, FerryError, InternalError, InvalidInput, ModelNotReady
+from shared.errors import (
+    DeadlineExceeded,
+    EndpointUnavailable,
+    FerryError,
+    InternalError,
+    InvalidInput,
+)
 from shared.messages import InferRequest, InferResponse
 from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
 from shared.tensors import DEFAULT_LIMITS, Limits
@@ -120,7 +126,7 @@ class MqttTransport:
     async def close(self) -> None:
         for pending in self._pending.values():
             if not pending.future.done():
-                pending.future.set_exception(ModelNotReady("MQTT transport closed"))
+                pending.future.set_exception(EndpointUnavailable("MQTT transport closed"))
         self._pending.clear()
         if self._client is not None:
             self._client.disconnect()
@@ -129,9 +135,9 @@ class MqttTransport:
 
     async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
         if self._client is None or self._loop is None:
-            raise ModelNotReady("MQTT transport not started")
+            raise EndpointUnavailable("MQTT transport not started")
         if not self._ready.is_set():
-            raise ModelNotReady(f"not connected to broker {self.broker.host}:{self.broker.port}")
+            raise EndpointUnavailable(f"not connected to broker {self.broker.host}:{self.broker.port}")
         request_id = request.id or uuid.uuid4().hex
         request.id = request_id
         payload = envelope.encode_request(request)
@@ -164,9 +170,9 @@ class MqttTransport:
         status topics), since a broker alone answers nothing.
         """
         if self._client is None or self._loop is None or not self._ready.is_set():
-            raise ModelNotReady("MQTT transport not connected")
+            raise EndpointUnavailable("MQTT transport not connected")
         if self._status_seen and not self.nodes:
-            raise ModelNotReady("no cloud node is online behind the broker")
+            raise EndpointUnavailable("no cloud node is online behind the broker")
         correlation = b"probe:" + uuid.uuid4().hex.encode()
         future: asyncio.Future[float] = self._loop.create_future()
         self._probes[correlation] = future

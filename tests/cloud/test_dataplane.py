@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cloud.dataplane import DataPlane
-from shared.errors import ConfigError, InvalidInput, ModelNotReady
+from shared.errors import ConfigError, InvalidInput, ModelNotReady, ShuttingDown
 from shared.messages import InferRequest, RequestedOutput
 from shared.repository import ModelRepository, parse_config_json
 from shared.tensors import Tensor
@@ -101,7 +101,7 @@ async def test_strict_readiness_follows_failed_loads(tmp_path):
     assert strict.is_ready()
     strict.begin_shutdown()
     assert not strict.is_ready()
-    with pytest.raises(ModelNotReady, match="shutting down"):
+    with pytest.raises(ShuttingDown, match="shutting down"):
         await strict.infer("slow", _request(np.ones((1, 4), np.float32)))
     await strict.close()
     await lenient.close()
@@ -234,4 +234,16 @@ async def test_a_repository_config_past_the_node_bounds_fails_its_load_only(repo
         await dp.load("b")
     await dp.load("a")
     assert dp.model_ready("a")
+    await dp.close()
+
+
+async def test_a_failed_hot_reload_keeps_the_old_version_serving_and_the_node_ready(repo):
+    dp = DataPlane(ModelRepository(repo), "n", strict_readiness=True)
+    await dp.load("b")
+    (repo / "b" / "config.toml").write_text('[[input]]\nname = "nope"\ndatatype = "FP32"\ndims = [4]\n')
+    with pytest.raises(ConfigError):
+        await dp.load("b")
+    assert dp.is_ready() and dp.model_ready("b")
+    response = await dp.infer("b", _request(np.ones((1, 4), np.float32)))
+    assert response.outputs[0].data.shape == (1, 3)
     await dp.close()

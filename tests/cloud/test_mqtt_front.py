@@ -18,7 +18,14 @@ from paho.mqtt.properties import Properties
 from edge.transports.http import HttpTransport
 from edge.transports.mqtt import MqttTransport
 from shared import envelope
-from shared.errors import DeadlineExceeded, InvalidInput, ModelNotFound, ModelNotReady, Overloaded
+from shared.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    ShuttingDown,
+)
 from shared.messages import InferRequest
 from shared.mqtt import parse_broker_url
 from shared.tensors import Tensor
@@ -460,4 +467,4 @@ async def test_a_draining_front_answers_every_request_it_received(broker, tmp_pa
         if r and not isinstance(r[0][1], Exception):
             np.testing.assert_allclose(r[0][1].outputs[0].data, np.full((1, 4), i + 1))
         elif r:
-            assert isinstance(r[0][1], ModelNotReady)
+            assert isinstance(r[0][1], ShuttingDown | ModelNotReady)

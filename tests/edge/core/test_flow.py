@@ -188,3 +188,36 @@ def test_a_cascade_keeps_its_local_answer_when_the_cloud_calls_the_input_bad():
     assert isinstance(action, Offload)
     answer = flow.offload_failed(2.2, InvalidInput("the cloud refuses it"))
     assert isinstance(answer, Answer) and answer.where == "local"
+
+
+def test_a_model_the_cloud_cannot_load_cools_down_alone_and_the_transport_stays_open():
+    from shared.errors import EndpointUnavailable, ModelNotReady
+
+    models = {
+        name: ModelPolicy(mode="cost", local_model=f"{name}-local", cloud_model=name)
+        for name in ("a", "b")
+    }
+    config = PolicyConfig(weights=Weights(latency_s=1.0), models=models)
+    core = fresh_core(config, load_device("raspberry-pi-4b"), {"http": load_link("lte")})
+    core.warmed("a-local", 1.0, 0.0)
+    core.warmed("b-local", 1.0, 0.0)
+    now = 1.0
+    for _ in range(5):  # more failures than any breaker threshold
+        flow = core.begin("a", now=now, in_bytes=60_000, connected={"http": True})
+        action = flow.start()
+        if isinstance(action, Offload):
+            flow.offload_failed(now + 0.1, ModelNotReady("model 'a' failed to load"))
+        now += 0.5
+    assert core.breakers["http"].state == "closed"
+    flow = core.begin("a", now=now, in_bytes=60_000, connected={"http": True})
+    assert isinstance(flow.start(), RunLocal)  # 'a' cools down on this transport
+    flow = core.begin("b", now=now, in_bytes=60_000, connected={"http": True})
+    assert isinstance(flow.start(), Offload)  # every other model still goes out
+    # an unreachable endpoint is the transport's trouble: it counts on the breaker
+    for _ in range(5):
+        flow = core.begin("b", now=now, in_bytes=60_000, connected={"http": True})
+        action = flow.start()
+        if isinstance(action, Offload):
+            flow.offload_failed(now + 0.1, EndpointUnavailable("connection refused"))
+        now += 0.5
+    assert core.breakers["http"].state == "open"
