@@ -36,7 +36,7 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     tokens_file: Path | None = None
-    open_metrics: bool = True
+    open_metrics: bool = False
     #: a connection that sends part of a request header and stops is closed after this
     header_timeout_s: float = 10.0
     #: a request body not fully received in this long gets 504 and frees its budget
@@ -184,7 +184,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             host=http_data.get("host", "127.0.0.1"),
             port=http_data.get("port", 8000),
             tokens_file=Path(tokens) if tokens else None,
-            open_metrics=http_data.get("open_metrics", True),
+            open_metrics=http_data.get("open_metrics", False),
             header_timeout_s=_positive(http_data, "header_timeout_s", 10.0, source),
             body_timeout_s=_positive(http_data, "body_timeout_s", 60.0, source),
             idle_timeout_s=_positive(http_data, "idle_timeout_s", 75.0, source),

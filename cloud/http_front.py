@@ -9,11 +9,9 @@ the process stays up whatever the body holds.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -21,9 +19,16 @@ from aiohttp import web
 from cloud.admission import ByteBudget, ConnectionGuard, read_body
 from cloud.dataplane import DataPlane
 from shared import v2
-from shared.errors import ConfigError, FerryError, InvalidInput, PayloadTooLarge, Unauthenticated
+from shared.errors import (
+    FerryError,
+    InvalidInput,
+    PayloadTooLarge,
+    PermissionDenied,
+    Unauthenticated,
+)
 from shared.repository import parse_config_json, validate_model_name
 from shared.tensors import Limits
+from shared.tokens import Tokens, bearer, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +45,6 @@ EXTENSIONS = [
 ]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DATAPLANE: web.AppKey[DataPlane] = web.AppKey("dataplane", DataPlane)
-
-
-def load_tokens(path: Path) -> list[bytes]:
-    """Bearer tokens, one per line (blank lines and # comments ignored)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read tokens file: {exc.strerror}") from None
-    tokens = [line.strip().encode() for line in lines if line.strip() and not line.startswith("#")]
-    if not tokens:
-        raise ConfigError(f"{path}: tokens file holds no token")
-    return tokens
 
 
 def error_response(exc: FerryError) -> web.Response:
@@ -89,23 +82,41 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
 
 
-def _auth(tokens: list[bytes], open_metrics: bool) -> Any:
-    open_prefixes = ("/v2/health/",) + (("/metrics",) if open_metrics else ())
+def _scope(request: web.Request) -> str:
+    """The control plane is the repository API and the metrics; the rest is inference."""
+    path = request.path
+    if path.startswith("/v2/repository/") or path == "/metrics":
+        return "admin"
+    return "infer"
+
+
+def _auth(tokens: Tokens | None, open_metrics: bool) -> Any:
+    """Health is always open; with no tokens file the control plane answers only
+    callers on this machine, and inference is open (as in Triton)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith(open_prefixes):
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            # Header bytes that are not UTF-8 arrive as surrogate escapes: a wrong token
-            # like any other, never an encoding error.
-            given = token.strip().encode("utf-8", "surrogateescape")
-            # Compare against every token so timing does not reveal which matched.
-            ok = False
-            for candidate in tokens:
-                ok |= hmac.compare_digest(given, candidate)
-            if scheme.lower() != "bearer" or not ok:
-                return error_response(Unauthenticated("missing or invalid bearer token"))
+        path = request.path
+        if path.startswith("/v2/health/") or (path == "/metrics" and open_metrics):
+            return await handler(request)
+        scope = _scope(request)
+        if tokens is None:
+            if scope == "admin" and not is_loopback(request.remote):
+                return error_response(
+                    PermissionDenied(
+                        "the control plane is open to this machine only; "
+                        "configure http.tokens_file with an admin token to reach it remotely"
+                    )
+                )
+            return await handler(request)
+        given = bearer(request.headers.get("Authorization", ""))
+        grant = tokens.find(given) if given is not None else None
+        if grant is None:
+            return error_response(Unauthenticated("missing or invalid bearer token"))
+        model = request.match_info.get("model")
+        if not grant.allows(scope, model):
+            what = f"model {model!r}" if model and scope == "infer" else f"{scope} operations"
+            return error_response(PermissionDenied(f"this token does not cover {what}"))
         return await handler(request)
 
     return check
@@ -119,8 +130,8 @@ class HttpFront:
         dataplane: DataPlane,
         *,
         limits: Limits,
-        tokens: list[bytes] | None = None,
-        open_metrics: bool = True,
+        tokens: Tokens | None = None,
+        open_metrics: bool = False,
         metrics: Callable[[], tuple[bytes, str]] | None = None,
         budget: ByteBudget | None = None,
         guard: ConnectionGuard | None = None,
@@ -139,8 +150,7 @@ class HttpFront:
         middlewares = [_errors]
         if self.guard is not None:
             middlewares.insert(0, self.guard.middleware())
-        if self.tokens:
-            middlewares.append(_auth(self.tokens, self.open_metrics))
+        middlewares.append(_auth(self.tokens, self.open_metrics))
         app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=middlewares)
         app[DATAPLANE] = self.dataplane
         r = app.router

@@ -305,10 +305,12 @@ class MqttFront:
         except FerryError as exc:
             request_id = request_id or envelope.peek_request_id(payload) or ""
             reply = envelope.encode_error_reply(request_id, exc)
-        except Exception as exc:  # never let one message take the front down
+        except Exception:  # never let one message take the front down
             log.exception("MQTT request failed")
             request_id = request_id or envelope.peek_request_id(payload) or ""
-            reply = envelope.encode_error_reply(request_id, InternalError(str(exc)))
+            # the exception's text stays in the node's log: it may name paths or internals
+            error = InternalError(f"internal error on node {self.node} (logged)")
+            reply = envelope.encode_error_reply(request_id, error)
         if not response_topic:
             log.warning(
                 "request %s on %s has no Response Topic; no reply sent", request_id, message.topic

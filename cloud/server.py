@@ -28,11 +28,12 @@ from cloud.config import CloudConfig
 from cloud.cpu import CpuMonitor
 from cloud.dataplane import DataPlane
 from cloud.gpu import GpuMonitor
-from cloud.http_front import HttpFront, load_tokens
+from cloud.http_front import HttpFront
 from cloud.metrics import make_registry, render_metrics
 from cloud.mqtt_front import MqttFront
 from shared.errors import FerryError
 from shared.repository import ModelRepository
+from shared.tokens import load_tokens
 
 log = logging.getLogger(__name__)
 

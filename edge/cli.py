@@ -47,10 +47,12 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     from edge.agent import Agent
     from edge.config import load_agent_config
     from edge.http_front import LocalApi
+    from shared.tokens import load_tokens
 
     config = load_agent_config(config_path)
     if api_port is not None:
         config = replace(config, api_port=api_port)
+    tokens = load_tokens(config.api_tokens_file) if config.api_tokens_file else None
     agent = Agent(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -63,7 +65,7 @@ async def _run(config_path: Path, api_port: int | None) -> int:
         f"transports={','.join(agent.transports) or '-'}",
     ]
     if config.api_port is not None:
-        runner = web.AppRunner(LocalApi(agent).build_app(), access_log=None)
+        runner = web.AppRunner(LocalApi(agent, tokens=tokens).build_app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, config.api_host, config.api_port)
         await site.start()

@@ -26,12 +26,12 @@ from shared.mqtt import parse_broker_url
 class CloudEndpoints:
     mqtt_url: str | None = None
     http_url: str | None = None
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     ca_file: str | None = None
     tls_insecure: bool = False
     cert_file: str | None = None  # client certificate (mutual TLS), MQTT and HTTP
     key_file: str | None = None
-    mqtt_password: str | None = None  # from password_file; the user name rides in the URL
+    mqtt_password: str | None = field(default=None, repr=False)  # user name rides in the URL
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class AgentConfig:
     device: str = "x86-laptop"
     api_host: str = "127.0.0.1"
     api_port: int | None = 8080  # None: no local HTTP API
+    api_tokens_file: Path | None = None  # bearer tokens for the local API (health stays open)
     cloud: CloudEndpoints = field(default_factory=CloudEndpoints)
     links: dict[str, str] = field(default_factory=lambda: {"mqtt": "wifi", "http": "wifi"})
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -68,7 +69,15 @@ class AgentConfig:
 
 # Keys a running agent cannot change: a reload that edits them is logged and
 # the new values wait for a restart (everything else is applied live).
-RESTART_KEYS = ("repository", "state_dir", "api_host", "api_port", "cloud", "local_threads")
+RESTART_KEYS = (
+    "repository",
+    "state_dir",
+    "api_host",
+    "api_port",
+    "api_tokens_file",
+    "cloud",
+    "local_threads",
+)
 
 _NUM = NUMBER
 _SCHEMA: dict[str, Any] = {
@@ -77,7 +86,7 @@ _SCHEMA: dict[str, Any] = {
     "device": str,
     "local_threads": int,
     "probe_interval_s": _NUM,
-    "api": {"host": str, "port": int, "enabled": bool},
+    "api": {"host": str, "port": int, "enabled": bool, "tokens_file": str},
     "cloud": {
         "mqtt": str,
         "http": str,
@@ -295,6 +304,7 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         device=_profile("device", data.get("device", "x86-laptop"), "device", source, base),
         api_host=api.get("host", "127.0.0.1"),
         api_port=port if api.get("enabled", True) else None,
+        api_tokens_file=(base / api["tokens_file"]).resolve() if api.get("tokens_file") else None,
         cloud=_cloud(data, source, base),
         links=links,
         policy=_policy(data, source),

@@ -24,8 +24,15 @@ from aiohttp import web
 
 from edge.agent import Agent
 from shared import v2
-from shared.errors import FerryError, InvalidInput, PayloadTooLarge
+from shared.errors import (
+    FerryError,
+    InvalidInput,
+    PayloadTooLarge,
+    PermissionDenied,
+    Unauthenticated,
+)
 from shared.tensors import Limits
+from shared.tokens import Tokens, bearer
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +98,40 @@ def _steering(params: dict[str, Any]) -> tuple[float | None, int | None, bool]:
     return deadline_ms, priority, deferrable
 
 
+def _auth(tokens: Tokens) -> Any:
+    """Health stays open; changing the agent's link is an admin operation."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v2/health/"):
+            return await handler(request)
+        given = bearer(request.headers.get("Authorization", ""))
+        grant = tokens.find(given) if given is not None else None
+        if grant is None:
+            raise Unauthenticated("missing or invalid bearer token")
+        scope = "admin" if request.path == "/v2/agent/link" else "infer"
+        model = request.match_info.get("model")
+        if not grant.allows(scope, model):
+            what = f"model {model!r}" if model and scope == "infer" else f"{scope} operations"
+            raise PermissionDenied(f"this token does not cover {what}")
+        return await handler(request)
+
+    return check
+
+
 class LocalApi:
-    def __init__(self, agent: Agent, limits: Limits | None = None) -> None:
+    def __init__(
+        self, agent: Agent, limits: Limits | None = None, tokens: Tokens | None = None
+    ) -> None:
         self.agent = agent
         self.limits = limits or Limits()
+        self.tokens = tokens
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[_errors])
+        middlewares: list[Any] = [_errors]
+        if self.tokens is not None:
+            middlewares.append(_auth(self.tokens))
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=middlewares)
         r = app.router
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)

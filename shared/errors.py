@@ -25,6 +25,7 @@ class ErrorCode(str, Enum):
     OVERLOADED = "overloaded"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
     INVALID_CONFIG = "invalid_config"
     BACKEND_MISSING = "backend_missing"
     INTERNAL = "internal"
@@ -41,6 +42,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.OVERLOADED: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.INVALID_CONFIG: 400,
     ErrorCode.BACKEND_MISSING: 501,
     ErrorCode.INTERNAL: 500,
@@ -133,6 +135,12 @@ class Unauthenticated(FerryError):
     code = ErrorCode.UNAUTHENTICATED
 
 
+class PermissionDenied(FerryError):
+    """The caller is known but its token does not cover this operation or model."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
 class ConfigError(FerryError):
     """A configuration file is wrong; the message names file, key and expectation."""
 
@@ -161,6 +169,7 @@ _BY_CODE: dict[str, type[FerryError]] = {
         Overloaded,
         DeadlineExceeded,
         Unauthenticated,
+        PermissionDenied,
         ConfigError,
         BackendMissing,
         InternalError,

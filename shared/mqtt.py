@@ -7,7 +7,7 @@ requests over every node that hosts the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from shared.errors import ConfigError
@@ -50,7 +50,7 @@ class BrokerAddress:
     port: int
     tls: bool = False
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
 
 
 def parse_broker_url(url: str) -> BrokerAddress:

@@ -40,7 +40,10 @@ def _infer_body(rows: int = 1) -> tuple[bytes, dict]:
 @pytest.fixture(scope="module")
 def guarded(test_repository, tmp_path_factory):
     folder = tmp_path_factory.mktemp("auth")
-    (folder / "tokens.txt").write_text("# tokens\nsecret-one\nsecret-two\n")
+    (folder / "tokens.txt").write_text(
+        "# tokens\nsecret-one\nsecret-two  # full access\n"
+        "app-token infer\ncam-token infer softmax,other\nops-token admin\n"
+    )
     (folder / "cloud.toml").write_text(
         f'repository = "{test_repository}"\nmodels = ["linear"]\n'
         f'[http]\nport = 0\ntokens_file = "{folder / "tokens.txt"}"\nopen_metrics = false\n'
@@ -115,3 +118,71 @@ def test_non_ascii_authorization_header_gets_401(guarded, raw):
     assert status_line.split()[1] == b"401", reply[:300]
     assert b'"unauthenticated"' in rest
     assert _call(guarded.http_url + "/v2/health/live")[0] == 200
+
+
+def test_scoped_tokens_reach_only_their_operations_and_models(guarded):
+    body, headers = _infer_body()
+    infer = guarded.http_url + "/v2/models/linear/infer"
+    index = guarded.http_url + "/v2/repository/index"
+    metrics = guarded.http_url + "/metrics"
+    assert _call(infer, body, token="app-token", headers=headers)[0] == 200
+    status, payload = _call(index, b"{}", token="app-token")
+    assert status == 403 and json.loads(payload)["code"] == "permission_denied"
+    assert _call(metrics, token="app-token")[0] == 403
+    status, payload = _call(infer, body, token="cam-token", headers=headers)
+    assert status == 403 and "'linear'" in json.loads(payload)["error"]
+    assert _call(index, b"{}", token="ops-token")[0] == 200
+    assert _call(metrics, token="ops-token")[0] == 200
+    assert _call(infer, body, token="ops-token", headers=headers)[0] == 403
+    unload = guarded.http_url + "/v2/repository/models/linear/unload"
+    assert _call(unload, b"{}", token="app-token")[0] == 403  # still served below
+    assert _call(infer, body, token="secret-one", headers=headers)[0] == 200
+
+
+async def test_without_tokens_the_control_plane_answers_only_this_machine(tmp_path):
+    from aiohttp.test_utils import make_mocked_request
+
+    from cloud.http_front import _auth
+
+    check = _auth(None, open_metrics=False)
+
+    async def handler(request):
+        from aiohttp import web
+
+        return web.Response(text="ok")
+
+    def request(path: str, peer: str):
+        class _Transport:
+            def get_extra_info(self, name, default=None):
+                return (peer, 40000) if name == "peername" else default
+
+        return make_mocked_request("POST", path, transport=_Transport())
+
+    remote = await check(request("/v2/repository/index", "10.1.2.3"), handler)
+    assert remote.status == 403 and b"permission_denied" in remote.body
+    assert (await check(request("/metrics", "10.1.2.3"), handler)).status == 403
+    assert (await check(request("/v2/repository/index", "127.0.0.1"), handler)).status == 200
+    assert (await check(request("/v2/repository/index", "::1"), handler)).status == 200
+    assert (await check(request("/v2/models/m/infer", "10.1.2.3"), handler)).status == 200
+    assert (await check(request("/v2/health/live", "10.1.2.3"), handler)).status == 200
+
+
+def test_secrets_stay_out_of_reprs(tmp_path):
+    from edge.config import CloudEndpoints
+    from shared.mqtt import parse_broker_url
+    from shared.tokens import parse_tokens
+
+    tokens = parse_tokens("hunter2 admin\nother-secret infer m\n", "t.txt")
+    assert "hunter2" not in repr(tokens) and "hunter2" not in repr(tokens.grants)
+    broker = parse_broker_url("mqtt://edge:pa55word@broker:1883")
+    assert broker.password == "pa55word" and "pa55word" not in repr(broker)
+    cloud = CloudEndpoints(http_url="http://c", token="tok-secret", mqtt_password="mq-secret")
+    assert "tok-secret" not in repr(cloud) and "mq-secret" not in repr(cloud)
+
+
+def test_a_malformed_tokens_line_is_a_config_error_naming_the_line():
+    from shared.errors import ConfigError
+    from shared.tokens import parse_tokens
+
+    with pytest.raises(ConfigError, match="line 2"):
+        parse_tokens("good\nbad superuser\n", "tokens.txt")

@@ -17,3 +17,27 @@ def test_tritons_timeout_in_microseconds_becomes_the_deadline():
     params = {"timeout": 250_000, "other": 1}
     assert _steering(params) == (250.0, None, False)
     assert params == {"other": 1}  # steering keys are not forwarded to the cloud
+
+
+async def test_the_local_api_takes_an_optional_token_and_keeps_health_open(tmp_path):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from edge.http_front import LocalApi
+    from shared.tokens import parse_tokens
+
+    class _Agent:
+        ready = True
+
+        async def status(self):
+            return {"ok": True}
+
+    tokens = parse_tokens("app infer\nops admin\n", "tokens.txt")
+    async with TestClient(TestServer(LocalApi(_Agent(), tokens=tokens).build_app())) as client:
+        assert (await client.get("/v2/health/live")).status == 200
+        assert (await client.get("/v2/agent/status")).status == 401
+        ok = await client.get("/v2/agent/status", headers={"Authorization": "Bearer app"})
+        assert ok.status == 200
+        link = await client.post(
+            "/v2/agent/link", json={}, headers={"Authorization": "Bearer app"}
+        )
+        assert link.status == 403 and (await link.json())["code"] == "permission_denied"

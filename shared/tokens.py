@@ -1,0 +1,111 @@
+"""Bearer tokens with scopes, for the HTTP fronts of both tiers.
+
+A tokens file holds one token per line, optionally followed by its scope::
+
+    s3cret-admin            # no scope: everything (the format of earlier releases)
+    ops-token admin         # the control plane: repository load/unload/index, metrics
+    app-token infer         # inference and model metadata, every model
+    cam-token infer cam,ocr # inference on these models only
+
+The token values are secrets: they never appear in a repr, a log line or an
+error message; comparisons take the same time whichever token matches.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.errors import ConfigError
+
+SCOPES = ("infer", "admin")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What one token may do; ``models`` None means every model."""
+
+    token: bytes = field(repr=False)
+    scopes: frozenset[str]
+    models: frozenset[str] | None = None
+
+    def allows(self, scope: str, model: str | None) -> bool:
+        if scope not in self.scopes:
+            return False
+        return model is None or self.models is None or model in self.models
+
+
+@dataclass(frozen=True)
+class Tokens:
+    grants: tuple[Grant, ...] = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"Tokens({len(self.grants)} tokens)"
+
+    def find(self, given: bytes) -> Grant | None:
+        """The grant of ``given`` (every token compared, so timing reveals nothing)."""
+        found = None
+        for grant in self.grants:
+            if hmac.compare_digest(given, grant.token):
+                found = grant
+        return found
+
+    @property
+    def has_admin(self) -> bool:
+        return any("admin" in g.scopes for g in self.grants)
+
+
+def parse_tokens(text: str, source: str) -> Tokens:
+    grants = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = re.split(r"\s#", raw, maxsplit=1)[0].strip()  # drop comments
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        token, rest = parts[0], parts[1:]
+        if not rest:
+            grants.append(Grant(token.encode(), frozenset(SCOPES)))
+            continue
+        scope = rest[0]
+        if scope not in SCOPES or len(rest) > 2 or (scope == "admin" and len(rest) > 1):
+            raise ConfigError(
+                f"{source}: line {number}: expected '<token> [infer [model,...] | admin]'"
+            )
+        models = None
+        if len(rest) == 2:
+            models = frozenset(m for m in rest[1].split(",") if m)
+        grants.append(Grant(token.encode(), frozenset({scope}), models))
+    if not grants:
+        raise ConfigError(f"{source}: tokens file holds no token")
+    return Tokens(tuple(grants))
+
+
+def load_tokens(path: Path) -> Tokens:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read tokens file: {exc.strerror}") from None
+    return parse_tokens(text, str(path))
+
+
+def is_loopback(address: str | None) -> bool:
+    """Whether a peer address is this machine (the control plane's default audience)."""
+    if not address:
+        return False
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer(header: str) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header (None if not bearer)."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    # Header bytes that are not UTF-8 arrive as surrogate escapes: a wrong token like
+    # any other, never an encoding error.
+    return token.strip().encode("utf-8", "surrogateescape")
