@@ -83,6 +83,7 @@ class CloudConfig:
     strict_readiness: bool = True
     idempotency_ttl_s: float = 600.0
     idempotency_max_entries: int = 4096
+    idempotency_max_bytes: int = 64 << 20
 
 
 _NODE_LIMITS = {"max_queue_size": int, "max_inflight_mqtt": int, "max_inflight_bytes": int}
@@ -97,6 +98,7 @@ _SCHEMA: dict[str, Any] = {
     "strict_readiness": bool,
     "idempotency_ttl_s": NUMBER,
     "idempotency_max_entries": int,
+    "idempotency_max_bytes": int,
     "http": {
         "host": str,
         "port": int,
@@ -249,6 +251,9 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         max_inflight_bytes=node_limits.get("max_inflight_bytes", DEFAULT_MAX_INFLIGHT_BYTES),
         strict_readiness=data.get("strict_readiness", True),
         idempotency_ttl_s=ttl,
+        idempotency_max_bytes=_non_negative(
+            data.get("idempotency_max_bytes", 64 << 20), source, "idempotency_max_bytes"
+        ),
         idempotency_max_entries=max(
             1,
             _non_negative(

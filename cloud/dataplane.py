@@ -29,7 +29,7 @@ import numpy as np
 
 from cloud.batcher import DynamicBatcher
 from cloud.classification import requested_classes, top_k
-from cloud.idempotency import IdempotencyCache, idempotency_key
+from cloud.idempotency import IdempotencyCache, fingerprint, idempotency_key, response_bytes
 from cloud.loading import MemoryProbe, planned_sessions, session_threads, warm_up
 from cloud.stats import OTHER, ModelStats
 from cloud.validation import output_tensor, validated_inputs, validated_outputs
@@ -83,6 +83,7 @@ class DataPlane:
         strict_readiness: bool = True,
         idempotency_ttl_s: float = 600.0,
         idempotency_max_entries: int = 4096,
+        idempotency_max_bytes: int = 64 << 20,
         cores: int | None = None,
         max_elements: int = Limits.max_elements,
     ) -> None:
@@ -100,7 +101,9 @@ class DataPlane:
         self._build_lock = threading.Lock()  # node-wide: one load at a time
         self._memory = MemoryProbe()
         self._planned_sessions = 0
-        self._idempotency: dict[str, IdempotencyCache[InferResponse]] = {}
+        self._idempotency: IdempotencyCache[InferResponse] = IdempotencyCache(
+            idempotency_ttl_s, idempotency_max_entries, idempotency_max_bytes, response_bytes
+        )
         self._closing = False
         self._started = time.monotonic()
         self._busy_mark: tuple[float, int] = (self._started, 0)
@@ -246,7 +249,7 @@ class DataPlane:
         validate_model_name(name)
         async with self._lock(name):
             old = self._models.pop(name, None)
-            self._idempotency.pop(name, None)
+            self._idempotency.forget(lambda key: key[0] != name)
             if old is None:
                 if self._failed.pop(name, None) is not None:
                     return
@@ -398,7 +401,9 @@ class DataPlane:
         *,
         version: str | None = None,
         deadline: float | None = None,
+        principal: str = "",
     ) -> InferResponse:
+        """Run one request; ``principal`` (who sent it) scopes its idempotency key."""
         start = time.monotonic()
         if self._closing:
             raise ShuttingDown("node is shutting down")
@@ -427,12 +432,11 @@ class DataPlane:
         run = _Run(model, request.id, inputs, outputs, classes, deadline, priority or None)
         if key is None:
             return await self._execute(run)
-        cache = self._idempotency.get(name)
-        if cache is None:
-            cache = self._idempotency[name] = IdempotencyCache(
-                self.idempotency_ttl_s, self.idempotency_max_entries
-            )
-        response, duplicate = await cache.run(key, lambda: self._execute(run))
+        response, duplicate = await self._idempotency.run(
+            (name, principal, key),
+            lambda: self._execute(run),
+            fingerprint(request, model.version),
+        )
         if not duplicate:
             return response
         model.stats.record_duplicate()

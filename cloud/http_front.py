@@ -45,6 +45,8 @@ EXTENSIONS = [
 ]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DATAPLANE: web.AppKey[DataPlane] = web.AppKey("dataplane", DataPlane)
+#: who sent a request (from its token), the scope of its idempotency key
+PRINCIPAL = "ferry.principal"
 
 
 def error_response(exc: FerryError) -> web.Response:
@@ -117,6 +119,7 @@ def _auth(tokens: Tokens | None, open_metrics: bool) -> Any:
         if not grant.allows(scope, model):
             what = f"model {model!r}" if model and scope == "infer" else f"{scope} operations"
             return error_response(PermissionDenied(f"this token does not cover {what}"))
+        request[PRINCIPAL] = grant.principal
         return await handler(request)
 
     return check
@@ -272,7 +275,9 @@ class HttpFront:
             decoded = await asyncio.to_thread(v2.decode_request, body, header_length, self.limits)
         else:
             decoded = v2.decode_request(body, header_length, self.limits)
-        response = await self.dataplane.infer(m["model"], decoded, version=m.get("version"))
+        response = await self.dataplane.infer(
+            m["model"], decoded, version=m.get("version"), principal=request.get(PRINCIPAL, "")
+        )
         if v2.encode_needs_worker(response, decoded):
             chunks, out_header_length = await asyncio.to_thread(
                 v2.encode_response, response, decoded

@@ -9,20 +9,27 @@ duplicates already waiting see the same error, later ones run afresh.
 
 The run is a task of its own, so a first client that goes away does not
 cancel it: its result still serves the retry.  The cache is an LRU bounded to
-``max_entries`` keys; a key evicted early only means a late duplicate runs
-again.
+``max_entries`` keys and ``max_bytes`` of cached answers; a key evicted early
+only means a late duplicate runs again.
+
+A key is scoped by who sent it (the token's principal over HTTP, the reply
+topic over MQTT) and bound to a fingerprint of what was sent: a key reused
+with other inputs is a 409 conflict, never another request's answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from shared.errors import InvalidInput
+from shared.errors import IdempotencyConflict, InvalidInput
+from shared.messages import InferRequest, InferResponse
+from shared.tensors import array_to_buffer
 
 T = TypeVar("T")
 
@@ -42,42 +49,109 @@ def idempotency_key(parameters: dict) -> str | None:
     return key
 
 
+Key = Hashable
+
+
 @dataclass
 class _Entry(Generic[T]):
     task: asyncio.Future[T]
+    fingerprint: bytes
     expires: float | None = None  # set once the run succeeded
+    size: int = 0
 
 
 class IdempotencyCache(Generic[T]):
-    def __init__(self, ttl_s: float, max_entries: int) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        max_entries: int,
+        max_bytes: int = 64 << 20,
+        sizeof: Callable[[T], int] = lambda _result: 0,
+    ) -> None:
         self.ttl_s = float(ttl_s)
         self.max_entries = max(1, int(max_entries))
-        self._entries: OrderedDict[str, _Entry[T]] = OrderedDict()
+        self.max_bytes = max(0, int(max_bytes))
+        self.sizeof = sizeof
+        self.bytes = 0
+        self._entries: OrderedDict[Key, _Entry[T]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def run(self, key: str, factory: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+    async def run(
+        self, key: Key, factory: Callable[[], Awaitable[T]], fingerprint: bytes = b""
+    ) -> tuple[T, bool]:
         """``(result, duplicate)``: run ``factory`` once per key, or share its result."""
         entry = self._entries.get(key)
         if entry is not None:
             if entry.expires is None or entry.expires > time.monotonic():
+                if entry.fingerprint != fingerprint:
+                    raise IdempotencyConflict(
+                        f"{PARAMETER} was already used for a request with other inputs"
+                    )
                 self._entries.move_to_end(key)
                 return await asyncio.shield(entry.task), True
-            del self._entries[key]
+            self._drop(key)
         task = asyncio.ensure_future(factory())
-        entry = _Entry(task)
+        entry = _Entry(task, fingerprint)
         self._entries[key] = entry
         task.add_done_callback(lambda t: self._settle(key, entry, t))
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._trim()
         return await asyncio.shield(task), False
 
-    def _settle(self, key: str, entry: _Entry[T], task: asyncio.Future[T]) -> None:
+    def forget(self, keep: Callable[[Key], bool]) -> None:
+        """Drop every finished or running entry whose key ``keep`` rejects."""
+        for key in [k for k in self._entries if not keep(k)]:
+            self._drop(key)
+
+    def _drop(self, key: Key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry.size
+
+    def _trim(self) -> None:
+        while len(self._entries) > self.max_entries or (
+            self.bytes > self.max_bytes and self._entries
+        ):
+            _, entry = self._entries.popitem(last=False)
+            self.bytes -= entry.size
+
+    def _settle(self, key: Key, entry: _Entry[T], task: asyncio.Future[T]) -> None:
         failed = task.cancelled() or task.exception() is not None  # also marks it retrieved
         if self._entries.get(key) is not entry:
             return  # evicted meanwhile
         if failed:
-            del self._entries[key]
+            self._drop(key)
+            return
+        entry.expires = time.monotonic() + self.ttl_s
+        entry.size = self.sizeof(task.result())
+        self.bytes += entry.size
+        if entry.size > self.max_bytes:
+            self._drop(key)  # bigger than the whole cache: a late duplicate runs again
+        self._trim()
+
+
+def fingerprint(request: InferRequest, version: int) -> bytes:
+    """A digest of what a request asks: version, inputs (names, types, shapes, bytes),
+    outputs and their parameters, so a reused key with other inputs is caught."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(str(version).encode())
+    for tensor in sorted(request.inputs, key=lambda t: t.name):
+        head = f"|{tensor.name}|{tensor.datatype}|{list(tensor.shape)}|".encode()
+        digest.update(head)
+        digest.update(array_to_buffer(tensor.data, tensor.datatype))
+    if request.outputs is not None:
+        for out in request.outputs:
+            digest.update(f"|out|{out.name}|{sorted(out.parameters.items())}".encode())
+    return digest.digest()
+
+
+def response_bytes(response: InferResponse) -> int:
+    """What a cached response holds (BYTES elements by their lengths)."""
+    total = 0
+    for tensor in response.outputs:
+        if tensor.datatype == "BYTES":
+            total += sum(len(x) for x in tensor.data.reshape(-1).tolist()) + 8 * tensor.data.size
         else:
-            entry.expires = time.monotonic() + self.ttl_s
+            total += tensor.data.nbytes
+    return total

@@ -297,7 +297,10 @@ class MqttFront:
             else:
                 request = envelope.decode_request(payload, self.limits)
             request_id = request.id
-            response = await self.dataplane.infer(model, request, deadline=deadline)
+            # the reply topic names the sender (the broker's ACLs keep it to its owner)
+            response = await self.dataplane.infer(
+                model, request, deadline=deadline, principal=response_topic or ""
+            )
             if envelope.encode_needs_worker(response):
                 reply = await asyncio.to_thread(envelope.encode_reply, response)
             else:

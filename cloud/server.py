@@ -48,6 +48,7 @@ class CloudServer:
             strict_readiness=config.strict_readiness,
             idempotency_ttl_s=config.idempotency_ttl_s,
             idempotency_max_entries=config.idempotency_max_entries,
+            idempotency_max_bytes=config.idempotency_max_bytes,
             max_elements=config.limits.max_elements,
         )
         self.gpu = GpuMonitor()

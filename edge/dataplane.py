@@ -238,6 +238,9 @@ class EdgeDataPlane:
         # ("1"), and the MQTT correlation, the deferred store and the cloud's
         # idempotency cache all need one unique per request.
         client_id, request.id = request.id, uuid.uuid4().hex
+        # The id is also the cloud's idempotency key on every offload (HTTP and MQTT):
+        # a resend of this request is answered once, never run twice.
+        request.parameters = {**request.parameters, "idempotency_key": request.id}
         try:
             if priority is not None:
                 request.parameters = {**request.parameters, "priority": priority}

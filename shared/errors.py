@@ -26,6 +26,7 @@ class ErrorCode(str, Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     UNAUTHENTICATED = "unauthenticated"
     PERMISSION_DENIED = "permission_denied"
+    CONFLICT = "conflict"
     INVALID_CONFIG = "invalid_config"
     BACKEND_MISSING = "backend_missing"
     INTERNAL = "internal"
@@ -43,6 +44,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.CONFLICT: 409,
     ErrorCode.INVALID_CONFIG: 400,
     ErrorCode.BACKEND_MISSING: 501,
     ErrorCode.INTERNAL: 500,
@@ -141,6 +143,13 @@ class PermissionDenied(FerryError):
     code = ErrorCode.PERMISSION_DENIED
 
 
+class IdempotencyConflict(FerryError):
+    """An idempotency key came back with different inputs: never answer it with
+    another request's outputs."""
+
+    code = ErrorCode.CONFLICT
+
+
 class ConfigError(FerryError):
     """A configuration file is wrong; the message names file, key and expectation."""
 
@@ -170,6 +179,7 @@ _BY_CODE: dict[str, type[FerryError]] = {
         DeadlineExceeded,
         Unauthenticated,
         PermissionDenied,
+        IdempotencyConflict,
         ConfigError,
         BackendMissing,
         InternalError,

@@ -90,3 +90,57 @@ def test_keys_must_be_short_strings(bad):
     with pytest.raises(InvalidInput, match="idempotency_key"):
         idempotency_key({"idempotency_key": bad})
     assert idempotency_key({}) is None and idempotency_key({"idempotency_key": "ok"}) == "ok"
+
+
+async def test_a_reused_key_with_other_inputs_is_a_conflict_not_another_answer():
+    from shared.errors import IdempotencyConflict
+
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
+    work = Counter()
+    work.release.set()
+    assert await cache.run("k", work, b"inputs-1") == ("result-1", False)
+    with pytest.raises(IdempotencyConflict):
+        await cache.run("k", work, b"inputs-2")
+    assert await cache.run("k", work, b"inputs-1") == ("result-1", True)
+
+
+async def test_the_cache_is_bounded_by_the_bytes_of_its_answers():
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 1000, max_bytes=100, sizeof=lambda r: 40)
+    work = Counter()
+    work.release.set()
+    for key in ("a", "b", "c"):
+        await cache.run(key, work)
+    assert len(cache) == 2 and cache.bytes == 80  # the oldest went to stay under 100
+    assert (await cache.run("a", work))[1] is False
+    huge: IdempotencyCache[str] = IdempotencyCache(60, 1000, max_bytes=10, sizeof=lambda r: 40)
+    await huge.run("x", work)
+    assert len(huge) == 0 and huge.bytes == 0  # bigger than the cache: not kept
+
+
+async def test_keys_are_scoped_by_principal_and_checked_against_the_inputs(tmp_path):
+    import numpy as np
+
+    from cloud.dataplane import DataPlane
+    from shared.errors import IdempotencyConflict
+    from shared.messages import InferRequest
+    from shared.repository import ModelRepository
+    from shared.tensors import Tensor
+    from tests.support import write_linear_model
+
+    write_linear_model(tmp_path / "m" / "1" / "model.onnx", seed=1)
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    await dp.load("m")
+
+    def request(value: float):
+        x = np.full((1, 4), value, np.float32)
+        return InferRequest(inputs=[Tensor.from_array("x", x)], parameters={"idempotency_key": "k"})
+
+    alice = await dp.infer("m", request(1.0), principal="alice")
+    bob = await dp.infer("m", request(2.0), principal="bob")  # same key, another caller
+    assert not np.array_equal(alice.outputs[0].data, bob.outputs[0].data)
+    assert "duplicate" not in bob.parameters
+    again = await dp.infer("m", request(1.0), principal="alice")
+    assert again.parameters.get("duplicate") is True
+    with pytest.raises(IdempotencyConflict):
+        await dp.infer("m", request(3.0), principal="alice")
+    await dp.close()

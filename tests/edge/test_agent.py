@@ -323,3 +323,30 @@ async def test_the_python_api_answers_metadata_config_readiness_and_index_as_the
         assert [e["name"] for e in agent.repository_index()] == ["lin"]
         with pytest.raises(ModelNotFound):
             await agent.model_metadata("lin", "99")
+
+
+async def test_every_offload_carries_the_request_id_as_idempotency_key(tmp_path, edge_repos, cloud):
+    """What the agent sends is what a resend after a crash would send: the same key."""
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+    )
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        transport = agent.transports["http"]
+        sent = []
+        real_infer = transport.infer
+
+        async def recording(model, request, give_up_at):
+            sent.append((request.id, dict(request.parameters)))
+            return await real_infer(model, request, give_up_at)
+
+        transport.infer = recording
+        for _ in range(2):
+            answer = await agent.infer("lin", {"x": x})
+            assert answer.parameters["where"] == "cloud-http"
+    assert len(sent) == 2 and sent[0][0] != sent[1][0]
+    for request_id, parameters in sent:
+        assert parameters["idempotency_key"] == request_id
