@@ -45,6 +45,7 @@ from shared.repository import (
     ModelConfig,
     ModelRepository,
     complete_config,
+    parse_version,
     triton_model_config,
     v2_model_metadata,
     validate_model_name,
@@ -303,10 +304,7 @@ class DataPlane:
             raise ModelNotFound(f"unknown model {name!r}")
         if version in (None, ""):
             return versions[max(versions)]
-        try:
-            number = int(version)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise InvalidInput(f"model version must be an integer, got {version!r}") from None
+        number = parse_version(version)
         model = versions.get(number)
         if model is None:
             raise ModelNotFound(f"model {name!r} has no loaded version {number}")

@@ -18,7 +18,12 @@ from shared.repository.config import (
     parse_config_json,
 )
 from shared.repository.legacy import parse_legacy_config
-from shared.repository.repository import ModelRepository, complete_config, validate_model_name
+from shared.repository.repository import (
+    ModelRepository,
+    complete_config,
+    parse_version,
+    validate_model_name,
+)
 from shared.repository.triton import (
     triton_datatype,
     triton_model_config,
@@ -39,6 +44,7 @@ __all__ = [
     "parse_config_dict",
     "parse_config_json",
     "parse_legacy_config",
+    "parse_version",
     "triton_datatype",
     "triton_model_config",
     "v2_model_metadata",

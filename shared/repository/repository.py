@@ -55,6 +55,19 @@ def validate_model_name(name: str) -> str:
     return name
 
 
+_VERSION = re.compile(r"(0|[1-9][0-9]{0,17})", re.ASCII)
+
+
+def parse_version(value: object) -> int:
+    """A model version from a URL or a request: plain ASCII digits, nothing ``int()``
+    would also take ("01", "+1", "1_0", " 1", non-ASCII digits alias real versions)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and _VERSION.fullmatch(value):
+        return int(value)
+    raise InvalidInput(f"model version must be a plain non-negative integer, got {value!r}")
+
+
 def _is_version(path: Path) -> bool:
     """A version folder is named by a plain number ("01" is not: it would alias "1")."""
     name = path.name

@@ -386,3 +386,11 @@ def test_a_load_whose_sizes_exceed_the_node_is_refused_naming_the_key(
     assert repr(key) in doc["error"], doc
     live, _, _ = _post(server.http_url + "/v2/repository/index", b"{}")
     assert live == 200  # still up, nothing built
+
+
+@pytest.mark.parametrize("version", ["01", "%2B1", "1_0", "%D9%A1"])
+def test_a_version_in_the_url_that_only_int_would_take_is_refused(server, version):
+    status, _, doc = _post(
+        server.http_url + f"/v2/models/linear/versions/{version}/infer", b'{"inputs": []}'
+    )
+    assert status == 400 and "plain non-negative integer" in doc["error"], doc

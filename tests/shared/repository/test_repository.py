@@ -329,3 +329,18 @@ def test_an_accepted_name_never_contains_a_separator_or_parent_reference(name: s
 def test_a_name_with_a_separator_or_parent_reference_is_always_rejected(name: str) -> None:
     with pytest.raises(InvalidInput):
         validate_model_name(name)
+
+
+@pytest.mark.parametrize("bad", ["01", "+1", "1_0", " 1", "1 ", "\u0661", "-1", "1.0", "", True, -2])
+def test_a_version_is_plain_ascii_digits_and_nothing_int_would_also_take(bad):
+    from shared.errors import InvalidInput
+    from shared.repository import parse_version
+
+    with pytest.raises(InvalidInput, match="plain non-negative integer"):
+        parse_version(bad)
+
+
+def test_plain_versions_parse():
+    from shared.repository import parse_version
+
+    assert parse_version("1") == 1 and parse_version("0") == 0 and parse_version(12) == 12
