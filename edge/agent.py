@@ -119,7 +119,11 @@ class Agent:
             config.local_slowdown,
             config.local_latency_ms / 1000.0,
         )
-        self.store = DeferredStore(config.state_dir / "deferred.db")
+        self.store = DeferredStore(
+            config.state_dir / "deferred.db",
+            max_rows=config.store.max_requests,
+            max_bytes=config.store.max_bytes,
+        )
         s = config.store
         self.deferrer = Deferrer(
             self.store, ttl_s=s.ttl_s, keep_results_s=s.keep_results_s, max_attempts=s.max_attempts

@@ -41,6 +41,8 @@ class StoreConfig:
     ttl_s: float = 24 * 3600.0
     keep_results_s: float = 7 * 24 * 3600.0
     max_attempts: int = 5
+    max_requests: int = 10_000  # waiting requests before a deferral is refused
+    max_bytes: int = 256 << 20  # and their bytes
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,13 @@ _SCHEMA: dict[str, Any] = {
         "password_file": str,
     },
     "links": {"mqtt": str, "http": str},
-    "store": {"ttl_s": _NUM, "keep_results_s": _NUM, "max_attempts": int},
+    "store": {
+        "ttl_s": _NUM,
+        "keep_results_s": _NUM,
+        "max_attempts": int,
+        "max_requests": int,
+        "max_bytes": int,
+    },
     "policy": {
         "deadline_ms": _NUM,
         "deadline_quantile": _NUM,
@@ -320,6 +328,10 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
                 _range(source, "store.keep_results_s", store.get("keep_results_s", 604800.0), 0)
             ),
             max_attempts=int(_range(source, "store.max_attempts", store.get("max_attempts", 5), 1)),
+            max_requests=int(
+                _range(source, "store.max_requests", store.get("max_requests", 10_000), 1)
+            ),
+            max_bytes=int(_range(source, "store.max_bytes", store.get("max_bytes", 256 << 20), 1)),
         ),
         local_slowdown=slowdown,
         local_latency_ms=floor_ms,

@@ -107,7 +107,13 @@ class Deferrer:
         for item in await self._call(self.store.pending, limit=limit, now_wall=now):
             if not can_send():
                 break
-            request = envelope.decode_request(item.payload)
+            try:
+                request = envelope.decode_request(item.payload)
+            except FerryError as exc:  # a corrupt row fails alone; the rest still flush
+                log.error("deferred %s cannot be read back: %s", item.request_id, exc.message)
+                await self._call(self.store.mark_sending, item.request_id)
+                done += await self._failed(item, f"internal: stored request unreadable: {exc}", True)
+                continue
             await self._call(self.store.mark_sending, item.request_id)
             try:
                 response = await send(item.model, request)
@@ -137,7 +143,7 @@ class Deferrer:
         if final or item.attempts + 1 >= self.max_attempts:
             await self._call(self.store.mark_delivered, item.request_id, None, error)
             return 1
-        await self._call(self.store.mark_pending, item.request_id)
+        await self._call(self.store.mark_pending, item.request_id, attempt=True)
         return 0
 
     async def result(self, request_id: str) -> dict[str, Any]:

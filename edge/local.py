@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.errors import ModelNotFound
+from shared.errors import ModelNotFound, Overloaded
 from shared.repository import ModelConfig, ModelRepository, complete_config
 from shared.runtimes import RuntimeOptions, Session, load_session
 
@@ -42,8 +42,10 @@ class LocalModels:
         threads: int = 0,
         slowdown: float = 1.0,
         latency_floor_s: float = 0.0,
+        max_backlog: int = 256,
     ) -> None:
         self.repository = repository
+        self.max_backlog = max_backlog
         self.threads = threads
         self.slowdown = slowdown
         self.latency_floor_s = latency_floor_s
@@ -101,7 +103,15 @@ class LocalModels:
     ) -> tuple[dict[str, np.ndarray], float]:
         model = self.get(name)
         loop = asyncio.get_running_loop()
-        self._backlog[name] = self._backlog.get(name, 0) + 1
+        waiting = self._backlog.get(name, 0)
+        if self.max_backlog and waiting >= self.max_backlog:
+            # The executor's queue is bounded here: past it a request is refused at once
+            # instead of queueing work the device cannot finish in anyone's deadline.
+            raise Overloaded(
+                f"local model {name!r} has {waiting} requests waiting (max {self.max_backlog})",
+                retry_after=1.0,
+            )
+        self._backlog[name] = waiting + 1
         try:
             result, seconds = await loop.run_in_executor(
                 model.executor, model.run_sync, inputs, outputs

@@ -14,6 +14,12 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.errors import Overloaded
+
+#: the store's order follows the cloud's: priority 1 is the most urgent, and 0
+#: (no priority given) goes after every explicit level
+_URGENCY = "CASE WHEN priority > 0 THEN priority ELSE 2147483647 END"
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS deferred (
     request_id   TEXT PRIMARY KEY,
@@ -50,13 +56,21 @@ class DeferredResult:
 
 
 class DeferredStore:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_rows: int = 10_000, max_bytes: int = 256 << 20) -> None:
+        """``max_rows`` / ``max_bytes`` bound the requests waiting (pending or sending);
+        a deferral past them is refused with "overloaded", never dropped silently."""
         self.path = Path(path)
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
-        self._db.execute("UPDATE deferred SET status = 'pending' WHERE status = 'sending'")
+        # a crash while sending counts as an attempt: a request that crashes the agent
+        # every time must not loop forever
+        self._db.execute(
+            "UPDATE deferred SET status = 'pending', attempts = attempts + 1 WHERE status = 'sending'"
+        )
 
     def put(
         self,
@@ -68,6 +82,18 @@ class DeferredStore:
         expires_wall: float | None,
         priority: int = 0,
     ) -> None:
+        rows, size = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM deferred"
+            " WHERE status IN ('pending', 'sending')"
+        ).fetchone()
+        if (self.max_rows and rows >= self.max_rows) or (
+            self.max_bytes and size + len(payload) > self.max_bytes
+        ):
+            raise Overloaded(
+                f"the deferred store is full ({rows} requests, {size} bytes waiting; "
+                f"bounds {self.max_rows} requests, {self.max_bytes} bytes)",
+                retry_after=60.0,
+            )
         self._db.execute(
             "INSERT OR IGNORE INTO deferred (request_id, model, payload, created_wall, expires_wall, priority)"
             " VALUES (?, ?, ?, ?, ?, ?)",
@@ -78,21 +104,23 @@ class DeferredStore:
         rows = self._db.execute(
             "SELECT request_id, model, payload, created_wall, expires_wall, priority, attempts FROM deferred"
             " WHERE status = 'pending' AND (expires_wall IS NULL OR ? IS NULL OR expires_wall > ?)"
-            " ORDER BY priority DESC, created_wall LIMIT ?",
+            f" ORDER BY {_URGENCY}, created_wall LIMIT ?",
             (now_wall, now_wall, limit),
         ).fetchall()
         return [DeferredItem(r[0], r[1], bytes(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
 
     def mark_sending(self, request_id: str) -> None:
         self._db.execute(
-            "UPDATE deferred SET status = 'sending', attempts = attempts + 1 WHERE request_id = ?",
-            (request_id,),
+            "UPDATE deferred SET status = 'sending' WHERE request_id = ?", (request_id,)
         )
 
-    def mark_pending(self, request_id: str) -> None:
+    def mark_pending(self, request_id: str, *, attempt: bool = False) -> None:
+        """Back to pending; ``attempt`` counts a try the cloud itself failed (a link
+        that let the request down is not the request's attempt)."""
         self._db.execute(
-            "UPDATE deferred SET status = 'pending' WHERE request_id = ? AND status = 'sending'",
-            (request_id,),
+            "UPDATE deferred SET status = 'pending', attempts = attempts + ?"
+            " WHERE request_id = ? AND status = 'sending'",
+            (1 if attempt else 0, request_id),
         )
 
     def mark_delivered(self, request_id: str, result: bytes | None, error: str | None) -> None:

@@ -54,3 +54,67 @@ def test_results_expiry_and_duplicates(tmp_path):
     assert store.result("a").status == "delivered" and store.result("a").result == b"answer"
     assert store.result("nope") is None
     assert store.counts() == {"delivered": 1, "expired": 1}
+
+
+def test_priority_follows_the_cloud_one_first_and_none_given_last(tmp_path):
+    store = DeferredStore(tmp_path / "d.db")
+    for i, priority in enumerate([0, 3, 1, 2, 0, 1]):
+        store.put("m", b"x", request_id=f"r{i}", created_wall=float(i), expires_wall=None,
+                  priority=priority)  # fmt: skip
+    assert [i.request_id for i in store.pending()] == ["r2", "r5", "r3", "r1", "r0", "r4"]
+
+
+def test_a_link_that_lets_a_request_down_is_not_its_attempt(tmp_path):
+    store = DeferredStore(tmp_path / "d.db")
+    store.put("m", b"x", request_id="a", created_wall=1.0, expires_wall=None)
+    for _ in range(5):
+        store.mark_sending("a")
+        store.mark_pending("a")  # the link failed
+    assert store.pending()[0].attempts == 0
+    store.mark_sending("a")
+    store.mark_pending("a", attempt=True)  # the cloud failed it
+    assert store.pending()[0].attempts == 1
+
+
+def test_the_store_is_bounded_and_refuses_past_it_with_overloaded(tmp_path):
+    import pytest
+
+    from shared.errors import Overloaded
+
+    store = DeferredStore(tmp_path / "d.db", max_rows=3, max_bytes=10)
+    for i in range(3):
+        store.put("m", b"abc", request_id=f"r{i}", created_wall=1.0, expires_wall=None)
+    with pytest.raises(Overloaded, match="deferred store is full"):
+        store.put("m", b"a", request_id="r3", created_wall=1.0, expires_wall=None)
+    store.mark_sending("r0")
+    store.mark_delivered("r0", b"answer", None)  # answered rows do not count
+    with pytest.raises(Overloaded):
+        store.put("m", b"abcdefgh", request_id="r4", created_wall=1.0, expires_wall=None)
+    store.put("m", b"abc", request_id="r5", created_wall=1.0, expires_wall=None)
+
+
+async def test_a_corrupt_row_fails_alone_and_the_rest_still_flush(tmp_path):
+    import numpy as np
+
+    from edge.deferred import Deferrer
+    from shared import envelope
+    from shared.messages import InferRequest, InferResponse
+    from shared.tensors import Tensor
+
+    store = DeferredStore(tmp_path / "d.db")
+    store.put("m", b"\xc1 not msgpack", request_id="bad", created_wall=1.0, expires_wall=None)
+    good = InferRequest(inputs=[Tensor.from_array("x", np.ones(2, np.float32))], id="good")
+    store.put("m", envelope.encode_request(good), request_id="good", created_wall=2.0,
+              expires_wall=None)  # fmt: skip
+    deferrer = Deferrer(store)
+    sent = []
+
+    async def send(model, request):
+        sent.append(request.id)
+        return InferResponse(model_name=model, outputs=list(request.inputs), id=request.id)
+
+    assert await deferrer.flush(send, lambda: True) == 2
+    assert sent == ["good"]
+    assert store.result("bad").status == "failed" and "unreadable" in store.result("bad").error
+    assert store.result("good").status == "delivered"
+    await deferrer.close()
