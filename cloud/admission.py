@@ -150,6 +150,10 @@ class ConnectionGuard:
     def open_connections(self) -> int:
         return len(self._entries)
 
+    @property
+    def active_requests(self) -> int:
+        return sum(entry.active for entry in self._entries.values())
+
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _GuardedProtocol(self, factory)
 

@@ -45,6 +45,9 @@ class HttpConfig:
     idle_timeout_s: float = 75.0
     #: open connections before new ones get 503 and are closed (0: from the descriptor limit)
     max_connections: int = 0
+    #: on SIGTERM, kept-alive connections stay this long (within the grace) so a request
+    #: already on its way gets 503 + Connection: close instead of a reset
+    shutdown_linger_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ _SCHEMA: dict[str, Any] = {
         "body_timeout_s": NUMBER,
         "idle_timeout_s": NUMBER,
         "max_connections": int,
+        "shutdown_linger_s": NUMBER,
     },
     "mqtt": {
         "url": str,
@@ -190,6 +194,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             header_timeout_s=_positive(http_data, "header_timeout_s", 10.0, source),
             body_timeout_s=_positive(http_data, "body_timeout_s", 60.0, source),
             idle_timeout_s=_positive(http_data, "idle_timeout_s", 75.0, source),
+            shutdown_linger_s=float(http_data.get("shutdown_linger_s", 2.0)),
             max_connections=_non_negative(
                 http_data.get("max_connections", 0), source, "http.max_connections"
             ),

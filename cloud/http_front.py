@@ -150,7 +150,7 @@ class HttpFront:
         self.metrics = metrics
 
     def build_app(self) -> web.Application:
-        middlewares = [_errors]
+        middlewares = [self._closing, _errors]
         if self.guard is not None:
             middlewares.insert(0, self.guard.middleware())
         middlewares.append(_auth(self.tokens, self.open_metrics))
@@ -173,6 +173,14 @@ class HttpFront:
         if self.metrics is not None:
             r.add_get("/metrics", self.render_metrics)
         return app
+
+    @web.middleware
+    async def _closing(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """While the node drains, every answer closes its connection after it."""
+        response = await handler(request)
+        if self.dataplane.closing:
+            response.force_close()
+        return response
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return _json({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})

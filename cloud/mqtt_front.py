@@ -154,8 +154,8 @@ class MqttFront:
             await asyncio.wait(list(self._tasks), timeout=remaining)
             await asyncio.sleep(0)  # let messages already handed over spawn their tasks
 
-    async def close(self) -> None:
-        """Publish the offline status and leave the broker."""
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Publish the offline status (waiting at most ``timeout_s``) and leave the broker."""
         self._closed = True
         if self._status_task is not None:
             self._status_task.cancel()
@@ -167,7 +167,7 @@ class MqttFront:
                 qos=1,
                 retain=True,
             )
-            await asyncio.to_thread(_wait_published, info, 2.0)
+            await asyncio.to_thread(_wait_published, info, timeout_s)
             client.disconnect()
             await asyncio.to_thread(client.loop_stop)
 

@@ -116,26 +116,50 @@ class CloudServer:
             await self.mqtt.start()
 
     async def stop(self) -> None:
+        """Stop within ``shutdown_grace_s``, end to end: every step gets what is left."""
         deadline = time.monotonic() + self.config.shutdown_grace_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         # 1. intake off everywhere before anything waits
         self.dataplane.begin_shutdown()
         if self._site is not None:
             await self._site.stop()  # closes the listening socket; connections stay
         if self.mqtt is not None:
             self.mqtt.stop_intake()
-        # 2. drain both fronts at once; aiohttp's cleanup closes idle keep-alive
-        #    connections and waits for running handlers (shutdown_timeout)
+        # 2. drain both fronts at once. Kept-alive connections linger (answers carry
+        #    Connection: close; a request already on its way gets 503, not a reset),
+        #    then aiohttp's cleanup closes idle ones and waits for running handlers.
         drains = []
         if self._runner is not None:
-            drains.append(self._runner.cleanup())
+            drains.append(self._drain_http(deadline))
         if self.mqtt is not None:
             drains.append(self.mqtt.drain(deadline))
         await asyncio.gather(*drains)
-        # 3. runtimes, then the broker
-        await self.dataplane.close()
+        # 3. runtimes, then the broker, with whatever time is left
+        try:
+            await asyncio.wait_for(self.dataplane.close(), timeout=left() or 0.001)
+        except TimeoutError:
+            log.warning("shutdown grace over: runtimes left busy at exit")
         if self.mqtt is not None:
-            await self.mqtt.close()
+            await self.mqtt.close(timeout_s=min(2.0, left()))
         self.gpu.close()
+
+    async def _drain_http(self, deadline: float) -> None:
+        assert self._runner is not None and self.config.http is not None
+        linger_until = min(deadline, time.monotonic() + self.config.http.shutdown_linger_s)
+        guard = self.guard
+        while guard is not None and time.monotonic() < linger_until:
+            if guard.open_connections == 0:
+                break
+            await asyncio.sleep(0.02)
+        try:
+            await asyncio.wait_for(
+                self._runner.cleanup(), timeout=max(0.001, deadline - time.monotonic())
+            )
+        except TimeoutError:
+            log.warning("shutdown grace over: HTTP requests still running at exit")
 
 
 async def serve(config: CloudConfig) -> int:
