@@ -25,9 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--node", help="node name (default: host name)")
     serve.add_argument("--models", help="comma-separated models to load (default: all)")
     serve.add_argument("--tokens-file", type=Path, help="bearer tokens, one per line")
+    from cloud.broker_auth import add_auth_command
     from cloud.cli_model import add_model_commands
 
     add_model_commands(sub)
+    add_auth_command(sub)
     return parser
 
 
@@ -40,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "auth":
+            from cloud.broker_auth import run_auth_command
+
+            return run_auth_command(args)
         from cloud.cli_model import run_model_command
 
         return run_model_command(args)

@@ -1,0 +1,542 @@
+"""``ferry-cloud auth`` against a real Mosquitto: who may connect, publish and read what.
+
+Every test starts the broker on the configuration the generator wrote (plus
+``user root`` when the tests run as root, since Mosquitto would otherwise
+drop to a user that cannot read pytest's 0700 folders) and asserts on what
+the broker really answers: CONNACK, SUBACK and PUBACK reason codes, and which
+messages are delivered.
+
+What Mosquitto 2.0's ``acl_file`` really does, as measured here: a denied
+PUBLISH gets PUBACK 0x87 and goes nowhere; a SUBSCRIBE is never refused (the
+SUBACK grants it, see eclipse/mosquitto#744), the ACL filters each message
+at delivery instead, so a subscription to a topic the client may not read
+stays empty.  A last will is not checked at CONNECT but when it is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import ssl
+import stat
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
+
+from cloud import broker_auth
+from cloud.broker_auth import AuthFiles, Principal, write_broker_auth
+from cloud.cli import main as cloud_main
+from edge.transports.mqtt import MqttTransport
+from shared.errors import ConfigError
+from shared.messages import InferRequest
+from shared.mqtt import (
+    PLACEMENT_TOPIC,
+    BrokerAddress,
+    reply_topic,
+    request_topic,
+    shared_request_topic,
+    status_topic,
+)
+from shared.tensors import Tensor
+from tests.support import (
+    cloud_server,
+    free_port,
+    linear_reference,
+    make_test_ca,
+    mosquitto_binary,
+    wait_port,
+    write_linear_model,
+)
+
+NOT_AUTHORIZED = 0x87
+#: SUBACK of any QoS 1 subscription, allowed or not: acl_file filters at delivery
+SUBSCRIBED = 1
+ACCEPTED = 0  # PUBACK 0x00 success or 0x10 no matching subscribers
+BAD_CREDENTIALS = 0x86
+DEVICES = ["dev-a", "dev-b"]
+NODE = "node-1"
+CONTROLLER = "ctl"
+
+
+# ---- a broker on the generated configuration -------------------------------------------
+class AuthBroker:
+    """Mosquitto run on ``files.conf`` as written, on its loopback port."""
+
+    def __init__(self, files: AuthFiles, port: int) -> None:
+        self.files = files
+        self.port = port
+        self.workdir = files.conf.parent
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.users = {p.name: p for p in files.principals}
+
+    def start(self) -> AuthBroker:
+        conf = self.files.conf
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            conf = self.workdir / "run-as-root.conf"
+            conf.write_text(self.files.conf.read_text() + "user root\n")
+        self.log = self.workdir / "mosquitto.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [mosquitto_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            wait_port(self.port)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError("mosquitto did not start:\n" + self.log.read_text()) from None
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def password(self, name: str) -> str:
+        return self.users[name].password
+
+
+def _generate(out: Path, **kwargs: Any) -> tuple[AuthFiles, int]:
+    port = free_port()
+    files = write_broker_auth(
+        out, DEVICES, [NODE], CONTROLLER, port=port, bind="127.0.0.1", **kwargs
+    )
+    return files, port
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Iterator[AuthBroker]:
+    files, port = _generate(tmp_path / "auth")
+    broker = AuthBroker(files, port).start()
+    yield broker
+    broker.stop()
+
+
+# ---- a synchronous MQTT v5 client that records every acknowledgement -----------------
+class Peer:
+    def __init__(
+        self,
+        broker: AuthBroker,
+        username: str | None,
+        password: str | None = None,
+        *,
+        client_id: str = "",
+        ca_file: Path | None = None,
+        will_topic: str | None = None,
+    ) -> None:
+        self.client = mqtt.Client(
+            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+            client_id=client_id or f"peer-{uuid.uuid4().hex[:8]}",
+            protocol=mqtt.MQTTv5,
+        )
+        if username is not None:
+            self.client.username_pw_set(username, password)
+        if ca_file is not None:
+            self.client.tls_set(ca_certs=str(ca_file))
+        if will_topic is not None:
+            self.client.will_set(will_topic, b'{"state": "offline"}', qos=1, retain=True)
+        self.broker = broker
+        self.connack: ReasonCode | None = None
+        self.subacks: dict[int, list[ReasonCode]] = {}
+        self.pubacks: dict[int, ReasonCode] = {}
+        self.messages: list[mqtt.MQTTMessage] = []
+        self._lock = threading.Lock()
+        self.client.on_connect = self._on_connect
+        self.client.on_subscribe = self._on_subscribe
+        self.client.on_publish = self._on_publish
+        self.client.on_message = self._on_message
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        self.connack = reason
+        if reason.is_failure:
+            client.disconnect()  # no reconnect loop against a broker that said no
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, props: Any) -> None:
+        self.subacks[mid] = list(reasons)
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, props: Any) -> None:
+        self.pubacks[mid] = reason
+
+    def _on_message(self, client: Any, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        with self._lock:
+            self.messages.append(message)
+
+    def connect(self) -> ReasonCode:
+        self.client.connect("127.0.0.1", self.broker.port)
+        self.client.loop_start()
+        _wait(lambda: self.connack is not None, "no CONNACK")
+        assert self.connack is not None
+        return self.connack
+
+    def subscribe(self, topic: str) -> int:
+        """The SUBACK reason code's value (1: granted QoS 1, 0x87: not authorized)."""
+        _, mid = self.client.subscribe(topic, qos=1)
+        _wait(lambda: mid in self.subacks, f"no SUBACK for {topic}")
+        (code,) = self.subacks[mid]
+        return code.value
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> int:
+        """The PUBACK reason code's value (QoS 1): 0 or 0x10 (accepted, no subscriber
+        yet) is ACCEPTED, 0x87 is not authorized."""
+        info = self.client.publish(topic, payload, qos=1, retain=retain)
+        _wait(lambda: info.mid in self.pubacks, f"no PUBACK for {topic}")
+        code = self.pubacks[info.mid].value
+        return ACCEPTED if code in (0x00, 0x10) else code
+
+    def payloads(self, topic: str | None = None) -> list[bytes]:
+        with self._lock:
+            return [m.payload for m in self.messages if topic is None or m.topic == topic]
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def _wait(cond: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        time.sleep(0.01)
+
+
+def _peer(broker: AuthBroker, name: str, **kwargs: Any) -> Peer:
+    peer = Peer(broker, name, broker.password(name), **kwargs)
+    code = peer.connect()
+    assert not code.is_failure, f"{name} refused: {code}"
+    return peer
+
+
+def _connack(broker: AuthBroker, username: str | None, password: str | None, **kw: Any) -> Any:
+    peer = Peer(broker, username, password, **kw)
+    try:
+        return peer.connect()
+    finally:
+        peer.close()
+
+
+# ---- tests ---------------------------------------------------------------------------
+def test_a_device_publishes_a_request_and_the_node_receives_it(locked):
+    node = _peer(locked, NODE, will_topic=status_topic(NODE))  # will checked at CONNECT
+    device = _peer(locked, "dev-a", client_id="ferry-edge-aaaa")
+    try:
+        assert node.subscribe(shared_request_topic("linear")) == SUBSCRIBED
+        assert node.publish(status_topic(NODE), b'{"state": "online"}', retain=True) == ACCEPTED
+        assert device.subscribe(status_topic("+")) == SUBSCRIBED  # the agent follows them
+        assert device.publish(request_topic("linear"), b"request") == ACCEPTED
+        _wait(lambda: node.payloads() == [b"request"], "the node got no request")
+        _wait(lambda: device.payloads() == [b'{"state": "online"}'], "no retained status")
+    finally:
+        device.close()
+        node.close()
+
+
+def test_another_devices_reply_topic_is_refused(locked):
+    a_topic, b_topic = reply_topic("ferry-edge-aaaa"), reply_topic("ferry-edge-bbbb")
+    node = _peer(locked, NODE)
+    a = _peer(locked, "dev-a", client_id="ferry-edge-aaaa")
+    b = _peer(locked, "dev-b", client_id="ferry-edge-bbbb")
+    try:
+        assert a.subscribe(a_topic) == SUBSCRIBED
+        assert b.subscribe(b_topic) == SUBSCRIBED
+        # B asks for A's replies, directly and by wildcards.  The SUBACK grants
+        # them (acl_file does not check SUBSCRIBE); what matters is delivery, below.
+        assert b.subscribe(a_topic) == SUBSCRIBED
+        assert b.subscribe(reply_topic("#")) == SUBSCRIBED
+        assert b.subscribe(reply_topic("+")) == SUBSCRIBED
+        assert b.subscribe("#") == SUBSCRIBED
+        # B cannot forge a reply to A either.
+        assert b.publish(a_topic, b"forged") == NOT_AUTHORIZED
+        # The node answers A, then B; B's own reply arriving shows A's had its chance.
+        assert node.publish(a_topic, b"for-a") == ACCEPTED
+        assert node.publish(b_topic, b"for-b") == ACCEPTED
+        _wait(lambda: a.payloads() == [b"for-a"], "A did not get its reply")
+        # (B's overlapping subscriptions each get a copy of its own reply)
+        _wait(lambda: b"for-b" in b.payloads(), "B did not get its own reply")
+        time.sleep(0.2)
+        assert set(b.payloads()) == {b"for-b"}
+        assert a.payloads() == [b"for-a"]  # and never the forged one
+    finally:
+        for peer in (a, b, node):
+            peer.close()
+
+
+def test_a_wildcard_client_id_gains_nothing(locked):
+    """The reply rule is a %c pattern; Mosquitto refuses it to ids holding + or #."""
+    node = _peer(locked, NODE)
+    a = _peer(locked, "dev-a", client_id="ferry-edge-aaaa")
+    sneaky = _peer(locked, "dev-b", client_id="#")
+    try:
+        assert a.subscribe(reply_topic("ferry-edge-aaaa")) == SUBSCRIBED
+        assert sneaky.subscribe(reply_topic("#")) == SUBSCRIBED
+        assert sneaky.publish(reply_topic("ferry-edge-aaaa"), b"x") == NOT_AUTHORIZED
+        assert node.publish(reply_topic("ferry-edge-aaaa"), b"for-a") == ACCEPTED
+        _wait(lambda: a.payloads() == [b"for-a"], "A did not get its reply")
+        time.sleep(0.2)
+        assert sneaky.payloads() == []
+    finally:
+        for peer in (sneaky, a, node):
+            peer.close()
+
+
+def test_wrong_password_unknown_user_and_anonymous_are_refused(locked):
+    refused = {BAD_CREDENTIALS, NOT_AUTHORIZED}
+    assert _connack(locked, "dev-a", "not-the-password").value in refused
+    assert _connack(locked, "dev-a", locked.password("dev-b")).value in refused
+    assert _connack(locked, "nobody", "whatever").value in refused
+    assert _connack(locked, None, None).value in refused
+    assert _connack(locked, "dev-a", locked.password("dev-a")).value == 0
+
+
+def test_a_device_cannot_pose_as_a_node_or_the_controller(locked):
+    ctl = _peer(locked, CONTROLLER)
+    device = _peer(locked, "dev-a")
+    try:
+        assert ctl.subscribe(status_topic("+")) == SUBSCRIBED
+        assert ctl.subscribe(PLACEMENT_TOPIC) == SUBSCRIBED
+        fake = b'{"state": "online", "models": []}'
+        assert device.publish(status_topic(NODE), fake, retain=True) == NOT_AUTHORIZED
+        assert device.publish(PLACEMENT_TOPIC, b"{}", retain=True) == NOT_AUTHORIZED
+        # the controller's own placement goes through (it reads it back, retained)
+        assert ctl.publish(PLACEMENT_TOPIC, b'{"v": 1}', retain=True) == ACCEPTED
+        _wait(lambda: ctl.payloads(PLACEMENT_TOPIC) == [b'{"v": 1}'], "no placement")
+        time.sleep(0.2)
+        assert ctl.payloads(status_topic(NODE)) == []
+        assert ctl.payloads(PLACEMENT_TOPIC) == [b'{"v": 1}']
+    finally:
+        device.close()
+        ctl.close()
+
+
+def test_a_device_reads_no_requests_not_even_from_the_share_group(locked):
+    """A device may join the nodes' share group (acl_file cannot refuse a SUBSCRIBE)
+    but receives none of the requests: the read check drops them at delivery.
+    Mosquitto still counts it in the group, so requests it is dealt are lost:
+    README "Locking the broker" names this limit."""
+    node = _peer(locked, NODE)
+    spy = _peer(locked, "dev-b")
+    device = _peer(locked, "dev-a")
+    try:
+        assert node.subscribe(shared_request_topic("m")) == SUBSCRIBED
+        assert spy.subscribe(shared_request_topic("m")) == SUBSCRIBED
+        assert spy.subscribe(request_topic("+")) == SUBSCRIBED
+        for i in range(10):
+            assert device.publish(request_topic("m"), b"%d" % i) == ACCEPTED
+        _wait(lambda: len(node.payloads()) >= 1, "the node got no request")
+        time.sleep(0.2)
+        assert spy.payloads() == []
+    finally:
+        for peer in (device, spy, node):
+            peer.close()
+
+
+def test_a_node_owns_only_its_own_status(locked):
+    node = _peer(locked, NODE)
+    try:
+        assert node.publish(status_topic(NODE), b"ok", retain=True) == ACCEPTED
+        assert node.publish(status_topic("node-2"), b"x", retain=True) == NOT_AUTHORIZED
+        assert node.publish(PLACEMENT_TOPIC, b"x", retain=True) == NOT_AUTHORIZED
+        assert node.publish(request_topic("linear"), b"x") == NOT_AUTHORIZED
+        assert node.subscribe(PLACEMENT_TOPIC) == SUBSCRIBED
+    finally:
+        node.close()
+
+
+def test_a_nodes_last_will_reaches_only_its_own_status_topic(locked):
+    ctl = _peer(locked, CONTROLLER)
+    try:
+        assert ctl.subscribe(status_topic("+")) == SUBSCRIBED
+        for topic in (status_topic("node-2"), status_topic(NODE)):
+            node = _peer(locked, NODE, will_topic=topic)  # CONNECT accepts either
+            # MQTT v5 DISCONNECT 0x04 asks the broker to publish the will, as a crash would.
+            node.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))
+            node.client.loop_stop()
+        _wait(lambda: ctl.payloads(status_topic(NODE)), "the node's own will never came")
+        time.sleep(0.2)
+        assert ctl.payloads(status_topic("node-2")) == []
+    finally:
+        ctl.close()
+
+
+def test_hashes_made_without_mosquitto_passwd_are_accepted_by_the_broker(tmp_path):
+    files, port = _generate(tmp_path / "auth", hasher="hashlib")
+    assert all(
+        line.split(":", 1)[1].startswith("$7$101$") for line in files.passwd.read_text().split()
+    )
+    broker = AuthBroker(files, port).start()
+    try:
+        for name in (*DEVICES, NODE, CONTROLLER):
+            assert _connack(broker, name, broker.password(name)).value == 0
+        assert _connack(broker, "dev-a", "wrong").value in {BAD_CREDENTIALS, NOT_AUTHORIZED}
+    finally:
+        broker.stop()
+
+
+def test_our_hash_check_reads_mosquitto_passwd_output(tmp_path):
+    assert broker_auth.mosquitto_passwd_binary(), "mosquitto_passwd is not installed"
+    files = write_broker_auth(tmp_path, ["d"], [], hasher="mosquitto_passwd")
+    (principal,) = files.principals
+    name, encoded = files.passwd.read_text().strip().split(":", 1)
+    assert name == "d" and encoded.startswith("$7$")
+    assert broker_auth.verify_password(principal.password, encoded)
+    assert not broker_auth.verify_password(principal.password + "x", encoded)
+    mine = broker_auth.hash_password("secret", salt=b"0123456789ab")
+    assert broker_auth.verify_password("secret", mine)
+
+
+def test_tls_listener_with_certificates_made_now(tmp_path):
+    ca, cert, key = make_test_ca(tmp_path / "tls")
+    port = free_port()
+    files = write_broker_auth(
+        tmp_path / "auth",
+        ["dev-a"],
+        [NODE],
+        port=port,
+        bind="127.0.0.1",
+        tls=broker_auth.tls_files(cert, key, ca),
+    )
+    conf = files.conf.read_text()
+    assert f"certfile {cert.resolve()}" in conf and f"keyfile {key.resolve()}" in conf
+    broker = AuthBroker(files, port).start()
+    try:
+        assert _connack(broker, "dev-a", broker.password("dev-a"), ca_file=ca).value == 0
+        refused = _connack(broker, "dev-a", "wrong", ca_file=ca).value
+        assert refused in {BAD_CREDENTIALS, NOT_AUTHORIZED}
+        assert _connack(broker, None, None, ca_file=ca).value in {BAD_CREDENTIALS, NOT_AUTHORIZED}
+        # plain MQTT to the TLS port gets no CONNACK at all
+        plain = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+                            protocol=mqtt.MQTTv5)  # fmt: skip
+        plain.username_pw_set("dev-a", broker.password("dev-a"))
+        codes: list[Any] = []
+        plain.on_connect = lambda c, u, f, reason, p: codes.append(reason)
+        try:
+            plain.connect("127.0.0.1", port)
+            for _ in range(10):
+                plain.loop(timeout=0.1)
+        except (OSError, ssl.SSLError):
+            pass
+        plain.disconnect()
+        assert codes == []
+    finally:
+        broker.stop()
+
+
+def test_cli_writes_private_files_and_never_prints_a_password(tmp_path, capsys):
+    out = tmp_path / "auth"
+    rc = cloud_main(
+        ["auth", "--devices", "dev-a,dev-b", "--nodes", NODE, "--controller", CONTROLLER,
+         "--out", str(out), "--port", "18883"]
+    )  # fmt: skip
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    creds = broker_auth.read_credentials(out / "credentials")
+    assert sorted(creds) == sorted([*DEVICES, NODE, CONTROLLER])
+    assert {p.role for p in creds.values()} == {"device", "node", "controller"}
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(out / "credentials") == 0o600
+    assert mode(out / "passwd") == 0o600
+    assert mode(out / "passwords") == 0o700
+    for name, principal in creds.items():
+        own = out / "passwords" / f"{name}.pass"
+        assert mode(own) == 0o600 and own.read_text().strip() == principal.password
+    public = (
+        printed.out
+        + printed.err
+        + "".join((out / f).read_text() for f in ("passwd", "acl", "mosquitto.conf"))
+    )
+    for principal in creds.values():
+        assert principal.password not in public
+        assert principal.password not in repr(principal)
+    assert str(out / "credentials") in printed.out
+    conf = (out / "mosquitto.conf").read_text().splitlines()
+    for line in ("allow_anonymous false", "set_tcp_nodelay true", "listener 18883"):
+        assert line in conf
+    assert not any(line.startswith(("cafile", "certfile")) for line in conf)
+
+
+def test_a_second_run_keeps_passwords_and_revokes_names_left_out(tmp_path):
+    first = write_broker_auth(tmp_path, ["a", "b"], ["n"], hasher="hashlib")
+    before = {p.name: p.password for p in first.principals}
+    second = write_broker_auth(tmp_path, ["a", "c"], [], "n", hasher="hashlib")
+    after = {p.name: p for p in second.principals}
+    assert after["a"].password == before["a"]  # same name, same role: kept
+    assert after["n"].role == "controller" and after["n"].password != before["n"]
+    assert second.kept == ("a",) and second.removed == ("b",)
+    assert not (tmp_path / "passwords" / "b.pass").exists()
+    assert [line.split(":")[0] for line in second.passwd.read_text().split()] == ["a", "c", "n"]
+    assert "user b\n" not in second.acl.read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "a/b"], "device name 'a/b'"),
+        (["--devices", "a,,b"], "device name ''"),
+        (["--devices", "x", "--nodes", "x"], "listed twice"),
+        ([], "no broker users"),
+        (["--devices", "x", "--tls-key", "k.pem"], "needs both --tls-cert and --tls-key"),
+        (["--devices", "x", "--tls-cert", "nope.pem", "--tls-key", "k.pem"], "no such file"),
+        (["--devices", "x", "--port", "70000"], "--port 70000"),
+        (["--devices", "x", "--bind", "0.0.0.0 allow_anonymous"], "--bind"),
+    ],
+)
+def test_bad_options_are_config_errors(tmp_path, capsys, argv, message):
+    assert cloud_main(["auth", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "invalid_config" in err and message in err
+    assert not (tmp_path / "o" / "credentials").exists()
+
+
+def test_principal_repr_hides_the_password():
+    principal = Principal("d", "device", "hunter2-secret")
+    assert "hunter2-secret" not in repr(principal)
+    with pytest.raises(ConfigError):
+        broker_auth.make_principals(["ok", "bad name"], [])
+
+
+async def test_the_real_agent_and_node_work_through_the_locked_broker(locked, tmp_path):
+    """The ACL fits what the programs really do: the node's shared subscription,
+    will and status; the agent's random client id, reply topic, status and probe."""
+    w, b = write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
+    cfg = tmp_path / "cloud.toml"
+    cfg.write_text(
+        f'repository = "{tmp_path / "repo"}"\nnode = "{NODE}"\n[http]\nenabled = false\n'
+        f'[mqtt]\nurl = "mqtt://127.0.0.1:{locked.port}"\nusername = "{NODE}"\n'
+        f'password_file = "{locked.files.passwords_dir / f"{NODE}.pass"}"\n'
+    )
+    node = cloud_server(tmp_path / "repo", "--config", str(cfg)).start()
+    address = BrokerAddress("127.0.0.1", locked.port, False, "dev-a", locked.password("dev-a"))
+    agent = MqttTransport(address)
+    try:
+        await agent.start()
+        assert agent.connected and agent.client_id.startswith("ferry-edge-")
+        for _ in range(100):
+            if agent.serves("linear"):
+                break
+            await asyncio.sleep(0.05)
+        assert agent.serves("linear"), "the device could not read the node's status"
+        assert await agent.probe(time.monotonic() + 5) < 5  # its own reply topic, both ways
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        request = InferRequest(inputs=[Tensor.from_array("x", x)])
+        result = await agent.infer("linear", request, time.monotonic() + 20)
+        np.testing.assert_allclose(
+            result.response.outputs[0].data, linear_reference(x, w, b), rtol=1e-5
+        )
+    finally:
+        await agent.close()
+        node.terminate()
