@@ -234,29 +234,28 @@ def acl_text(principals: Sequence[Principal]) -> str:
     - controller: reads every node status, publishes (and reads back) the
       retained placement.
 
-    The edge agent's reply topic is ``ferry/v1/replies/<MQTT client id>`` and
-    the agent picks a random client id (``ferry-edge-<12 hex>``), not its user
-    name, so the reply rule is a ``pattern`` on ``%c`` (the client id).  That
-    binds a reply topic to a connection, not to a user: a device that learned
-    another device's client id could connect under it (Mosquitto then drops
-    the other connection) and read its replies.  Mosquitto refuses patterns to
-    client ids holding ``+`` or ``#``, so no wildcard reaches other topics.
+    The edge agent's reply topic is ``ferry/v1/replies/<user>/<client id>``
+    when it logs in, so the reply rule is a ``pattern`` on ``%u``: each device
+    owns the subtree of its user name, whatever client id it connects with.
+    ``use_username_as_clientid`` makes every connection's client id its user
+    name, so nobody can take over another client's session (without it a
+    device connecting as ``ferry-cloud-<node>`` would knock that node off).
+    Mosquitto refuses patterns to user names holding ``+`` or ``#``.
 
     Mosquitto 2.0's acl_file never refuses a SUBSCRIBE (the SUBACK grants it);
     it drops each message the subscriber may not read at delivery.  So nobody
     reads what the rules deny, but a device can still join the nodes' share
     group, where the requests the broker deals to it are dropped (lost, not
     read).  Refusing the subscription itself needs Mosquitto's dynamic
-    security plugin, whose 2.0 ACLs have no ``%c``, so it would need agents
-    with fixed client ids (see README, "Locking the broker").
+    security plugin (see README, "Locking the broker").
     """
     lines = [
         "# Ferry broker ACL, written by `ferry-cloud auth` (topics: DESIGN.md section 2).",
         "# Topics not granted here are denied; anonymous clients get nothing.",
         "",
-        "# Every client may read and write the reply topic named after its MQTT client id:",
-        "# the edge agent subscribes to it (random id ferry-edge-<hex>) and probes through it.",
-        f"pattern readwrite {reply_topic('%c')}",
+        "# Every client may read and write the replies under its own user name: the edge",
+        "# agent's reply topic is ferry/v1/replies/<user>/<client id>, and it probes through it.",
+        f"pattern readwrite {reply_topic('#', '%u')}",
     ]
     for p in principals:
         lines += ["", f"# {p.role}", f"user {p.name}"]
@@ -318,6 +317,9 @@ def mosquitto_conf_text(
         f"acl_file {acl.resolve()}",
         "",
         f"listener {port}{' ' + bind if bind else ''}",
+        "# A client's id is its user name: nobody can take over another's session (a",
+        "# device connecting as ferry-cloud-<node> would otherwise knock that node off).",
+        "use_username_as_clientid true",
     ]
     if tls is not None:
         if tls.ca is not None:

@@ -34,7 +34,12 @@ def model_from_topic(topic: str) -> str | None:
     return None
 
 
-def reply_topic(client_id: str) -> str:
+def reply_topic(client_id: str, username: str | None = None) -> str:
+    """Where a client's replies go: under its broker user name when it has one, so a
+    locked broker can give each device its own subtree (``replies/%u/#``) whatever
+    client id a connection uses."""
+    if username:
+        return f"{PREFIX}/replies/{username}/{client_id}"
     return f"{PREFIX}/replies/{client_id}"
 
 

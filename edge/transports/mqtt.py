@@ -75,7 +75,7 @@ class MqttTransport:
     ) -> None:
         self.broker = broker
         self.client_id = client_id or f"ferry-edge-{uuid.uuid4().hex[:12]}"
-        self.reply_topic = reply_topic(self.client_id)
+        self.reply_topic = reply_topic(self.client_id, broker.username)
         self.tls_context = tls_context
         self.limits = limits
         self.keepalive_s = keepalive_s

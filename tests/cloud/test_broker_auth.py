@@ -247,7 +247,8 @@ def test_a_device_publishes_a_request_and_the_node_receives_it(locked):
 
 
 def test_another_devices_reply_topic_is_refused(locked):
-    a_topic, b_topic = reply_topic("ferry-edge-aaaa"), reply_topic("ferry-edge-bbbb")
+    a_topic = reply_topic("ferry-edge-aaaa", "dev-a")
+    b_topic = reply_topic("ferry-edge-bbbb", "dev-b")
     node = _peer(locked, NODE)
     a = _peer(locked, "dev-a", client_id="ferry-edge-aaaa")
     b = _peer(locked, "dev-b", client_id="ferry-edge-bbbb")
@@ -276,16 +277,20 @@ def test_another_devices_reply_topic_is_refused(locked):
             peer.close()
 
 
-def test_a_wildcard_client_id_gains_nothing(locked):
-    """The reply rule is a %c pattern; Mosquitto refuses it to ids holding + or #."""
-    node = _peer(locked, NODE)
+def test_a_client_id_gains_nothing_and_cannot_take_over_another_session(locked):
+    """Replies are bound to the user name (a %u pattern), and every connection's client
+    id is its user name: a device posing as A's client id, or as the node's, neither
+    reads A's replies nor knocks the node off."""
+    a_topic = reply_topic("ferry-edge-aaaa", "dev-a")
+    node = _peer(locked, NODE, client_id=f"ferry-cloud-{NODE}")
     a = _peer(locked, "dev-a", client_id="ferry-edge-aaaa")
-    sneaky = _peer(locked, "dev-b", client_id="#")
+    sneaky = _peer(locked, "dev-b", client_id=f"ferry-cloud-{NODE}")
     try:
-        assert a.subscribe(reply_topic("ferry-edge-aaaa")) == SUBSCRIBED
+        assert a.subscribe(a_topic) == SUBSCRIBED
+        assert sneaky.subscribe(a_topic) == SUBSCRIBED
         assert sneaky.subscribe(reply_topic("#")) == SUBSCRIBED
-        assert sneaky.publish(reply_topic("ferry-edge-aaaa"), b"x") == NOT_AUTHORIZED
-        assert node.publish(reply_topic("ferry-edge-aaaa"), b"for-a") == ACCEPTED
+        assert sneaky.publish(a_topic, b"x") == NOT_AUTHORIZED
+        assert node.publish(a_topic, b"for-a") == ACCEPTED  # the node is still connected
         _wait(lambda: a.payloads() == [b"for-a"], "A did not get its reply")
         time.sleep(0.2)
         assert sneaky.payloads() == []
@@ -524,7 +529,7 @@ async def test_the_real_agent_and_node_work_through_the_locked_broker(locked, tm
     agent = MqttTransport(address)
     try:
         await agent.start()
-        assert agent.connected and agent.client_id.startswith("ferry-edge-")
+        assert agent.connected and agent.reply_topic == reply_topic(agent.client_id, "dev-a")
         for _ in range(100):
             if agent.serves("linear"):
                 break
