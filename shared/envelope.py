@@ -25,6 +25,7 @@ from shared.tensors import (
     Tensor,
     array_from_buffer,
     array_to_buffer,
+    check_bytes_count,
     check_name,
     check_shape,
 )
@@ -90,6 +91,7 @@ def _from_wire(items: list[WireTensor], limits: Limits, what: str) -> list[Tenso
         seen.add(name)
         datatype = validate_datatype(item.datatype)
         shape = check_shape(item.shape, name, limits)
+        check_bytes_count(name, datatype, shape, limits)
         out.append(Tensor(name, datatype, array_from_buffer(name, datatype, shape, item.data)))
     return out
 

@@ -42,6 +42,10 @@ class Limits:
     max_body_bytes: int = 64 * 1024 * 1024
     max_json_body_bytes: int = 16 * 1024 * 1024
     max_elements: int = 16 * 1024 * 1024
+    #: BYTES elements in one tensor: runtimes convert each to and from a Python
+    #: object holding the GIL (ONNX Runtime: ~0.2 us per element each way), so a
+    #: million strings freeze the whole process for a fraction of a second
+    max_bytes_elements: int = 64 * 1024
     max_tensors: int = 64
     max_dims: int = 8
     max_name_length: int = 256
@@ -129,6 +133,17 @@ def check_shape(shape: object, name: str, limits: Limits) -> tuple[int, ...]:
             "(its non-zero dimensions multiply past the address space)"
         )
     return tuple(shape)
+
+
+def check_bytes_count(name: str, datatype: str, shape: tuple[int, ...], limits: Limits) -> None:
+    """BYTES tensors have their own, smaller element bound (see Limits)."""
+    if datatype == "BYTES":
+        count = element_count(shape)
+        if count > limits.max_bytes_elements:
+            raise PayloadTooLarge(
+                f"input {name!r}: {count} BYTES elements exceed the limit of "
+                f"{limits.max_bytes_elements} (limits.max_bytes_elements)"
+            )
 
 
 def element_count(shape: tuple[int, ...]) -> int:

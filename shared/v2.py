@@ -25,6 +25,7 @@ from shared.tensors import (
     array_from_buffer,
     array_to_buffer,
     cast_json_data,
+    check_bytes_count,
     check_name,
     check_shape,
     json_data,
@@ -169,6 +170,7 @@ def _tensors(
             raise InvalidInput(f"{what} {name!r}: datatype must be a string")
         datatype = validate_datatype(item.datatype)
         shape = check_shape(item.shape, name, limits)
+        check_bytes_count(name, datatype, shape, limits)
         params = item.parameters
         size = params.get("binary_data_size")
         if size is not None:

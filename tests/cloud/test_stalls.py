@@ -51,8 +51,8 @@ def server(big_repository):
     yield proc
     proc.terminate()
 
-#: elements in the big body: ~5 MB of wire bytes, over a second to parse element by element
-ELEMENTS = 999_999
+#: the most BYTES elements a tensor may hold (Limits.max_bytes_elements), of mixed lengths
+ELEMENTS = 65_535
 MAX_PROBE_WAIT_S = 0.5
 
 
@@ -111,6 +111,21 @@ def test_a_big_bytes_body_is_decoded_off_the_loop_and_probes_keep_answering(serv
     response = v2.decode_response(answer, int(length) if length else None)
     assert response.outputs[0].data.reshape(-1).tolist() == data.reshape(-1).tolist()
     assert prober.answered > 0
+    assert prober.longest < MAX_PROBE_WAIT_S, f"a probe waited {prober.longest:.2f} s"
+
+
+def test_a_bytes_tensor_past_its_element_bound_is_refused_without_parsing_it(server):
+    data = _mixed_bytes(3_000_000)
+    chunks, header_length = v2.encode_request(
+        InferRequest(inputs=[Tensor("x", "BYTES", data)])
+    )
+    with _Prober(server.http_url + "/v2/health/live") as prober:
+        status, _, answer = http_call(
+            server.http_url + "/v2/models/big_bytes/infer",
+            v2.join(chunks),
+            {v2.HEADER_LENGTH: str(header_length)},
+        )
+    assert status == 413 and b"max_bytes_elements" in answer, answer[:300]
     assert prober.longest < MAX_PROBE_WAIT_S, f"a probe waited {prober.longest:.2f} s"
 
 
