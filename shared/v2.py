@@ -251,11 +251,28 @@ def _encode_tensors(tensors: list[Tensor], binary_for: Any) -> tuple[list[dict[s
             params["binary_data_size"] = len(blob)
             blobs.append(blob)
         else:
-            entry["data"] = json_data(tensor.data, tensor.datatype)
+            entry["data"] = _json_data(tensor)
         if params:
             entry["parameters"] = params
         entries.append(entry)
     return entries, blobs
+
+
+#: elements printed per step of a big JSON output (each step a few milliseconds)
+_JSON_CHUNK = 1 << 16
+
+
+def _json_data(tensor: Tensor) -> list | msgspec.Raw:
+    """The data of a JSON output; a big one printed in steps, so a worker thread
+    printing it lets the event loop have the GIL between steps."""
+    flat = tensor.data.reshape(-1)
+    if flat.size <= _JSON_CHUNK:
+        return json_data(tensor.data, tensor.datatype)
+    parts = [
+        _encoder.encode(json_data(flat[i : i + _JSON_CHUNK], tensor.datatype))[1:-1]
+        for i in range(0, flat.size, _JSON_CHUNK)
+    ]
+    return msgspec.Raw(b"[" + b",".join(parts) + b"]")
 
 
 def _assemble(doc: dict[str, Any], blobs: Chunks) -> tuple[Chunks, int | None]:
