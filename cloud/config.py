@@ -20,12 +20,11 @@ are an error rather than silently ignored.
 from __future__ import annotations
 
 import socket
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from shared.configcheck import NUMBER, check_keys
+from shared.configcheck import NUMBER, check_keys, read_toml
 from shared.errors import ConfigError
 from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.tensors import Limits
@@ -160,12 +159,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
     data: dict[str, Any] = {}
     source = str(path) if path else "command line"
     if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        data = read_toml(path)
         check_keys(data, _SCHEMA, source)
     for dotted, value in overrides.items():
         if value is None:
@@ -238,9 +232,11 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             node_limits[key] = _non_negative(limits_data[key], source, f"limits.{key}")
     limits = Limits(**{k: v for k, v in limits_data.items() if k not in _NODE_LIMITS})
     ttl = float(data.get("idempotency_ttl_s", 600.0))
-    if ttl < 0:
+    if not ttl >= 0:  # also NaN
         raise ConfigError(f"{source}: key 'idempotency_ttl_s': expected a number >= 0, got {ttl}")
     models = data.get("models")
+    if models is not None and not all(isinstance(m, str) and m for m in models):
+        raise ConfigError(f"{source}: key 'models': expected a list of model names")
     if models is not None and (not models or "*" in models):
         models = None
     config = CloudConfig(

@@ -9,7 +9,6 @@ profile, a bad broker URL, an unreadable credentials file).
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from urllib.parse import urlsplit
 
 from devices.profiles import load_device, load_link
 from edge.core.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weights
-from shared.configcheck import NUMBER, check_keys
+from shared.configcheck import NUMBER, check_keys, loads_toml, read_toml
 from shared.errors import ConfigError
 from shared.mqtt import parse_broker_url
 
@@ -139,8 +138,10 @@ def _range(
     *,
     low_open: bool = False,
 ) -> float:
-    bad = (low is not None and (value <= low if low_open else value < low)) or (
-        high is not None and value > high
+    bad = (
+        value != value  # NaN compares false with everything: refuse it outright
+        or (low is not None and (value <= low if low_open else value < low))
+        or (high is not None and value > high)
     )
     if bad:
         lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
@@ -265,8 +266,12 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
         except ConfigError as exc:
             raise ConfigError(f"{source}: key 'cloud.mqtt': {exc.message}") from None
     if http_url is not None:
-        parts = urlsplit(http_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(http_url)
+            parts.port  # noqa: B018 - raises for a port past 65535
+        except ValueError:  # that, or an unclosed IPv6 bracket
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
                 f"{source}: key 'cloud.http': expected an http:// or https:// URL, got {http_url!r}"
             )
@@ -287,10 +292,7 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
 
 
 def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    data = loads_toml(text, source)
     check_keys(data, _SCHEMA, source)
     if "repository" not in data:
         raise ConfigError(f"{source}: key 'repository' is required")
@@ -340,22 +342,17 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
 
 def load_agent_config(path: Path) -> AgentConfig:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     config = parse_agent_config(text, str(path), Path(path).resolve().parent)
     return AgentConfig(**{**config.__dict__, "source": Path(path)})
 
 
 def load_policy_file(path: Path) -> PolicyConfig:
     """The ``[policy]`` and ``[models.*]`` of an agent.toml, or of a policy-only file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = read_toml(path)
     check_keys(data, _SCHEMA, str(path))
     return _policy(data, str(path))

@@ -6,6 +6,8 @@ reads the same way everywhere: file, dotted key, what was expected.
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
@@ -26,6 +28,36 @@ def type_name(expected: Any) -> str:
     }[expected]
 
 
+def loads_toml(text: str, source: str) -> dict[str, Any]:
+    """Parse TOML; every way it can fail is a ConfigError naming ``source``."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid TOML: nested too deeply") from None
+
+
+def read_toml(path: Path | str) -> dict[str, Any]:
+    """Read and parse a TOML file (unreadable, not UTF-8, not TOML: ConfigError)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    return loads_toml(text, str(path))
+
+
+def _no_nul(value: Any, source: str, dotted: str) -> None:
+    """A NUL byte is never meant: it cuts paths and C strings short where it is passed on."""
+    if isinstance(value, str) and "\0" in value:
+        raise ConfigError(f"{source}: key {dotted!r}: a NUL character is not allowed")
+    if isinstance(value, list):
+        for item in value:
+            _no_nul(item, source, dotted)
+
+
 def check_keys(data: dict[str, Any], schema: dict[str, Any], source: str, prefix: str = "") -> None:
     """Raise ConfigError for the first unknown key or mistyped value (bools are not numbers)."""
     for key, value in data.items():
@@ -41,3 +73,5 @@ def check_keys(data: dict[str, Any], schema: dict[str, Any], source: str, prefix
             raise ConfigError(
                 f"{source}: key {dotted!r}: expected {type_name(expected)}, got {value!r}"
             )
+        else:
+            _no_nul(value, source, dotted)

@@ -96,6 +96,8 @@ def _from_wire(items: list[WireTensor], limits: Limits, what: str) -> list[Tenso
     return out
 
 
+#: a day: a longer back-off hint is a peer's mistake, not advice
+_MAX_RETRY_MS = 86_400_000
 #: payloads above this are decoded in a worker thread when they may hold BYTES
 WORKER_BYTES = 64 << 10
 
@@ -185,7 +187,11 @@ def encode_reply(response: InferResponse) -> bytes:
 
 
 def encode_error_reply(request_id: str, error: FerryError) -> bytes:
-    retry_ms = None if error.retry_after is None else max(1, round(error.retry_after * 1000))
+    retry_ms = (
+        None
+        if error.retry_after is None
+        else min(max(1, round(error.retry_after * 1000)), _MAX_RETRY_MS)
+    )
     return _encoder.encode(
         WireReply(id=request_id, error=WireError(error.code.value, error.message, retry_ms))
     )
@@ -205,7 +211,7 @@ def decode_reply(
     if raw.error is not None:
         error = error_from_code(raw.error.code, raw.error.message)
         if raw.error.retry_after_ms is not None and raw.error.retry_after_ms >= 0:
-            error.retry_after = raw.error.retry_after_ms / 1000
+            error.retry_after = min(raw.error.retry_after_ms, _MAX_RETRY_MS) / 1000
         return raw.id, error
     if raw.model_name is None:
         raise InvalidInput("MQTT reply has neither outputs nor an error")

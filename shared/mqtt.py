@@ -59,7 +59,10 @@ class BrokerAddress:
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+        raise ConfigError(f"broker URL {url!r}: {exc}") from None
     if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
         raise ConfigError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
     tls = parts.scheme in ("mqtts", "ssl")

@@ -122,6 +122,24 @@ def encode_needs_worker(response: InferResponse, request: InferRequest | None) -
     return json_elements > _JSON_WORKER_ELEMENTS
 
 
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+def _check_parameters(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """Parameters travel on as MessagePack (the agent's offload, the MQTT front):
+    integers must fit 64 bits there, so one that does not is refused here."""
+    stack: list[Any] = [params]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, int) and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise InvalidInput(f"{where} parameters: integer {value} does not fit 64 bits")
+    return params
+
+
 def _split(
     body: bytes | memoryview, header_length: int | None, limits: Limits, what: str
 ) -> tuple[memoryview, memoryview]:
@@ -192,7 +210,7 @@ def _tensors(
             raise InvalidInput(f"{what} {name!r} has no data and no binary_data_size")
         else:
             data = cast_json_data(name, datatype, shape, item.data)
-        tensors.append(Tensor(name, datatype, data, params))
+        tensors.append(Tensor(name, datatype, data, _check_parameters(params, f"{what} {name!r}")))
     if offset != len(binary):
         raise InvalidInput(
             f"{len(binary) - offset} bytes of binary data are not claimed by any {what}"
@@ -223,8 +241,10 @@ def decode_request(
             if flag is not None and not isinstance(flag, bool):
                 raise InvalidInput(f"output {out.name!r}: binary_data must be true or false")
             params = {k: v for k, v in out.parameters.items() if k != "binary_data"}
+            _check_parameters(params, f"output {out.name!r}")
             outputs.append(RequestedOutput(out.name, flag, params))
-    return InferRequest(inputs=inputs, id=raw.id, outputs=outputs, parameters=dict(raw.parameters))
+    parameters = _check_parameters(dict(raw.parameters), "request")
+    return InferRequest(inputs=inputs, id=raw.id, outputs=outputs, parameters=parameters)
 
 
 def wants_binary(request: InferRequest, name: str) -> bool:

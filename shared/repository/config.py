@@ -12,11 +12,11 @@ serving config is found only in production.
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from shared.configcheck import loads_toml
 from shared.datatypes import DATATYPES
 from shared.errors import ConfigError
 from shared.runtimes import BACKENDS
@@ -219,10 +219,7 @@ def parse_config(path: Path, name: str) -> ModelConfig:
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ConfigError(f"{path}: cannot read: {reason}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = loads_toml(text, str(path))
     return replace(parse_config_dict(data, str(path), name), source=path)
 
 
@@ -269,6 +266,8 @@ def parse_config_json(
         data = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"{source}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
     return parse_config_dict(data, source, name)
