@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from edge.store import DeferredItem, DeferredStore
+from edge.store import DeferredItem, DeferredResult, DeferredStore
 from shared import envelope
 from shared.errors import (
     DeadlineExceeded,
@@ -42,6 +43,10 @@ Sender = Callable[[str, InferRequest], Awaitable[InferResponse]]
 T = TypeVar("T")
 
 # The link or the endpoint is down (or refuses us): keep the request, stop this flush.
+#: answers kept in memory while the store cannot write them
+MAX_UNSAVED = 1000
+MAX_UNSAVED_BYTES = 64 << 20
+
 _RETRY_LATER = (EndpointUnavailable, ModelNotReady, DeadlineExceeded, Overloaded, Unauthenticated)
 
 
@@ -60,6 +65,13 @@ class Deferrer:
         self.max_attempts = max_attempts
         self.delivered = 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ferry-store")
+        # Answers the store could not write (disk full): kept here, bounded, served
+        # to result() and written at the next flush.  After a crash they are gone, but
+        # their rows are still "sending", go back to pending on reopen and are resent
+        # with the same idempotency key, which the cloud answers from its cache.
+        self._unsaved: dict[str, tuple[bytes | None, str | None]] = {}
+        self._unsaved_bytes = 0
+        self._flushing = asyncio.Lock()  # one flush at a time: "sending" rows are its own
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -99,7 +111,19 @@ class Deferrer:
         for the transient kinds; one the link lets down stays stored; neither
         blocks the queue behind it.
         """
+        async with self._flushing:
+            try:
+                return await self._flush(send, can_send, limit)
+            except sqlite3.Error as exc:  # the store failed its own bookkeeping
+                log.warning("deferred flush stopped: the store failed (%s)", exc)
+                return 0
+
+    async def _flush(self, send: Sender, can_send: Callable[[], bool], limit: int) -> int:
         now = time.time()
+        if not await self._save_unsaved():
+            return 0  # the store still cannot write: nothing more to do now
+        # rows left "sending" by a flush whose bookkeeping failed are this flush's again
+        await self._call(self.store.requeue_sending)
         for request_id in await self._call(self.store.expire, now):
             log.warning("deferred request %s expired before a link returned", request_id)
         await self._call(self.store.purge, now - self.ttl_s - self.keep_results_s)
@@ -133,22 +157,53 @@ class Deferrer:
                 continue
             response.id = item.request_id
             reply = envelope.encode_reply(response)
-            await self._call(self.store.mark_delivered, item.request_id, reply, None)
+            await self._finish(item.request_id, reply, None)
             self.delivered += 1
             done += 1
         return done
 
+    async def _finish(self, request_id: str, reply: bytes | None, error: str | None) -> None:
+        """Record an answer; one the store cannot write is kept in memory instead."""
+        try:
+            await self._call(self.store.mark_delivered, request_id, reply, error)
+        except sqlite3.Error as exc:
+            log.warning("deferred %s answered but not saved (%s): kept in memory", request_id, exc)
+            size = len(reply or b"")
+            if len(self._unsaved) >= MAX_UNSAVED or self._unsaved_bytes + size > MAX_UNSAVED_BYTES:
+                # past the bound the answer is dropped here; the row stays "sending" and
+                # is resent after a restart, answered from the cloud's idempotency cache
+                log.error("deferred %s: answer dropped, memory bound reached", request_id)
+                return
+            self._unsaved[request_id] = (reply, error)
+            self._unsaved_bytes += size
+
+    async def _save_unsaved(self) -> bool:
+        """Write the answers kept in memory; False while the store still refuses."""
+        for request_id, (reply, error) in list(self._unsaved.items()):
+            try:
+                await self._call(self.store.mark_delivered, request_id, reply, error)
+            except sqlite3.Error:
+                return False
+            self._unsaved.pop(request_id, None)
+            self._unsaved_bytes -= len(reply or b"")
+        return True
+
     async def _failed(self, item: DeferredItem, error: str, final: bool) -> int:
         """Fail the row for good when ``final`` or out of attempts, else put it back."""
         if final or item.attempts + 1 >= self.max_attempts:
-            await self._call(self.store.mark_delivered, item.request_id, None, error)
+            await self._finish(item.request_id, None, error)
             return 1
         await self._call(self.store.mark_pending, item.request_id, attempt=True)
         return 0
 
     async def result(self, request_id: str) -> dict[str, Any]:
         """Status of a deferred request and, once answered, its response or error."""
-        found = await self._call(self.store.result, request_id)
+        unsaved = self._unsaved.get(request_id)
+        if unsaved is not None:
+            reply, error = unsaved
+            found = DeferredResult("delivered" if error is None else "failed", reply, error)
+        else:
+            found = await self._call(self.store.result, request_id)
         if found is None:
             raise ModelNotFound(f"no deferred request {request_id!r}")
         out: dict[str, Any] = {"request_id": request_id, "status": found.status}

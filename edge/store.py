@@ -82,10 +82,15 @@ class DeferredStore:
         expires_wall: float | None,
         priority: int = 0,
     ) -> None:
-        rows, size = self._db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM deferred"
-            " WHERE status IN ('pending', 'sending')"
-        ).fetchone()
+        try:
+            rows, size = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM deferred"
+                " WHERE status IN ('pending', 'sending')"
+            ).fetchone()
+        except sqlite3.Error as exc:
+            raise Overloaded(
+                f"the deferred store cannot take the request: {exc}", retry_after=60.0
+            ) from None
         if (self.max_rows and rows >= self.max_rows) or (
             self.max_bytes and size + len(payload) > self.max_bytes
         ):
@@ -94,6 +99,22 @@ class DeferredStore:
                 f"bounds {self.max_rows} requests, {self.max_bytes} bytes)",
                 retry_after=60.0,
             )
+        try:
+            self._insert(model, payload, request_id, created_wall, expires_wall, priority)
+        except sqlite3.Error as exc:  # disk full, read-only, corrupt: a typed refusal
+            raise Overloaded(
+                f"the deferred store cannot take the request: {exc}", retry_after=60.0
+            ) from None
+
+    def _insert(
+        self,
+        model: str,
+        payload: bytes,
+        request_id: str,
+        created_wall: float,
+        expires_wall: float | None,
+        priority: int,
+    ) -> None:
         self._db.execute(
             "INSERT OR IGNORE INTO deferred (request_id, model, payload, created_wall, expires_wall, priority)"
             " VALUES (?, ?, ?, ?, ?, ?)",
@@ -122,6 +143,12 @@ class DeferredStore:
             " WHERE request_id = ? AND status = 'sending'",
             (1 if attempt else 0, request_id),
         )
+
+    def requeue_sending(self) -> int:
+        """Rows "sending" with no flush running are stale: back to pending, no attempt."""
+        return self._db.execute(
+            "UPDATE deferred SET status = 'pending' WHERE status = 'sending'"
+        ).rowcount
 
     def mark_delivered(self, request_id: str, result: bytes | None, error: str | None) -> None:
         status = "delivered" if error is None else "failed"

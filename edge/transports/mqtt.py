@@ -236,9 +236,18 @@ class MqttTransport:
         self._ready.set()
         if was_ready:
             return
+        # A new session: what the nodes said before may be stale (a broker that lost
+        # its state forgot their subscriptions too); their statuses arrive again.
+        self.nodes.clear()
+        self._status_seen = False
+        self._republish(lambda pending: True)
+
+    def _republish(self, which: Any) -> None:
+        """Send again what is still waiting; the cloud's idempotency key (the request
+        id) keeps a node that got both copies from running it twice."""
         now = time.monotonic()
         for correlation, pending in list(self._pending.items()):
-            if not pending.future.done() and pending.deadline > now:
+            if not pending.future.done() and pending.deadline > now and which(pending):
                 self._publish(correlation, pending)
                 self.republished += 1
 
@@ -253,7 +262,14 @@ class MqttTransport:
             log.warning("unreadable status from cloud node %s", node)
             return
         if online:
+            arrived = node not in self.nodes
             self.nodes[node] = models
+            if arrived and self._pending:
+                # A node that (re)joins may have missed what was sent while it was
+                # away (a broker restarted without its sessions drops requests that
+                # no subscriber took): its models' waiting requests go out again.
+                topics = {request_topic(m) for m in models}
+                self._republish(lambda pending: pending.topic in topics)
         else:
             self.nodes.pop(node, None)
 

@@ -118,3 +118,53 @@ async def test_a_corrupt_row_fails_alone_and_the_rest_still_flush(tmp_path):
     assert store.result("bad").status == "failed" and "unreadable" in store.result("bad").error
     assert store.result("good").status == "delivered"
     await deferrer.close()
+
+
+def _fill_up(store: DeferredStore) -> None:
+    """Cap the database at its current size: sqlite then fails writes with SQLITE_FULL,
+    as on a full disk."""
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def test_a_full_disk_refuses_a_deferral_with_a_typed_error(tmp_path):
+    import pytest
+
+    from shared.errors import Overloaded
+
+    store = DeferredStore(tmp_path / "d.db")
+    store.put("m", b"x", request_id="a", created_wall=1.0, expires_wall=None)
+    _fill_up(store)
+    with pytest.raises(Overloaded, match="cannot take the request"):
+        store.put("m", b"y" * 200_000, request_id="b", created_wall=1.0, expires_wall=None)
+
+
+async def test_an_answer_the_full_store_cannot_write_is_kept_and_written_later(tmp_path):
+    import time
+
+    import numpy as np
+
+    from edge.deferred import Deferrer
+    from shared import envelope
+    from shared.messages import InferRequest, InferResponse
+    from shared.tensors import Tensor
+
+    store = DeferredStore(tmp_path / "d.db")
+    request = InferRequest(inputs=[Tensor.from_array("x", np.ones(4, np.float32))], id="r1")
+    store.put("m", envelope.encode_request(request), request_id="r1", created_wall=time.time(),
+              expires_wall=None)  # fmt: skip
+    _fill_up(store)
+    deferrer = Deferrer(store)
+    big = np.ones(100_000, np.float32)  # an answer bigger than the room left
+
+    async def send(model, request):
+        return InferResponse(model_name=model, outputs=[Tensor.from_array("y", big)], id=request.id)
+
+    assert await deferrer.flush(send, lambda: True) == 1
+    found = await deferrer.result("r1")
+    assert found["status"] == "delivered" and found["response"].outputs[0].data.shape == (100_000,)
+    assert await deferrer.flush(send, lambda: True) == 0  # still full: nothing resent
+    store._db.execute("PRAGMA max_page_count = 1000000")  # room again
+    await deferrer.flush(send, lambda: True)
+    assert store.result("r1").status == "delivered" and not deferrer._unsaved
+    await deferrer.close()
