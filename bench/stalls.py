@@ -31,7 +31,6 @@ import json
 import multiprocessing as mp
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,7 +42,13 @@ sys.path.insert(0, str(ROOT))
 from shared import envelope, v2  # noqa: E402
 from shared.messages import InferRequest  # noqa: E402
 from shared.tensors import Tensor  # noqa: E402
-from tests.support import Broker, cloud_server, edge_agent, write_identity_model  # noqa: E402
+from tests.support import (  # noqa: E402
+    Broker,
+    cloud_server,
+    edge_agent,
+    mqtt_request,
+    write_identity_model,
+)
 
 TARGET_MS = 50.0
 BIG_CONFIG = """
@@ -143,37 +148,6 @@ def http_cases(body: int) -> list[tuple[str, str, bytes, dict[str, str], int]]:
     return cases
 
 
-def _mqtt_request(broker_url: str, model: str, payload: bytes) -> bytes:
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    got: list[bytes] = []
-    done = threading.Event()
-    client = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id=f"stall-{time.monotonic_ns()}",
-        protocol=mqtt.MQTTv5,
-    )
-    client.on_message = lambda c, u, m: (got.append(m.payload), done.set())
-    host, port = broker_url.removeprefix("mqtt://").split(":")
-    client.connect(host, int(port))
-    topic = f"ferry/v1/replies/{client._client_id.decode()}"
-    client.subscribe(topic, qos=1)
-    client.loop_start()
-    try:
-        time.sleep(0.2)
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = topic
-        client.publish(f"ferry/v1/models/{model}/infer", payload, qos=1, properties=props)
-        if not done.wait(30):
-            raise RuntimeError("no MQTT reply")
-    finally:
-        client.loop_stop()
-        client.disconnect()
-    return got[0]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=16, help="body size (default: the limit)")
@@ -229,7 +203,7 @@ def main() -> int:
             ):
                 with Prober(node.http_url) as prober:
                     since = time.monotonic()
-                    _, reply = envelope.decode_reply(_mqtt_request(broker.url, model, payload))
+                    _, reply = envelope.decode_reply(mqtt_request(broker.url, model, payload, timeout=300))
                     worst, probes = prober.finish(since, time.monotonic())
                 got = getattr(getattr(reply, "code", None), "value", "result")
                 ok = got == (expect or "result")

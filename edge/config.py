@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from devices.profiles import load_device, load_link
 from edge.core.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weights
-from shared.configcheck import NUMBER, check_keys, loads_toml, read_toml
+from shared.configcheck import NUMBER, check_keys, loads_toml, read_config_text, read_toml
 from shared.errors import ConfigError
 from shared.mqtt import parse_broker_url
 
@@ -341,12 +341,7 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
 
 
 def load_agent_config(path: Path) -> AgentConfig:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    text = read_config_text(path)
     config = parse_agent_config(text, str(path), Path(path).resolve().parent)
     return AgentConfig(**{**config.__dict__, "source": Path(path)})
 

@@ -82,44 +82,28 @@ class DeferredStore:
         expires_wall: float | None,
         priority: int = 0,
     ) -> None:
-        try:
+        try:  # disk full, read-only, corrupt: a typed refusal, not a raw sqlite error
             rows, size = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM deferred"
                 " WHERE status IN ('pending', 'sending')"
             ).fetchone()
+            if (self.max_rows and rows >= self.max_rows) or (
+                self.max_bytes and size + len(payload) > self.max_bytes
+            ):
+                raise Overloaded(
+                    f"the deferred store is full ({rows} requests, {size} bytes waiting; "
+                    f"bounds {self.max_rows} requests, {self.max_bytes} bytes)",
+                    retry_after=60.0,
+                )
+            self._db.execute(
+                "INSERT OR IGNORE INTO deferred (request_id, model, payload, created_wall,"
+                " expires_wall, priority) VALUES (?, ?, ?, ?, ?, ?)",
+                (request_id, model, payload, created_wall, expires_wall, priority),
+            )
         except sqlite3.Error as exc:
             raise Overloaded(
                 f"the deferred store cannot take the request: {exc}", retry_after=60.0
             ) from None
-        if (self.max_rows and rows >= self.max_rows) or (
-            self.max_bytes and size + len(payload) > self.max_bytes
-        ):
-            raise Overloaded(
-                f"the deferred store is full ({rows} requests, {size} bytes waiting; "
-                f"bounds {self.max_rows} requests, {self.max_bytes} bytes)",
-                retry_after=60.0,
-            )
-        try:
-            self._insert(model, payload, request_id, created_wall, expires_wall, priority)
-        except sqlite3.Error as exc:  # disk full, read-only, corrupt: a typed refusal
-            raise Overloaded(
-                f"the deferred store cannot take the request: {exc}", retry_after=60.0
-            ) from None
-
-    def _insert(
-        self,
-        model: str,
-        payload: bytes,
-        request_id: str,
-        created_wall: float,
-        expires_wall: float | None,
-        priority: int,
-    ) -> None:
-        self._db.execute(
-            "INSERT OR IGNORE INTO deferred (request_id, model, payload, created_wall, expires_wall, priority)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (request_id, model, payload, created_wall, expires_wall, priority),
-        )
 
     def pending(self, limit: int = 100, now_wall: float | None = None) -> list[DeferredItem]:
         rows = self._db.execute(

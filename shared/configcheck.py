@@ -38,15 +38,19 @@ def loads_toml(text: str, source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: not valid TOML: nested too deeply") from None
 
 
-def read_toml(path: Path | str) -> dict[str, Any]:
-    """Read and parse a TOML file (unreadable, not UTF-8, not TOML: ConfigError)."""
+def read_config_text(path: Path | str) -> str:
+    """A configuration file's text (unreadable or not UTF-8: ConfigError)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    return loads_toml(text, str(path))
+
+
+def read_toml(path: Path | str) -> dict[str, Any]:
+    """Read and parse a TOML file (unreadable, not UTF-8, not TOML: ConfigError)."""
+    return loads_toml(read_config_text(path), str(path))
 
 
 def _no_nul(value: Any, source: str, dotted: str) -> None:

@@ -405,3 +405,41 @@ def cellular_trace_dir() -> Path:
 def cellular_trace_pairs() -> list[str]:
     folder = cellular_trace_dir()
     return sorted(p.stem for p in folder.glob("*.up") if p.with_suffix(".down").exists())
+
+
+def mqtt_request(broker_url: str, model: str, payload: bytes, timeout: float = 60.0) -> bytes:
+    """One raw MQTT v5 request (a MessagePack payload) and its reply payload, the way a
+    device without the agent would send it: own client, Response Topic, QoS 1."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    got: list[bytes] = []
+    done = threading.Event()
+    client_id = f"raw-{time.monotonic_ns()}"
+    topic = f"ferry/v1/replies/{client_id}"
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        protocol=mqtt.MQTTv5,
+    )
+    client.on_message = lambda c, u, m: (got.append(m.payload), done.set())
+    subscribed = threading.Event()
+    client.on_subscribe = lambda *a: subscribed.set()
+    host, port = broker_url.removeprefix("mqtt://").split(":")
+    client.connect(host, int(port))
+    client.subscribe(topic, qos=1)
+    client.loop_start()
+    try:
+        if not subscribed.wait(10):
+            raise RuntimeError("the broker did not confirm the reply subscription")
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = topic
+        props.CorrelationData = b"1"
+        client.publish(f"ferry/v1/models/{model}/infer", payload, qos=1, properties=props)
+        if not done.wait(timeout):
+            raise RuntimeError(f"no MQTT reply within {timeout:g} s")
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    return got[0]

@@ -5,7 +5,6 @@ then a real node over real sockets)."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from shared import envelope
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import Tensor
 from tests.cloud.conftest import http_call, infer_body
-from tests.support import cloud_server
+from tests.support import cloud_server, mqtt_request
 
 
 # ---- the rules, without sockets ---------------------------------------------------------
@@ -194,33 +193,8 @@ def test_bodies_past_the_node_budget_are_refused_before_they_are_read(tight_node
 
 
 def _mqtt_request(broker, model: str, nbytes: int):
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
     item = b"x" * (nbytes // 6)
     data = np.empty((2, 3), dtype=object)
     data[:] = [[item] * 3] * 2
     payload = envelope.encode_request(InferRequest(inputs=[Tensor("x", "BYTES", data)], id="b"))
-    got: list[bytes] = []
-    done = threading.Event()
-    client = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id=f"budget-{time.monotonic_ns()}",
-        protocol=mqtt.MQTTv5,
-    )
-    client.on_message = lambda c, u, m: (got.append(m.payload), done.set())
-    host, port = broker.url.removeprefix("mqtt://").split(":")
-    client.connect(host, int(port))
-    client.subscribe(f"ferry/v1/replies/{client._client_id.decode()}", qos=1)
-    client.loop_start()
-    try:
-        time.sleep(0.2)
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = f"ferry/v1/replies/{client._client_id.decode()}"
-        client.publish(f"ferry/v1/models/{model}/infer", payload, qos=1, properties=props)
-        assert done.wait(30), "no reply"
-    finally:
-        client.loop_stop()
-        client.disconnect()
-    return envelope.decode_reply(got[0])[1]
+    return envelope.decode_reply(mqtt_request(broker.url, model, payload, timeout=30))[1]

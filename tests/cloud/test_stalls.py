@@ -20,7 +20,7 @@ from shared import envelope, v2
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import Tensor
 from tests.cloud.conftest import http_call
-from tests.support import cloud_server, write_identity_model
+from tests.support import cloud_server, mqtt_request, write_identity_model
 
 BIG_CONFIG = """
 max_batch_size = 0
@@ -147,44 +147,14 @@ def mqtt_node(broker, big_repository):
 
 
 def test_a_big_bytes_payload_over_mqtt_leaves_the_http_front_responsive(broker, mqtt_node):
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
     data = _mixed_bytes(ELEMENTS)
     payload = envelope.encode_request(
         InferRequest(inputs=[Tensor("x", "BYTES", data)], id="big")
     )
     assert envelope.decode_needs_worker(payload)
-    got: list[bytes] = []
-    done = threading.Event()
-    client = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id="stall-client",
-        protocol=mqtt.MQTTv5,
-    )
-
-    def on_message(c, u, message):
-        got.append(message.payload)
-        done.set()
-
-    client.on_message = on_message
-    host, port = broker.url.removeprefix("mqtt://").split(":")
-    client.connect(host, int(port))
-    client.subscribe("ferry/v1/replies/stall-client", qos=1)
-    client.loop_start()
-    try:
-        time.sleep(0.2)
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = "ferry/v1/replies/stall-client"
-        props.CorrelationData = b"big"
-        with _Prober(mqtt_node.http_url + "/v2/health/live") as prober:
-            client.publish("ferry/v1/models/big_bytes/infer", payload, qos=1, properties=props)
-            assert done.wait(120), "no reply"
-    finally:
-        client.loop_stop()
-        client.disconnect()
-    _, reply = envelope.decode_reply(got[0])
+    with _Prober(mqtt_node.http_url + "/v2/health/live") as prober:
+        raw = mqtt_request(broker.url, "big_bytes", payload, timeout=120)
+    _, reply = envelope.decode_reply(raw)
     assert isinstance(reply, InferResponse), reply
     assert reply.outputs[0].data.reshape(-1).tolist() == data.reshape(-1).tolist()
     assert prober.answered > 0

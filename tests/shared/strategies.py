@@ -160,10 +160,17 @@ def adversarial_shapes(wire: str = "json") -> st.SearchStrategy[object]:
     )
 
 
-def values(wire: str = "json", max_leaves: int = 8) -> st.SearchStrategy[object]:
-    """Any value the wire format can carry (MessagePack adds bytes and non-finite floats)."""
-    if wire == "json":
+def values(
+    wire: str = "json", max_leaves: int = 8, wide_ints: bool = True
+) -> st.SearchStrategy[object]:
+    """Any value the wire format can carry (MessagePack adds bytes and non-finite floats);
+    ``wide_ints=False`` keeps JSON integers to 64 bits, as parameters must be."""
+    if wire == "json" and wide_ints:
         ints = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from([10**30, -(10**30)]))
+        floats = st.floats(allow_nan=False, allow_infinity=False)
+        scalars = st.one_of(st.none(), st.booleans(), ints, floats, st.text(max_size=8))
+    elif wire == "json":
+        ints = st.integers(-(2**63), 2**64 - 1)
         floats = st.floats(allow_nan=False, allow_infinity=False)
         scalars = st.one_of(st.none(), st.booleans(), ints, floats, st.text(max_size=8))
     else:
@@ -182,7 +189,9 @@ def values(wire: str = "json", max_leaves: int = 8) -> st.SearchStrategy[object]
 
 def parameters(wire: str = "json") -> st.SearchStrategy[dict]:
     """Well-formed but random parameters (keys too short to collide with V2's own)."""
-    return st.dictionaries(st.text(max_size=5), values(wire, max_leaves=4), max_size=3)
+    return st.dictionaries(
+        st.text(max_size=5), values(wire, max_leaves=4, wide_ints=False), max_size=3
+    )
 
 
 deep_depths = st.integers(min_value=1_000, max_value=20_000)
