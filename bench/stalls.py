@@ -17,7 +17,9 @@ whose limits are raised to it):
 * the largest JSON part (4 MiB of numbers) to an FP32 identity model;
 * binary FP32 filling the body through the same model and back;
 * over MQTT: BYTES to the BYTES model, and FP32 to the FP32 model;
-* the agent's local API: the BYTES body to its local BYTES model.
+* the agent's local API: the BYTES body to its local BYTES model;
+* fuzzing: 1,000 mutated V2 bodies (the live fuzzer's, tests/fuzz), four at
+  a time, to a node serving the test repository's models.
 
 Target (issue 11): no probe waits more than 50 ms.  Exit status 1 when a case
 misses it (or a request is not answered as expected), printing which.
@@ -148,6 +150,36 @@ def http_cases(body: int) -> list[tuple[str, str, bytes, dict[str, str], int]]:
     return cases
 
 
+def _fuzz_row(tmp: Path) -> tuple[str, float, int, str]:
+    """Probe waits while a thousand mutated bodies hit a node (four in flight)."""
+    import random
+    from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.cloud.conftest import build_test_repository
+    from tests.fuzz.test_live_fuzz import _http_cases
+
+    repo = build_test_repository(tmp / "fuzz-repo")
+    node = cloud_server(repo, "--node", "fuzz").start()
+    try:
+        cases = _http_cases(random.Random(7), 1000)
+        statuses: Counter[int] = Counter()
+
+        def send(case: tuple[str, bytes, dict[str, str]]) -> None:
+            path, data, headers = case
+            statuses[_post(node.http_url, path, data, headers)[0]] += 1
+
+        with Prober(node.http_url) as prober:
+            since = time.monotonic()
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(send, cases))
+            worst, probes = prober.finish(since, time.monotonic())
+    finally:
+        node.terminate()
+    answer = " ".join(f"{k}x{v}" for k, v in sorted(statuses.items()))
+    return ("cloud HTTP: 1,000 fuzzed bodies, 4 in flight", worst, probes, answer)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=16, help="body size (default: the limit)")
@@ -243,6 +275,10 @@ def main() -> int:
                 misses.append(f"agent BYTES: answered {status}")
         finally:
             agent.terminate()
+        row = _fuzz_row(Path(tmp))
+        rows.append(row)
+        if "500x" in row[3] or "502x" in row[3] or "503x" in row[3]:
+            misses.append(f"fuzzing: a 5xx answer ({row[3]})")
     print(f"{'case':66} {'worst probe':>12} {'probes':>7}  answer")
     for label, worst, probes, answer in rows:
         flag = "" if worst <= TARGET_MS else "  MISS"

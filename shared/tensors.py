@@ -275,28 +275,22 @@ def cast_json_data(name: str, datatype: str, shape: tuple[int, ...], data: objec
     depth = _depth(data)
     if depth > _MAX_JSON_DEPTH:
         raise InvalidInput(f"input {name!r}: data is nested deeper than {_MAX_JSON_DEPTH} levels")
-    leaf = _JSON_LEAVES[datatype]
-    tokens = False
-    try:
-        data = msgspec.convert(data, _nested(leaf, depth))
-    except msgspec.ValidationError as exc:
-        error = InvalidInput(
-            f"input {name!r}: {datatype} data must hold {_LEAF_WORDS[leaf]}: {exc}"
-        )
-        if leaf is not float:
-            raise error from None
+    if len(data) > _JSON_CAST_CHUNK:
+        # In steps, so a worker thread casting a big body lets the event loop have the
+        # GIL between them (one numpy call over a million numbers holds it ~20 ms).
+        parts = [
+            _json_array(name, datatype, data[i : i + _JSON_CAST_CHUNK], depth)
+            for i in range(0, len(data), _JSON_CAST_CHUNK)
+        ]
+        tokens = any(t for _, t in parts)
         try:
-            data = msgspec.convert(data, _nested(_FloatOrToken, depth))
-        except msgspec.ValidationError:
-            raise error from None
-        data = _resolve_tokens(data)
-        tokens = True
-    try:
-        arr = np.array(data)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidInput(
-            f"input {name!r}: data is not a regular list of numbers: {exc}"
-        ) from None
+            arr = np.concatenate([a for a, _ in parts])
+        except ValueError as exc:
+            raise InvalidInput(
+                f"input {name!r}: data is not a regular list of numbers: {exc}"
+            ) from None
+    else:
+        arr, tokens = _json_array(name, datatype, data, depth)
     if arr.size != count:
         raise InvalidInput(f"input {name!r}: shape needs {count} elements, data holds {arr.size}")
     target = numpy_dtype(datatype)
@@ -324,6 +318,37 @@ def cast_json_data(name: str, datatype: str, shape: tuple[int, ...], data: objec
                 "(finite values must stay finite)"
             )
     return out.reshape(shape)
+
+
+#: top-level items of JSON data cast per step (see cast_json_data)
+_JSON_CAST_CHUNK = 1 << 16
+
+
+def _json_array(name: str, datatype: str, data: list, depth: int) -> tuple[np.ndarray, bool]:
+    """Check the leaves' types (msgspec, in C) and build the array; True when the
+    data held non-finite tokens ("NaN", "Infinity")."""
+    leaf = _JSON_LEAVES[datatype]
+    tokens = False
+    try:
+        data = msgspec.convert(data, _nested(leaf, depth))
+    except msgspec.ValidationError as exc:
+        error = InvalidInput(
+            f"input {name!r}: {datatype} data must hold {_LEAF_WORDS[leaf]}: {exc}"
+        )
+        if leaf is not float:
+            raise error from None
+        try:
+            data = msgspec.convert(data, _nested(_FloatOrToken, depth))
+        except msgspec.ValidationError:
+            raise error from None
+        data = _resolve_tokens(data)
+        tokens = True
+    try:
+        return np.array(data), tokens
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidInput(
+            f"input {name!r}: data is not a regular list of numbers: {exc}"
+        ) from None
 
 
 def _resolve_tokens(data: list) -> list:

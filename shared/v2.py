@@ -279,7 +279,7 @@ def _encode_tensors(tensors: list[Tensor], binary_for: Any) -> tuple[list[dict[s
 
 
 #: elements printed per step of a big JSON output (each step a few milliseconds)
-_JSON_CHUNK = 1 << 16
+_JSON_CHUNK = 1 << 15
 
 
 def _json_data(tensor: Tensor) -> list | msgspec.Raw:
