@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from shared.errors import DeadlineExceeded, Overloaded, PayloadTooLarge
+from shared.httpbody import read_into
 
 #: Retry-After for a request refused by the byte budget (bodies drain in about this long)
 BUDGET_RETRY_S = 1.0
@@ -65,33 +66,23 @@ class ByteBudget:
 
 async def read_body(
     request: web.Request, budget: ByteBudget, *, timeout_s: float, max_bytes: int
-) -> tuple[bytes, int]:
-    """Read a request body within the budget and the body timeout.
+) -> tuple[bytearray, int]:
+    """Read a request body within the budget, the size limit and the body timeout.
 
     Returns (body, bytes taken from the budget); the caller gives them back
-    once answered.  A declared Content-Length is taken before reading; a
-    chunked body is taken as it arrives.
+    once answered.  A declared Content-Length is checked and taken before a
+    byte is read; a chunked body, whose size nobody knows yet, takes the
+    body limit.
     """
     declared = request.content_length
-    taken = 0
-    if declared is not None:
-        if not budget.try_take(declared):
-            raise budget.overloaded(declared)
-        taken = declared
+    if declared is not None and declared > max_bytes:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    taken = declared if declared is not None else max_bytes
+    if not budget.try_take(taken):
+        raise budget.overloaded(taken)
     try:
         async with asyncio.timeout(timeout_s):
-            if declared is not None:
-                body = await request.read()
-            else:
-                parts = []
-                async for chunk in request.content.iter_any():
-                    if not budget.try_take(len(chunk)):
-                        raise budget.overloaded(len(chunk))
-                    taken += len(chunk)
-                    if taken > max_bytes:
-                        raise PayloadTooLarge(f"request body exceeds the limit of {max_bytes} bytes")
-                    parts.append(chunk)
-                body = b"".join(parts)
+            body = await read_into(request, max_bytes)
     except TimeoutError:
         budget.give(taken)
         raise DeadlineExceeded(f"request body not received within {timeout_s:g} s") from None

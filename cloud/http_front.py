@@ -26,6 +26,7 @@ from shared.errors import (
     PermissionDenied,
     Unauthenticated,
 )
+from shared.httpbody import binary_response
 from shared.repository import parse_config_json, validate_model_name
 from shared.tensors import Limits
 from shared.tokens import Tokens, bearer, is_loopback
@@ -243,7 +244,7 @@ class HttpFront:
         await self.dataplane.unload(name)
         return _json({})
 
-    async def _read(self, request: web.Request) -> tuple[bytes, int]:
+    async def _read(self, request: web.Request) -> tuple[bytearray, int]:
         """The body, within the node's byte budget and the body timeout."""
         return await read_body(
             request,
@@ -275,7 +276,9 @@ class HttpFront:
         finally:
             self.budget.give(taken)
 
-    async def _infer(self, m: Any, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def _infer(
+        self, m: Any, request: web.Request, body: bytearray
+    ) -> web.StreamResponse:
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
         # Big JSON and BYTES bodies are decoded (and answered) in a worker thread, so
         # one request cannot stall the loop; fixed-size binary tensors are views.
@@ -294,11 +297,7 @@ class HttpFront:
             chunks, out_header_length = v2.encode_response(response, decoded)
         if out_header_length is None:
             return web.Response(body=chunks[0], content_type="application/json")
-        return web.Response(
-            body=v2.join(chunks),
-            content_type=v2.BINARY_CONTENT_TYPE,
-            headers={v2.HEADER_LENGTH: str(out_header_length)},
-        )
+        return await binary_response(request, chunks, out_header_length)
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None

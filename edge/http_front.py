@@ -31,6 +31,7 @@ from shared.errors import (
     PermissionDenied,
     Unauthenticated,
 )
+from shared.httpbody import binary_response, read_into
 from shared.tensors import Limits
 from shared.tokens import Tokens, bearer
 
@@ -215,11 +216,11 @@ class LocalApi:
             found["response"] = json.loads(chunks[0])
         return _json(found)
 
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, request: web.Request) -> web.StreamResponse:
         name, version = request.match_info["model"], request.match_info.get("version")
         if version is not None:
             self.agent.dataplane.resolve(name, version)
-        body = await request.read()
+        body = await read_into(request, self.limits.max_body_bytes)
         header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH), len(body))
         if v2.decode_needs_worker(body, header_length):  # big JSON or BYTES: off the loop
             decoded = await asyncio.to_thread(v2.decode_request, body, header_length, self.limits)
@@ -241,8 +242,4 @@ class LocalApi:
             chunks, out_header_length = v2.encode_response(response, decoded)
         if out_header_length is None:
             return web.Response(body=chunks[0], content_type="application/json")
-        return web.Response(
-            body=v2.join(chunks),
-            content_type=v2.BINARY_CONTENT_TYPE,
-            headers={v2.HEADER_LENGTH: str(out_header_length)},
-        )
+        return await binary_response(request, chunks, out_header_length)
