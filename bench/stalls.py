@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared import envelope, v2  # noqa: E402
 from shared.messages import InferRequest  # noqa: E402
-from shared.tensors import Tensor  # noqa: E402
+from shared.tensors import Limits, Tensor  # noqa: E402
 from tests.support import (  # noqa: E402
     Broker,
     cloud_server,
@@ -235,7 +235,8 @@ def main() -> int:
             ):
                 with Prober(node.http_url) as prober:
                     since = time.monotonic()
-                    _, reply = envelope.decode_reply(mqtt_request(broker.url, model, payload, timeout=300))
+                    raw = mqtt_request(broker.url, model, payload, timeout=300)
+                    _, reply = envelope.decode_reply(raw, Limits(max_body_bytes=2 * body))
                     worst, probes = prober.finish(since, time.monotonic())
                 got = getattr(getattr(reply, "code", None), "value", "result")
                 ok = got == (expect or "result")
