@@ -35,7 +35,7 @@ from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
 from shared.errors import FerryError, InternalError, InvalidInput, Overloaded, ShuttingDown
-from shared.mqtt import model_from_topic, shared_request_topic, status_topic
+from shared.mqtt import model_from_topic, reply_principal, shared_request_topic, status_topic
 from shared.tensors import Limits
 from shared.tls import client_tls_context
 
@@ -299,7 +299,7 @@ class MqttFront:
             request_id = request.id
             # the reply topic names the sender (the broker's ACLs keep it to its owner)
             response = await self.dataplane.infer(
-                model, request, deadline=deadline, principal=response_topic or ""
+                model, request, deadline=deadline, principal=reply_principal(response_topic)
             )
             if envelope.encode_needs_worker(response):
                 reply = await asyncio.to_thread(envelope.encode_reply, response)

@@ -43,6 +43,19 @@ def reply_topic(client_id: str, username: str | None = None) -> str:
     return f"{PREFIX}/replies/{client_id}"
 
 
+def reply_principal(topic: str | None) -> str:
+    """Who sent a request, from its reply topic: the broker user of a logged-in client
+    (``replies/<user>/<client id>``, which a locked broker lets only that user read),
+    else "" (anonymous: the client id changes when an agent restarts, and a resend
+    after the restart must still find its idempotency key)."""
+    head = f"{PREFIX}/replies/"
+    if topic and topic.startswith(head):
+        user, sep, _ = topic[len(head) :].partition("/")
+        if sep and user:
+            return user
+    return ""
+
+
 def status_topic(node: str) -> str:
     return f"{PREFIX}/nodes/{node}/status"
 

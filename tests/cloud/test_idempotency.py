@@ -144,3 +144,14 @@ async def test_keys_are_scoped_by_principal_and_checked_against_the_inputs(tmp_p
     with pytest.raises(IdempotencyConflict):
         await dp.infer("m", request(3.0), principal="alice")
     await dp.close()
+
+
+def test_the_mqtt_sender_is_the_broker_user_in_its_reply_topic():
+    """Stable across an agent's restart (its client id is not), so a resend after a
+    crash still finds its key; anonymous clients share one scope."""
+    from shared.mqtt import reply_principal, reply_topic
+
+    assert reply_principal(reply_topic("ferry-edge-1a2b", "edge-7")) == "edge-7"
+    assert reply_principal(reply_topic("ferry-edge-9z9z", "edge-7")) == "edge-7"
+    assert reply_principal(reply_topic("ferry-edge-1a2b")) == ""
+    assert reply_principal(None) == "" and reply_principal("elsewhere/x/y") == ""
