@@ -50,6 +50,8 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
         pass
 
 
+#: replies above this are handed to paho from a worker thread (it copies them whole)
+_PUBLISH_WORKER_BYTES = 1 << 20
 #: Retry-After hint for a refused MQTT request when the model's own queue gives none
 _DEFAULT_RETRY_S = 0.1
 
@@ -323,7 +325,13 @@ class MqttFront:
         if correlation is not None:
             out.CorrelationData = correlation
         assert self._client is not None
-        self._client.publish(response_topic, reply, qos=1, properties=out)
+        if len(reply) > _PUBLISH_WORKER_BYTES:
+            # paho copies the payload into its packet as it publishes: a worker does it
+            await asyncio.to_thread(
+                self._client.publish, response_topic, reply, qos=1, properties=out
+            )
+        else:
+            self._client.publish(response_topic, reply, qos=1, properties=out)
         self.replies_sent += 1
 
     def _publish_status(self) -> None:
