@@ -117,8 +117,14 @@ def decode_needs_worker(payload: bytes | memoryview) -> bool:
 
 
 def encode_needs_worker(response: InferResponse) -> bool:
-    """Whether a reply holds BYTES outputs big enough to encode in a worker thread."""
-    return any(t.datatype == "BYTES" and t.data.size > 16 << 10 for t in response.outputs)
+    """Whether encoding a reply could hold the event loop for milliseconds: BYTES
+    outputs are joined element by element, and any output is copied once whole."""
+    total = 0
+    for t in response.outputs:
+        if t.datatype == "BYTES" and t.data.size > 16 << 10:
+            return True
+        total += t.data.nbytes
+    return total > 1 << 20
 
 
 def _check_size(payload: bytes | memoryview, limits: Limits) -> None:
