@@ -49,21 +49,11 @@ from tests.support import (  # noqa: E402
     cloud_server,
     edge_agent,
     mqtt_request,
+    unbatched_identity_config,
     write_identity_model,
 )
 
 TARGET_MS = 50.0
-BIG_CONFIG = """
-max_batch_size = 0
-[[input]]
-name = "x"
-datatype = "{t}"
-dims = [-1, 3]
-[[output]]
-name = "y"
-datatype = "{t}"
-dims = [-1, 3]
-"""
 
 
 def _probe(host: str, port: int, stop: mp.Event, ready: mp.Event, out: mp.Queue) -> None:
@@ -196,7 +186,7 @@ def main() -> int:
             ("big_fp32", TensorProto.FLOAT, "FP32"),
         ):
             write_identity_model(repo / name / "1" / "model.onnx", onnx_type)
-            (repo / name / "config.toml").write_text(BIG_CONFIG.format(t=t))
+            (repo / name / "config.toml").write_text(unbatched_identity_config(t))
         broker = Broker(Path(tmp) / "broker")
         broker.start()
         config = Path(tmp) / "cloud.toml"

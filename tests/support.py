@@ -229,6 +229,16 @@ def write_identity_model(
     onnx.save(model, str(path))
 
 
+def unbatched_identity_config(datatype: str) -> str:
+    """config.toml for a write_identity_model model taking any number of rows in one
+    request (no batch dimension): big bodies for the stall tests and bench."""
+    return (
+        "max_batch_size = 0\n"
+        f'[[input]]\nname = "x"\ndatatype = "{datatype}"\ndims = [-1, 3]\n'
+        f'[[output]]\nname = "y"\ndatatype = "{datatype}"\ndims = [-1, 3]\n'
+    )
+
+
 def edge_agent(config: Path, *extra: str) -> ServerProcess:
     return ServerProcess(
         ["-m", "edge.cli", "run", "--config", str(config), "--api-port", "0", *extra],

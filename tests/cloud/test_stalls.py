@@ -20,19 +20,12 @@ from shared import envelope, v2
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import Tensor
 from tests.cloud.conftest import http_call
-from tests.support import cloud_server, mqtt_request, write_identity_model
-
-BIG_CONFIG = """
-max_batch_size = 0
-[[input]]
-name = "x"
-datatype = "BYTES"
-dims = [-1, 3]
-[[output]]
-name = "y"
-datatype = "BYTES"
-dims = [-1, 3]
-"""
+from tests.support import (
+    cloud_server,
+    mqtt_request,
+    unbatched_identity_config,
+    write_identity_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def big_repository(tmp_path_factory: pytest.TempPathFactory):
 
     root = tmp_path_factory.mktemp("big")
     write_identity_model(root / "big_bytes" / "1" / "model.onnx", TensorProto.STRING)
-    (root / "big_bytes" / "config.toml").write_text(BIG_CONFIG)
+    (root / "big_bytes" / "config.toml").write_text(unbatched_identity_config("BYTES"))
     return root
 
 
