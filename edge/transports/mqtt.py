@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import math
-import socket
 import ssl
 import time
 import uuid
@@ -38,19 +37,13 @@ from shared.errors import (
     InvalidInput,
 )
 from shared.messages import InferRequest, InferResponse
-from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
+from shared.mqtt import PREFIX, BrokerAddress, nodelay, reply_topic, request_topic
 from shared.tensors import DEFAULT_LIMITS, Limits
 
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
 
 log = logging.getLogger(__name__)
 
-
-def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):  # pragma: no cover
-        pass
 
 
 @dataclass
@@ -109,7 +102,7 @@ class MqttTransport:
             client.username_pw_set(self.broker.username, self.broker.password)
         if self.broker.tls:
             client.tls_set_context(self.tls_context or ssl.create_default_context())
-        client.on_socket_open = _nodelay
+        client.on_socket_open = nodelay
         client.on_connect = self._on_connect
         client.on_subscribe = self._on_subscribe
         client.on_disconnect = self._on_disconnect
