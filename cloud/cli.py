@@ -25,11 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--node", help="node name (default: host name)")
     serve.add_argument("--models", help="comma-separated models to load (default: all)")
     serve.add_argument("--tokens-file", type=Path, help="bearer tokens, one per line")
+    serve.add_argument(
+        "--controller",
+        action="store_true",
+        help="follow the fleet controller's placement (needs --mqtt); loads nothing by itself",
+    )
     from cloud.broker_auth import add_auth_command
     from cloud.cli_model import add_model_commands
+    from cloud.controller.cli import add_fleet_commands
 
     add_model_commands(sub)
     add_auth_command(sub)
+    add_fleet_commands(sub)
     return parser
 
 
@@ -42,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command in ("controller", "fleet"):
+            from cloud.controller.cli import run_fleet_command
+
+            return run_fleet_command(args)
         if args.command == "auth":
             from cloud.broker_auth import run_auth_command
 
@@ -67,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         "mqtt.url": args.mqtt,
         "node": args.node,
         "models": args.models.split(",") if args.models else None,
+        "fleet.follow": True if args.controller else None,
     }
     config = load_config(args.config, overrides)
     return asyncio.run(serve(config))

@@ -86,6 +86,21 @@ class CloudConfig:
     idempotency_ttl_s: float = 600.0
     idempotency_max_entries: int = 4096
     idempotency_max_bytes: int = 64 << 20
+    fleet: FleetConfig | None = None  # set: follow the controller's placement
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """``[fleet]``: a node that follows the controller (``serve --controller``).
+
+    ``memory_bytes`` is what the controller may fill with models on this node
+    (0: the memory available when the node starts); ``speed`` is the node's
+    speed relative to the machine the tuning profiles were measured on.
+    """
+
+    memory_bytes: int = 0
+    speed: float = 1.0
+    handover_timeout_s: float = 30.0
 
 
 _NODE_LIMITS = {"max_queue_size": int, "max_inflight_mqtt": int, "max_inflight_bytes": int}
@@ -101,6 +116,12 @@ _SCHEMA: dict[str, Any] = {
     "idempotency_ttl_s": NUMBER,
     "idempotency_max_entries": int,
     "idempotency_max_bytes": int,
+    "fleet": {
+        "follow": bool,
+        "memory_bytes": int,
+        "speed": NUMBER,
+        "handover_timeout_s": NUMBER,
+    },
     "http": {
         "host": str,
         "port": int,
@@ -264,4 +285,21 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
     )
     if config.http is None and config.mqtt is None:
         raise ConfigError(f"{source}: neither HTTP nor MQTT is enabled; nothing would serve")
+    fleet_data = data.get("fleet", {})
+    if fleet_data.get("follow", False):
+        if config.mqtt is None:
+            raise ConfigError(
+                f"{source}: key 'fleet.follow': following the controller needs a broker "
+                "(mqtt.url or --mqtt)"
+            )
+        config = replace(
+            config,
+            fleet=FleetConfig(
+                memory_bytes=_non_negative(
+                    fleet_data.get("memory_bytes", 0), source, "fleet.memory_bytes"
+                ),
+                speed=_positive(fleet_data, "speed", 1.0, source),
+                handover_timeout_s=_positive(fleet_data, "handover_timeout_s", 30.0, source),
+            ),
+        )
     return config

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -109,6 +109,10 @@ class DataPlane:
         self._started = time.monotonic()
         self._busy_mark: tuple[float, int] = (self._started, 0)
         self.on_models_changed: list[Any] = []
+        #: callables adding keys to :meth:`status` (capacity, placement followed, ...)
+        self.status_extras: list[Any] = []
+        #: where requests for models this node does not host go (None: nowhere)
+        self.remote: RemoteModels | None = None
 
     # ---- registry -------------------------------------------------------------
     def _lock(self, name: str) -> asyncio.Lock:
@@ -310,19 +314,48 @@ class DataPlane:
             raise ModelNotFound(f"model {name!r} has no loaded version {number}")
         return model
 
+    def _remote_for(self, name: str, version: str | int | None) -> RemoteModels | None:
+        """The fleet, when it serves ``name`` and this node does not (any version is
+        looked up where the model runs)."""
+        if name in self._models or self.remote is None:
+            return None
+        return self.remote if self.remote.hosted(name) else None
+
+    def check_servable(self, name: str, version: str | int | None = None) -> None:
+        """Raise unless a request for ``name`` can be served here or by the fleet
+        (fronts call it before reading or decoding a body)."""
+        if self._remote_for(name, version) is not None:
+            return
+        try:
+            self.get(name, version)
+        except ModelNotFound:
+            if self.remote is not None:
+                self.remote.missed(name)
+            raise
+
     def model_ready(self, name: str, version: str | None = None) -> bool:
+        if self._closing:
+            return False
+        if self._remote_for(name, version) is not None:
+            return True
         try:
             self.get(name, version)
         except FerryError:
             return False
-        return not self._closing
+        return True
 
     def metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        remote = self._remote_for(name, version)
+        if remote is not None:
+            return remote.metadata(name)
         model = self.get(name, version)
         versions = [str(v) for v in sorted(self._models[name])]
         return v2_model_metadata(name, model.config, versions)
 
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        remote = self._remote_for(name, version)
+        if remote is not None:
+            return remote.config(name)
         return triton_model_config(self.get(name, version).config)
 
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
@@ -366,23 +399,38 @@ class DataPlane:
                     {
                         "name": m.name,
                         "version": str(m.version),
+                        "backend": m.config.backend,
                         "queue_depth": m.batcher.queue_depth,
                         "instances": len(m.sessions),
                         "memory_bytes": snap.memory_bytes,
+                        # cumulative: readers turn two reports into a rate
+                        "requests": snap.success_count + snap.fail_count,
+                        "executions": snap.execution_count,
+                        "compute_ns": snap.compute_infer_ns,
                     }
                 )
         mark_time, mark_ns = self._busy_mark
         elapsed = max(now - mark_time, 1e-9)
         utilisation = min(1.0, (compute_ns - mark_ns) / 1e9 / elapsed / max(sessions, 1))
         self._busy_mark = (now, compute_ns)
-        return {
+        status = {
             "node": self.node,
             "state": "closing" if self._closing else "online",
             "models": models,
             "queue_depth": depth,
             "utilisation": round(max(utilisation, 0.0), 4),
-            "uptime_s": round(now - self._started, 1),
+            "uptime_s": round(now - self._started, 3),
         }
+        for extra in self.status_extras:
+            status.update(extra())
+        return status
+
+    def describe_loaded(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """V2 metadata and Triton config of every loaded model (newest version), so
+        other nodes can answer for a model they do not host."""
+        metadata = {name: self.metadata(name) for name in self._models}
+        configs = {name: self.model_config(name) for name in self._models}
+        return metadata, configs
 
     def retry_hint(self, name: str | None) -> float | None:
         """Seconds a refused client of ``name`` should wait (from any thread; None: unknown)."""
@@ -400,12 +448,31 @@ class DataPlane:
         version: str | None = None,
         deadline: float | None = None,
         principal: str = "",
+        forwardable: bool = True,
     ) -> InferResponse:
-        """Run one request; ``principal`` (who sent it) scopes its idempotency key."""
+        """Run one request; ``principal`` (who sent it) scopes its idempotency key.
+
+        A request for a model hosted elsewhere in the fleet is forwarded over the
+        broker (once: ``forwardable`` is False for a request that was forwarded
+        already, so two nodes with stale views cannot bounce it between them)."""
         start = time.monotonic()
         if self._closing:
             raise ShuttingDown("node is shutting down")
-        model = self.get(name, version or request.model_version)
+        wanted = version or request.model_version
+        remote = self._remote_for(name, wanted)
+        if remote is not None:
+            if not forwardable:
+                raise ModelNotReady(
+                    f"model {name!r} moved away from node {self.node}; try again",
+                    retry_after=0.05,
+                )
+            return await remote.infer(name, request, version=wanted, deadline=deadline)
+        if not forwardable and name not in self._models and self.remote is not None:
+            raise ModelNotReady(
+                f"model {name!r} is not hosted on node {self.node} (placement changing)",
+                retry_after=0.05,
+            )
+        model = self.get(name, wanted)
         try:
             inputs = validated_inputs(model.config, request)
             outputs = validated_outputs(model.config, request)
@@ -482,6 +549,22 @@ class DataPlane:
                 "node": self.node,
             },
         )
+
+
+class RemoteModels(Protocol):
+    """The rest of the fleet, as the dataplane sees it (see :mod:`cloud.fleet`)."""
+
+    def hosted(self, name: str) -> bool: ...
+
+    def missed(self, name: str) -> None: ...
+
+    def metadata(self, name: str) -> dict[str, Any]: ...
+
+    def config(self, name: str) -> dict[str, Any]: ...
+
+    async def infer(
+        self, name: str, request: InferRequest, *, version: str | None, deadline: float | None
+    ) -> InferResponse: ...
 
 
 @dataclass(slots=True)

@@ -269,7 +269,7 @@ class HttpFront:
     async def infer(self, request: web.Request) -> web.StreamResponse:
         m = request.match_info
         # An unknown model is refused before its body is read or decoded.
-        self.dataplane.get(m["model"], m.get("version"))
+        self.dataplane.check_servable(m["model"], m.get("version"))
         body, taken = await self._read(request)
         try:
             return await self._infer(m, request, body)

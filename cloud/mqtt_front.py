@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import threading
 import time
 from typing import Any
@@ -35,23 +34,26 @@ from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
 from shared.errors import FerryError, InternalError, InvalidInput, Overloaded, ShuttingDown
-from shared.mqtt import model_from_topic, reply_principal, shared_request_topic, status_topic
+from shared.mqtt import (
+    PREFIX,
+    model_from_topic,
+    nodelay,
+    reply_principal,
+    shared_request_topic,
+    status_topic,
+)
 from shared.tensors import Limits
 from shared.tls import client_tls_context
 
 log = logging.getLogger(__name__)
 
 
-def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    """Nagle off: a 1 KB round trip drops from 88 ms to 0.69 ms (DESIGN.md 2)."""
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):  # pragma: no cover - non-TCP transports
-        pass
-
 
 #: replies above this are handed to paho from a worker thread (it copies them whole)
 _PUBLISH_WORKER_BYTES = 1 << 20
+#: user property a node puts on a request it forwards (such a request is not forwarded again)
+FORWARDED = "ferry-forwarded-by"
+_REQUEST_HEAD = f"{PREFIX}/models/"
 #: Retry-After hint for a refused MQTT request when the model's own queue gives none
 _DEFAULT_RETRY_S = 0.1
 
@@ -83,6 +85,13 @@ class MqttFront:
         self._connected = asyncio.Event()
         self._accepting = True  # False once intake stopped: late requests get "unavailable"
         self._closed = False
+        #: topic filter -> callable(topic, payload, properties) run on the loop (fleet
+        #: messages: placement, node status, forwarded replies)
+        self._handlers: dict[str, Any] = {}
+        #: loaded models whose request topic is withheld (being moved away)
+        self._withheld: set[str] = set()
+        self._unsub_waiters: dict[int, asyncio.Future[None]] = {}
+        self._per_model: dict[str, int] = {}  # requests being handled, per model
         self.received = 0  # requests paho handed over (paho's thread writes it)
         self.replies_sent = 0
         self.refused = 0
@@ -107,10 +116,11 @@ class MqttFront:
                     key_file=self.config.key_file,
                 )
             )
-        client.on_socket_open = _nodelay
+        client.on_socket_open = nodelay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_unsubscribe = self._on_unsubscribe
         client.reconnect_delay_set(min_delay=1, max_delay=5)
         client.will_set(
             status_topic(self.node),
@@ -205,6 +215,9 @@ class MqttFront:
         received = time.monotonic()
         if self._closed or self._loop is None:
             return
+        if not message.topic.startswith(_REQUEST_HEAD):
+            self._route(message)
+            return
         self.received += 1
         if self._slots is not None and not self._slots.acquire(blocking=False):
             model = model_from_topic(message.topic)
@@ -231,6 +244,29 @@ class MqttFront:
             if self._slots is not None:
                 self._slots.release()
 
+    def _route(self, message: mqtt.MQTTMessage) -> None:
+        """A fleet message: hand it to the handler of the first filter that matches."""
+        for pattern, handler in list(self._handlers.items()):
+            if mqtt.topic_matches_sub(pattern, message.topic):
+                try:
+                    self._loop.call_soon_threadsafe(  # type: ignore[union-attr]
+                        handler, message.topic, message.payload, message.properties
+                    )
+                except RuntimeError:  # the loop is closed
+                    pass
+                return
+
+    def _on_unsubscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any
+    ) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._unsubscribed, mid)
+
+    def _unsubscribed(self, mid: int) -> None:
+        waiter = self._unsub_waiters.pop(mid, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def _refuse(self, client: mqtt.Client, message: mqtt.MQTTMessage, error: FerryError) -> None:
         """Answer without decoding the tensors (on paho's thread: publish is thread-safe)."""
         self.refused += 1
@@ -250,8 +286,68 @@ class MqttFront:
     def _after_connect(self) -> None:
         self._connected.set()
         self._subscribed.clear()  # a new connection starts with no subscriptions
+        for pattern in sorted(self._handlers):
+            self._client.subscribe(pattern, qos=1)  # type: ignore[union-attr]
         self._sync_subscriptions()
         self._publish_status()
+
+    # ---- fleet hooks (the placement follower and the forwarder) -----------------------
+    def add_handler(self, pattern: str, handler: Any) -> None:
+        """Deliver messages on ``pattern`` to ``handler(topic, payload, properties)`` on
+        the loop; subscribed now and after every reconnect."""
+        self._handlers[pattern] = handler
+        if self._client is not None and self._connected.is_set():
+            self._client.subscribe(pattern, qos=1)
+
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        retain: bool = False,
+        properties: Properties | None = None,
+    ) -> mqtt.MQTTMessageInfo:
+        assert self._client is not None
+        return self._client.publish(topic, payload, qos=1, retain=retain, properties=properties)
+
+    @property
+    def username(self) -> str | None:
+        return self.config.broker.username
+
+    def publish_status(self) -> None:
+        """Publish the node's status now (after a placement step, say)."""
+        if self._connected.is_set():
+            self._publish_status()
+
+    async def withhold(self, name: str, timeout_s: float = 5.0) -> None:
+        """Stop taking ``name``'s requests from the broker: unsubscribe its shared topic
+        and wait for the broker's acknowledgement (after it, no new request for it
+        reaches this node), then for the requests already received to finish."""
+        self._withheld.add(name)
+        topic = shared_request_topic(name)
+        client = self._client
+        if client is not None and topic in self._subscribed:
+            self._subscribed.discard(topic)
+            assert self._loop is not None
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            rc, mid = client.unsubscribe(topic)
+            if rc == mqtt.MQTT_ERR_SUCCESS:
+                self._unsub_waiters[mid] = waiter
+                try:
+                    await asyncio.wait_for(waiter, timeout_s)
+                except TimeoutError:
+                    log.warning("no UNSUBACK for %s within %.1f s", topic, timeout_s)
+                finally:
+                    self._unsub_waiters.pop(mid, None)
+        deadline = time.monotonic() + timeout_s
+        while self._per_model.get(name, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def release(self, name: str) -> None:
+        """Take ``name``'s requests again once it is loaded (undoes :meth:`withhold`)."""
+        self._withheld.discard(name)
+        if self._connected.is_set():
+            self._sync_subscriptions()
 
     def _models_changed(self) -> None:
         if self._connected.is_set():
@@ -261,7 +357,11 @@ class MqttFront:
     def _sync_subscriptions(self) -> None:
         if self._client is None or not self._accepting:
             return
-        wanted = {shared_request_topic(name) for name in self.dataplane.loaded_names()}
+        wanted = {
+            shared_request_topic(name)
+            for name in self.dataplane.loaded_names()
+            if name not in self._withheld
+        }
         for topic in sorted(wanted - self._subscribed):
             self._client.subscribe(topic, qos=1)
         for topic in sorted(self._subscribed - wanted):
@@ -280,6 +380,19 @@ class MqttFront:
             self._slots.release()
 
     async def _handle(self, message: mqtt.MQTTMessage, received: float) -> None:
+        model = model_from_topic(message.topic)
+        key = model or ""
+        self._per_model[key] = self._per_model.get(key, 0) + 1
+        try:
+            await self._answer(message, received, model)
+        finally:
+            left = self._per_model[key] - 1
+            if left:
+                self._per_model[key] = left
+            else:
+                del self._per_model[key]
+
+    async def _answer(self, message: mqtt.MQTTMessage, received: float, model: str | None) -> None:
         props = message.properties
         response_topic = getattr(props, "ResponseTopic", None)
         correlation = getattr(props, "CorrelationData", None)
@@ -290,10 +403,11 @@ class MqttFront:
         try:
             if not self._accepting:
                 raise ShuttingDown(f"node {self.node} is shutting down")
-            model = model_from_topic(message.topic)
             if model is None:
                 raise InvalidInput(f"not a request topic: {message.topic!r}")
-            self.dataplane.get(model, None)  # an unknown model is refused before decoding
+            forwarded = any(k == FORWARDED for k, _ in getattr(props, "UserProperty", None) or ())
+            if not forwarded:  # an unknown model is refused before decoding
+                self.dataplane.check_servable(model, None)
             if envelope.decode_needs_worker(payload):  # big or BYTES: off the loop
                 request = await asyncio.to_thread(envelope.decode_request, payload, self.limits)
             else:
@@ -301,7 +415,11 @@ class MqttFront:
             request_id = request.id
             # the reply topic names the sender (the broker's ACLs keep it to its owner)
             response = await self.dataplane.infer(
-                model, request, deadline=deadline, principal=reply_principal(response_topic)
+                model,
+                request,
+                deadline=deadline,
+                principal=reply_principal(response_topic),
+                forwardable=not forwarded,
             )
             if envelope.encode_needs_worker(response):
                 reply = await asyncio.to_thread(envelope.encode_reply, response)

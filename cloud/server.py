@@ -27,12 +27,15 @@ from cloud.admission import ByteBudget, ConnectionGuard, GuardedSite, default_ma
 from cloud.config import CloudConfig
 from cloud.cpu import CpuMonitor
 from cloud.dataplane import DataPlane
+from cloud.fleet.follower import PlacementFollower
 from cloud.gpu import GpuMonitor
 from cloud.http_front import HttpFront
 from cloud.metrics import make_registry, render_metrics
 from cloud.mqtt_front import MqttFront
 from shared.errors import FerryError
 from shared.repository import ModelRepository
+from shared.repository.capacity import available_memory
+from shared.runtimes import installed_backends
 from shared.tokens import load_tokens
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,8 @@ class CloudServer:
         self.budget = ByteBudget(config.max_inflight_bytes)
         self.guard: ConnectionGuard | None = None
         self.mqtt: MqttFront | None = None
+        self.follower: PlacementFollower | None = None
+        self._memory_for_models: int | None = None
         self._runner: web.AppRunner | None = None
         self._site: GuardedSite | None = None
         self.http_port: int | None = None
@@ -65,9 +70,12 @@ class CloudServer:
         self.gpu.start()
         if not self.gpu.available:
             log.info("%s", self.gpu.reason)
-        names = (
-            list(cfg.models) if cfg.models is not None else self.dataplane.repository.model_names()
-        )
+        if cfg.fleet is not None:
+            names = []  # the controller's placement says what this node loads
+        elif cfg.models is not None:
+            names = list(cfg.models)
+        else:
+            names = self.dataplane.repository.model_names()
         self.dataplane.plan(names)
         for name in names:
             try:
@@ -113,7 +121,36 @@ class CloudServer:
                 max_inflight=cfg.max_inflight_mqtt,
                 budget=self.budget,
             )
+            if cfg.fleet is not None:
+                self.follower = PlacementFollower(
+                    self.dataplane,
+                    self.mqtt,
+                    cfg.node,
+                    self._capacity,
+                    http_address=self._http_address,
+                    handover_timeout_s=cfg.fleet.handover_timeout_s,
+                )
+                self.follower.start()
             await self.mqtt.start()
+
+    def _capacity(self) -> dict[str, object]:
+        """What the controller may fill on this node (the status reports it)."""
+        assert self.config.fleet is not None
+        if self._memory_for_models is None:
+            self._memory_for_models = self.config.fleet.memory_bytes or available_memory()
+        backends = [b for b in installed_backends() if b != "tensorrt" or self.gpu.available]
+        return {
+            "cores": self.dataplane.cores,
+            "memory_bytes": self._memory_for_models,
+            "backends": backends,
+            "speed": self.config.fleet.speed,
+            "gpu": self.gpu.reason if self.gpu.available else None,
+        }
+
+    def _http_address(self) -> str | None:
+        if self.http_port is None or self.config.http is None:
+            return None
+        return f"http://{self.config.http.host}:{self.http_port}"
 
     async def stop(self) -> None:
         """Stop within ``shutdown_grace_s``, end to end: every step gets what is left."""
@@ -126,6 +163,8 @@ class CloudServer:
         self.dataplane.begin_shutdown()
         if self._site is not None:
             await self._site.stop()  # closes the listening socket; connections stay
+        if self.follower is not None:
+            await self.follower.stop()
         if self.mqtt is not None:
             self.mqtt.stop_intake()
         # 2. drain both fronts at once. Kept-alive connections linger (answers carry

@@ -95,6 +95,24 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class PlacementPolicy:
+    """``[placement]``: what the fleet controller must respect when it places the model.
+
+    ``latency_objective_ms`` is the server-side objective (arrival to answer) the
+    packer sizes batches for; ``rate`` is the request rate to plan for until one is
+    observed; ``min_copies = 0`` lets an idle model be left unloaded (ModelMesh's
+    cache); ``max_copies = 0`` means no cap beyond one copy per node; ``backends``
+    limits the backends the controller may choose (empty: any the model runs on).
+    """
+
+    latency_objective_ms: float = 100.0
+    min_copies: int = 1
+    max_copies: int = 0
+    rate: float = 0.0
+    backends: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One model's configuration.
 
@@ -112,6 +130,7 @@ class ModelConfig:
     instance_group: InstanceGroup = field(default_factory=InstanceGroup)
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy)
     source: Path | None = None
 
 
@@ -199,6 +218,7 @@ _TOP = (
     "instance_group",
     "version_policy",
     "runtime",
+    "placement",
 )
 _TENSOR = ("name", "datatype", "dims")
 _BATCHING = (  # preferred_batch_sizes first: the others are integers
@@ -248,6 +268,7 @@ def parse_config_dict(data: dict, source: str, name: str) -> ModelConfig:
         instance_group=_instance_group(data.get("instance_group", {}), source),
         version_policy=_version_policy(data.get("version_policy", {}), source),
         runtime=_runtime(data.get("runtime", {}), source),
+        placement=_placement(data.get("placement", {}), source),
     )
 
 
@@ -365,3 +386,40 @@ def _runtime(value: object, source: str) -> RuntimeConfig:
         ),
         allow_spinning=check_bool(t.get("allow_spinning", False), source, "runtime.allow_spinning"),
     )
+
+
+_PLACEMENT = ("latency_objective_ms", "min_copies", "max_copies", "rate", "backends")
+
+
+def _number(value: object, source: str, key: str, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        fail(source, key, "a number", value)
+    if value < 0 or (positive and value == 0) or value == float("inf"):
+        fail(source, key, "a positive number" if positive else "a number >= 0", value)
+    return float(value)
+
+
+def _placement(value: object, source: str) -> PlacementPolicy:
+    t = check_table(value, source, "placement", _PLACEMENT)
+    k = "placement."
+    backends = t.get("backends", [])
+    if not isinstance(backends, list):
+        fail(source, k + "backends", "a list of backend names", backends)
+    chosen = tuple(check_choice(b, source, k + "backends", tuple(BACKENDS)) for b in backends)
+    policy = PlacementPolicy(
+        latency_objective_ms=_number(
+            t.get("latency_objective_ms", 100.0), source, k + "latency_objective_ms", True
+        ),
+        min_copies=check_int(t.get("min_copies", 1), source, k + "min_copies"),
+        max_copies=check_int(t.get("max_copies", 0), source, k + "max_copies"),
+        rate=_number(t.get("rate", 0.0), source, k + "rate", False),
+        backends=chosen,
+    )
+    if policy.max_copies and policy.max_copies < policy.min_copies:
+        fail(
+            source,
+            k + "max_copies",
+            f"0 or at least min_copies ({policy.min_copies})",
+            policy.max_copies,
+        )
+    return policy

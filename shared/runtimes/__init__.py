@@ -30,6 +30,32 @@ MODEL_FILES: dict[str, str] = {
 }
 
 
+#: backend name -> the module its runtime is imported from (any one is enough)
+_RUNTIME_MODULES: dict[str, tuple[str, ...]] = {
+    "onnxruntime": ("onnxruntime",),
+    "openvino": ("openvino",),
+    "litert": ("ai_edge_litert", "tflite_runtime"),
+    "tensorrt": ("tensorrt",),
+}
+
+
+def installed_backends() -> list[str]:
+    """Backends whose runtime package is installed (found, not imported: importing
+    OpenVINO or TensorRT costs seconds and memory a status report should not)."""
+    import importlib.util
+
+    found = []
+    for backend, modules in _RUNTIME_MODULES.items():
+        for module in modules:
+            try:
+                if importlib.util.find_spec(module) is not None:
+                    found.append(backend)
+                    break
+            except (ImportError, ValueError):
+                continue
+    return found
+
+
 def load_session(backend: str, path: Path, options: RuntimeOptions | None = None) -> Session:
     """Load ``path`` (a model file) with ``backend``."""
     module_name = BACKENDS.get(backend)
@@ -39,4 +65,12 @@ def load_session(backend: str, path: Path, options: RuntimeOptions | None = None
     return module.load(Path(path), options or RuntimeOptions())
 
 
-__all__ = ["BACKENDS", "MODEL_FILES", "RuntimeOptions", "Session", "TensorSpec", "load_session"]
+__all__ = [
+    "BACKENDS",
+    "MODEL_FILES",
+    "RuntimeOptions",
+    "Session",
+    "TensorSpec",
+    "installed_backends",
+    "load_session",
+]

@@ -193,6 +193,23 @@ MALFORMED = {
         "true or false",
     ),
     "bad TOML syntax": ("max_batch_size = = 3", "not valid TOML", "line 1"),
+    "zero latency objective": (
+        "[placement]\nlatency_objective_ms = 0",
+        "key 'placement.latency_objective_ms'",
+        "a positive number",
+    ),
+    "negative rate": ("[placement]\nrate = -1", "key 'placement.rate'", "a number >= 0"),
+    "max below min copies": (
+        "[placement]\nmin_copies = 3\nmax_copies = 2",
+        "key 'placement.max_copies'",
+        "at least min_copies (3)",
+    ),
+    "unknown placement backend": (
+        '[placement]\nbackends = ["cuda"]',
+        "key 'placement.backends'",
+        "onnxruntime",
+    ),
+    "unknown placement key": ("[placement]\ncopies = 2", "placement", "copies"),
 }
 
 
@@ -288,3 +305,16 @@ def test_zero_threads_means_the_process_cores() -> None:
     assert options.threads is None and options.device == "cpu"
     assert options.allow_spinning is False
     assert options.resolved_threads() >= 1
+
+
+def test_the_placement_table_is_read_with_defaults_for_what_it_leaves_out(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path, '[placement]\nlatency_objective_ms = 250\nrate = 12\nbackends = ["openvino"]\n'
+    )
+    policy = parse_config(path, "m").placement
+    assert policy.latency_objective_ms == 250.0 and policy.rate == 12.0
+    assert policy.min_copies == 1 and policy.max_copies == 0
+    assert policy.backends == ("openvino",)
+    assert parse_config(write(tmp_path / "empty", ""), "m").placement.min_copies == 1

@@ -1,0 +1,1 @@
+"""The fleet controller: placement from node status, published on the broker."""

@@ -1,0 +1,149 @@
+"""``ferry-cloud controller`` and ``ferry-cloud fleet``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_fleet_commands(sub: Any) -> None:
+    controller = sub.add_parser(
+        "controller", help="place models on the nodes following it (publishes the placement)"
+    )
+    controller.add_argument("--broker", required=True, metavar="URL", help="mqtt://host:port")
+    controller.add_argument("--repository", required=True, type=Path, help="model repository")
+    controller.add_argument("--profiles", type=Path, help="profiles.json from ferry-cloud tune")
+    controller.add_argument(
+        "--interval-s", type=float, default=10.0, help="re-placement period when rates move"
+    )
+    controller.add_argument("--http-host", default="127.0.0.1", help="/metrics and /fleet bind")
+    controller.add_argument(
+        "--http-port", type=int, default=8001, help="/metrics and /fleet port (-1: none)"
+    )
+    controller.add_argument(
+        "--burst-cv",
+        type=float,
+        default=1.0,
+        help="coefficient of variation of arrivals to plan headroom for (1: Poisson)",
+    )
+    controller.add_argument("--alert-window-s", type=float, default=60.0)
+    fleet = sub.add_parser("fleet", help="show nodes, models, copies, rates and alerts")
+    fleet.add_argument("--broker", required=True, metavar="URL", help="mqtt://host:port")
+    fleet.add_argument("--wait-s", type=float, default=1.5, help="time to collect retained state")
+    fleet.add_argument("--json", action="store_true", help="print the document as JSON")
+
+
+def run_fleet_command(args: argparse.Namespace) -> int:
+    if args.command == "controller":
+        return _controller(args)
+    return _fleet(args)
+
+
+def _controller(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cloud.controller.alerts import AlertSettings
+    from cloud.controller.catalogue import read_catalogue
+    from cloud.controller.core import ControllerCore, ControllerSettings
+    from cloud.controller.service import ControllerOptions, run_controller
+    from cloud.placement.packing import Headroom
+    from shared.mqtt import parse_broker_url
+    from shared.repository import ModelRepository
+
+    catalogue, problems = read_catalogue(ModelRepository(args.repository))
+    profiles = {}
+    if args.profiles:
+        from cloud.tuning.profiles import load_profiles
+
+        profiles = load_profiles(args.profiles)
+    settings = ControllerSettings(
+        interval_s=args.interval_s,
+        headroom=Headroom(cv=args.burst_cv),
+        alerts=AlertSettings(window_s=args.alert_window_s),
+    )
+    core = ControllerCore(catalogue, profiles, settings)
+    for name, why in sorted(problems.items()):
+        print(f"ferry-cloud controller: model {name} not placed: {why}", file=sys.stderr)
+    options = ControllerOptions(
+        broker=parse_broker_url(args.broker),
+        http_host=args.http_host,
+        http_port=None if args.http_port < 0 else args.http_port,
+    )
+    return asyncio.run(run_controller(core, options))
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    import paho.mqtt.client as mqtt
+
+    from cloud.controller.service import ALERTS_TOPIC
+    from cloud.controller.table import fleet_document, render_fleet
+    from cloud.fleet.follower import STATUS_PATTERN
+    from cloud.fleet.view import FleetView, decode_document
+    from shared.errors import ConfigError, EndpointUnavailable
+    from shared.mqtt import PLACEMENT_TOPIC, PREFIX, nodelay, parse_broker_url
+
+    broker = parse_broker_url(args.broker)
+    view = FleetView()
+    alerts: list[Any] = []
+    lock = threading.Lock()
+    connected = threading.Event()
+
+    def on_connect(client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        if not reason.is_failure:
+            client.subscribe([(STATUS_PATTERN, 1), (PLACEMENT_TOPIC, 1), (ALERTS_TOPIC, 1)])
+            connected.set()
+
+    def on_message(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        try:
+            document = decode_document(message.payload)
+        except ConfigError:
+            return
+        with lock:
+            if message.topic == PLACEMENT_TOPIC:
+                view.on_placement(document)
+            elif message.topic == ALERTS_TOPIC:
+                alerts[:] = document if isinstance(document, list) else []
+            else:
+                node = message.topic[len(f"{PREFIX}/nodes/") : -len("/status")]
+                view.on_status(node, document)
+
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=f"ferry-fleet-{time.monotonic_ns() % 10**9}",
+        protocol=mqtt.MQTTv5,
+    )
+    if broker.username:
+        client.username_pw_set(broker.username, broker.password)
+    if broker.tls:
+        from shared.tls import client_tls_context
+
+        client.tls_set_context(client_tls_context(None))
+    client.on_socket_open = nodelay
+    client.on_connect = on_connect
+    client.on_message = on_message
+    try:
+        client.connect(broker.host, broker.port, keepalive=10)
+    except OSError as exc:
+        raise EndpointUnavailable(f"broker {broker.host}:{broker.port}: {exc}") from None
+    client.loop_start()
+    try:
+        if not connected.wait(5.0):
+            raise EndpointUnavailable(
+                f"broker {broker.host}:{broker.port} did not accept the connection"
+            )
+        time.sleep(args.wait_s)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    with lock:
+        document = fleet_document(view, list(alerts))
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_fleet(document), end="")
+    return 0

@@ -1,0 +1,212 @@
+"""A node that follows the controller's placement (``ferry-cloud serve --controller``).
+
+The controller publishes the placement retained on ``ferry/v1/placement``; a
+node converges to its share of it, one model at a time:
+
+- **add**: load the model (sessions built and warmed on zeros), then take its
+  requests (subscribe its shared topic): nothing is subscribed that cannot run;
+- **drop**: make before break: wait until another node reports the model
+  loaded (or the placement no longer holds it anywhere), stop taking its
+  requests (unsubscribe and wait for the broker's UNSUBACK), let the requests
+  already received finish, then unload.  A request that still reaches this
+  node afterwards is forwarded to a node that hosts the model.
+
+Static stability: the placement is retained, so a node that (re)starts while
+the controller is down still finds it and serves its share; nothing here
+needs the controller to be alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from cloud.dataplane import DataPlane
+from cloud.fleet.forwarder import Forwarder
+from cloud.fleet.view import FleetView, decode_document
+from cloud.mqtt_front import MqttFront
+from cloud.placement.types import Copy, Placement
+from shared.errors import ConfigError, FerryError
+from shared.mqtt import PLACEMENT_TOPIC, PREFIX
+
+log = logging.getLogger(__name__)
+
+#: how long a dropped model waits for its new home to report it loaded
+HANDOVER_TIMEOUT_S = 30.0
+STATUS_PATTERN = f"{PREFIX}/nodes/+/status"
+
+
+class PlacementFollower:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        front: MqttFront,
+        node: str,
+        capacity: Callable[[], dict[str, Any]],
+        *,
+        http_address: Callable[[], str | None] = lambda: None,
+        handover_timeout_s: float = HANDOVER_TIMEOUT_S,
+    ) -> None:
+        self.dataplane = dataplane
+        self.front = front
+        self.node = node
+        self.capacity = capacity
+        self.http_address = http_address
+        self.handover_timeout_s = handover_timeout_s
+        self.view = FleetView()
+        self.forwarder = Forwarder(front, self.view, node, front.limits)
+        self.following: int | None = None  # generation converged to
+        self.load_seconds: dict[str, float] = {}  # last load latency per model
+        self.loads = 0
+        self.unloads = 0
+        self.load_failures: dict[str, str] = {}
+        self._drop_started: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Hook into the dataplane and the MQTT front (before the front connects)."""
+        self.dataplane.remote = self.forwarder
+        self.dataplane.status_extras.append(self._status_extra)
+        self.forwarder.start()
+        self.front.add_handler(PLACEMENT_TOPIC, self._on_placement)
+        self.front.add_handler(STATUS_PATTERN, self._on_status)
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # ---- messages (on the loop) ------------------------------------------------------
+    def _on_placement(self, topic: str, payload: bytes, properties: Any) -> None:
+        try:
+            self.view.on_placement(decode_document(payload))
+        except ConfigError as exc:
+            log.error("ignoring a malformed placement: %s", exc.message)
+            return
+        self._wake.set()
+
+    def _on_status(self, topic: str, payload: bytes, properties: Any) -> None:
+        node = topic[len(f"{PREFIX}/nodes/") : -len("/status")]
+        if node == self.node:
+            return
+        try:
+            document = decode_document(payload)
+        except ConfigError:
+            return
+        was_online = node in self.view.nodes and self.view.nodes[node].online
+        self.view.on_status(node, document)
+        if was_online and not self.view.nodes[node].online:
+            self.forwarder.node_lost(node)
+        self._wake.set()  # a handover may be waiting for this node
+
+    def _status_extra(self) -> dict[str, Any]:
+        metadata, configs = self.dataplane.describe_loaded()
+        return {
+            "capacity": self.capacity(),
+            "following": self.following,
+            "misses": dict(self.forwarder.misses),
+            "metadata": metadata,
+            "configs": configs,
+            "http": self.http_address(),
+            "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
+        }
+
+    # ---- convergence -------------------------------------------------------------------
+    def mine(self, placement: Placement) -> dict[str, Copy]:
+        return {c.model: c for c in placement.on_node(self.node)}
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            placement = self.view.placement
+            if placement is None:
+                continue
+            try:
+                done = await self._converge(placement)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad step stop the follower
+                log.exception("placement step failed; retrying")
+                done = False
+            if done and self.view.placement is placement:
+                if self.following != placement.generation:
+                    self.following = placement.generation
+                    log.info("node %s follows placement %d", self.node, placement.generation)
+                    self.front.publish_status()
+            elif not self._wake.is_set():
+                # waiting on a handover or a failed load: look again shortly
+                asyncio.get_running_loop().call_later(0.5, self._wake.set)
+
+    async def _converge(self, placement: Placement) -> bool:
+        wanted = self.mine(placement)
+        loaded = set(self.dataplane.loaded_names())
+        done = True
+        for name in sorted(set(wanted) - loaded):
+            if self.view.placement is not placement:
+                return False  # a newer placement arrived: start over from it
+            done &= await self._add(wanted[name])
+        for name in sorted(loaded - set(wanted)):
+            if self.view.placement is not placement:
+                return False
+            done &= await self._drop(name, placement)
+        return done
+
+    async def _add(self, copy: Copy) -> bool:
+        config = None
+        try:
+            base = self.dataplane.repository.read_config(copy.model)
+            if copy.backend and base.backend != copy.backend:
+                config = replace(base, backend=copy.backend)
+        except FerryError as exc:
+            self._load_failed(copy.model, exc.message)
+            return False
+        started = time.monotonic()
+        try:
+            await self.dataplane.load(copy.model, config)
+        except FerryError as exc:
+            self._load_failed(copy.model, exc.message)
+            return False
+        self.load_seconds[copy.model] = time.monotonic() - started
+        self.load_failures.pop(copy.model, None)
+        self.loads += 1
+        self.front.release(copy.model)  # subscribed only now that it is warm
+        log.info(
+            "placed %s here (%s, %.2f s to load and warm)",
+            copy.model,
+            copy.backend,
+            self.load_seconds[copy.model],
+        )
+        return True
+
+    def _load_failed(self, name: str, reason: str) -> None:
+        if self.load_failures.get(name) != reason:
+            log.error("model %s placed here but not loaded: %s", name, reason)
+        self.load_failures[name] = reason
+
+    async def _drop(self, name: str, placement: Placement) -> bool:
+        elsewhere = [c.node for c in placement.copies_of(name) if c.node != self.node]
+        if elsewhere and not self.view.hosts(name, exclude=self.node):
+            waited = time.monotonic() - self._drop_started.setdefault(name, time.monotonic())
+            if waited < self.handover_timeout_s:
+                return False  # its new home is still loading it: keep serving
+            log.warning("model %s: no other node reports it after %.0f s; dropping", name, waited)
+        self._drop_started.pop(name, None)
+        await self.front.withhold(name)
+        try:
+            await self.dataplane.unload(name)
+        except FerryError:
+            pass  # already gone
+        self.front.release(name)
+        self.unloads += 1
+        log.info("moved %s away from this node", name)
+        return True

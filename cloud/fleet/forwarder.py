@@ -1,0 +1,195 @@
+"""Requests for a model this node does not host, sent on over the broker.
+
+Any node answers HTTP for every placed model, so a Kubernetes Service (or any
+load balancer) in front of the nodes needs no knowledge of the placement.  A
+request for a model hosted elsewhere is published on the model's request
+topic, where the broker's shared subscription hands it to one of the nodes
+that host it, exactly like a device's request; the reply comes back on this
+node's own reply topic, matched by correlation data.
+
+Mosquitto does not re-send a dead member's in-flight messages to another
+member (DESIGN.md section 5).  Inference has no side effects, so when a node
+goes offline every request still waiting here is published once more; the
+first reply wins and a late duplicate is ignored.  Every forwarded request
+ends in exactly one answer: a result, the peer's typed error, or ours when
+the deadline passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from cloud.classification import requested_classes, top_k
+from cloud.fleet.view import FleetView
+from cloud.mqtt_front import FORWARDED, MqttFront
+from shared import envelope
+from shared.errors import DeadlineExceeded, FerryError, ModelNotReady
+from shared.messages import InferRequest, InferResponse, RequestedOutput
+from shared.mqtt import reply_topic, request_topic
+from shared.repository import ModelConfig
+from shared.tensors import Limits, Tensor
+
+log = logging.getLogger(__name__)
+
+#: a forwarded request with no deadline of its own waits at most this long
+DEFAULT_FORWARD_TIMEOUT_S = 30.0
+#: requests above this are packed in a worker thread (msgpack copies each tensor)
+_PACK_WORKER_BYTES = 1 << 20
+
+
+@dataclass
+class _Pending:
+    model: str
+    payload: bytes
+    properties: Properties
+    future: asyncio.Future[InferResponse]
+    sent_at: float = field(default_factory=time.monotonic)
+    resends: int = 0
+
+
+class Forwarder:
+    """The dataplane's view of the rest of the fleet (:class:`cloud.dataplane.RemoteModels`)."""
+
+    def __init__(
+        self,
+        front: MqttFront,
+        view: FleetView,
+        node: str,
+        limits: Limits,
+        *,
+        timeout_s: float = DEFAULT_FORWARD_TIMEOUT_S,
+    ) -> None:
+        self.front = front
+        self.view = view
+        self.node = node
+        self.limits = limits
+        self.timeout_s = timeout_s
+        self.reply_topic = reply_topic(f"{front.client_id}-fwd", front.username)
+        self._pending: dict[bytes, _Pending] = {}
+        self.misses: dict[str, int] = {}
+        self.forwarded = 0
+        self.resent = 0
+
+    def start(self) -> None:
+        self.front.add_handler(self.reply_topic, self._on_reply)
+
+    # ---- RemoteModels --------------------------------------------------------------
+    def hosted(self, name: str) -> bool:
+        return bool(self.view.hosts(name, exclude=self.node))
+
+    def missed(self, name: str) -> None:
+        """A request for a model no node hosts: the controller sees it as demand (a
+        cache miss, in ModelMesh's words) and may place the model."""
+        if len(self.misses) < 4096 or name in self.misses:
+            self.misses[name] = self.misses.get(name, 0) + 1
+
+    def metadata(self, name: str) -> dict[str, Any]:
+        found = self.view.metadata(name)
+        if found is None:
+            raise ModelNotReady(f"model {name!r}: no node has described it yet", retry_after=1)
+        return found
+
+    def config(self, name: str) -> dict[str, Any]:
+        found = self.view.config(name)
+        if found is None:
+            raise ModelNotReady(f"model {name!r}: no node has described it yet", retry_after=1)
+        return found
+
+    async def infer(
+        self, name: str, request: InferRequest, *, version: str | None, deadline: float | None
+    ) -> InferResponse:
+        now = time.monotonic()
+        until = deadline if deadline is not None else now + self.timeout_s
+        if until <= now:
+            raise DeadlineExceeded(f"deadline passed before model {name!r} was forwarded")
+        # The MQTT envelope names outputs only: Triton's classification parameters are
+        # applied here, on the raw outputs the hosting node sends back.
+        classes = requested_classes(ModelConfig(name), request)
+        original_id = request.id
+        request = InferRequest(
+            id=request.id or uuid.uuid4().hex,
+            inputs=request.inputs,
+            outputs=(
+                None
+                if request.outputs is None
+                else [RequestedOutput(o.name) for o in request.outputs]
+            ),
+            parameters=request.parameters,
+            model_version=version or request.model_version,
+        )
+        size = sum(t.data.nbytes for t in request.inputs)
+        if size > _PACK_WORKER_BYTES:
+            payload = await asyncio.to_thread(envelope.encode_request, request)
+        else:
+            payload = envelope.encode_request(request)
+        correlation = uuid.uuid4().bytes
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = self.reply_topic
+        props.CorrelationData = correlation
+        props.MessageExpiryInterval = max(1, math.ceil(until - now))
+        props.UserProperty = [(FORWARDED, self.node)]
+        future: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+        self._pending[correlation] = _Pending(name, payload, props, future)
+        self.forwarded += 1
+        try:
+            self.front.publish(request_topic(name), payload, properties=props)
+            response = await asyncio.wait_for(future, max(0.0, until - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"model {name!r}: no answer from the fleet before the deadline"
+            ) from None
+        finally:
+            self._pending.pop(correlation, None)
+        response.id = original_id
+        if classes:
+            batched = bool((self.view.config(name) or {}).get("max_batch_size"))
+            response.outputs = [
+                Tensor(t.name, "BYTES", top_k(t.data, classes[t.name], batched))
+                if t.name in classes
+                else t
+                for t in response.outputs
+            ]
+        return response
+
+    # ---- replies and failures ------------------------------------------------------------
+    def _on_reply(self, topic: str, payload: bytes, properties: Any) -> None:
+        correlation = getattr(properties, "CorrelationData", None)
+        pending = self._pending.get(bytes(correlation)) if correlation else None
+        if pending is None or pending.future.done():
+            return  # late duplicate, or the caller gave up
+        try:
+            _, result = envelope.decode_reply(payload, self.limits)
+        except FerryError as exc:
+            pending.future.set_exception(exc)
+            return
+        if isinstance(result, FerryError):
+            pending.future.set_exception(result)
+        else:
+            pending.future.set_result(result)
+
+    def node_lost(self, node: str) -> None:
+        """A node went offline: publish every waiting request again (it may have been
+        the one holding it; a duplicate answer is dropped)."""
+        for pending in list(self._pending.values()):
+            if pending.future.done() or pending.resends >= 3:
+                continue
+            pending.resends += 1
+            self.resent += 1
+            log.info("node %s lost: resending a forwarded %s request", node, pending.model)
+            self.front.publish(
+                request_topic(pending.model), pending.payload, properties=pending.properties
+            )
+
+    def fail_all(self, error: FerryError) -> None:
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)

@@ -1,0 +1,229 @@
+"""What a node or the controller knows of the fleet, from retained broker messages.
+
+Every node publishes its status retained on ``ferry/v1/nodes/{node}/status``
+(and the broker publishes ``{"state": "offline"}`` there as the node's last
+will when it dies); the controller publishes the placement retained on
+``ferry/v1/placement``.  :class:`FleetView` folds those messages into one
+picture: which nodes are up, what each hosts and can hold, how fast each
+model's requests arrive.  It is sans-IO (messages and a clock in, answers
+out), so the controller, the nodes and ``ferry-cloud fleet`` share it and
+tests drive it without a broker.
+
+Rates are computed from each node's cumulative request counters between two
+of its reports, against the node's own uptime (its monotonic clock), so wall
+clocks that disagree between machines do not matter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from cloud.placement.types import NodeSpec, Placement
+from shared.errors import ConfigError
+
+#: smoothing of observed rates (per report): new = old + ALPHA * (sample - old)
+RATE_ALPHA = 0.5
+
+
+@dataclass
+class HostedModel:
+    """One model on one node, as its last status reported it."""
+
+    name: str
+    requests: int = 0
+    executions: int = 0
+    compute_ns: int = 0
+    queue_depth: int = 0
+    memory_bytes: int = 0
+    backend: str = ""
+    rate: float = 0.0  # smoothed requests/s on this node
+    rate_known: bool = False  # False until two reports gave a rate
+
+
+@dataclass
+class NodeState:
+    name: str
+    online: bool = False
+    spec: NodeSpec | None = None
+    uptime_s: float = 0.0
+    utilisation: float = 0.0
+    queue_depth: int = 0
+    following: int | None = None  # placement generation the node has converged to
+    models: dict[str, HostedModel] = field(default_factory=dict)
+    misses: dict[str, int] = field(default_factory=dict)  # requests for models not placed
+    miss_rate: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # model -> V2 metadata
+    configs: dict[str, Any] = field(default_factory=dict)  # model -> Triton config JSON
+    http: str | None = None  # the node's HTTP address, for operators
+    load_seconds: dict[str, float] = field(default_factory=dict)  # last load+warm latency
+
+
+def decode_document(payload: bytes) -> Any:
+    """A status or placement payload: JSON, or MessagePack (first byte a map marker)."""
+    if not payload:
+        return None
+    try:
+        if payload[:1] in (b"{", b"[", b" ", b"\n"):
+            return json.loads(payload)
+        return msgspec.msgpack.decode(payload)
+    except (ValueError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"undecodable document: {exc}") from None
+
+
+class FleetView:
+    """Nodes and their models, folded from status messages (no I/O)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeState] = {}
+        self.placement: Placement | None = None
+        self.membership_changes = 0
+
+    # ---- input -------------------------------------------------------------------
+    def on_status(self, node: str, status: dict[str, Any] | None) -> bool:
+        """Fold one status; True when the set of online nodes changed."""
+        state = self.nodes.get(node)
+        was_online = state is not None and state.online
+        if not isinstance(status, dict) or status.get("state") in ("offline", "closing"):
+            if state is not None:
+                state.online = False
+                state.models.clear()
+            changed = was_online
+        else:
+            if state is None:
+                state = self.nodes[node] = NodeState(node)
+            self._fold(state, status)
+            changed = not was_online
+        if changed:
+            self.membership_changes += 1
+        return changed
+
+    def on_placement(self, document: dict[str, Any] | None) -> Placement | None:
+        self.placement = Placement.from_dict(document) if isinstance(document, dict) else None
+        return self.placement
+
+    def _fold(self, state: NodeState, status: dict[str, Any]) -> None:
+        uptime = float(status.get("uptime_s", 0.0))
+        elapsed = uptime - state.uptime_s if state.online else 0.0
+        restarted = uptime < state.uptime_s
+        state.online = True
+        state.uptime_s = uptime
+        state.utilisation = float(status.get("utilisation", 0.0))
+        state.queue_depth = int(status.get("queue_depth", 0))
+        following = status.get("following")
+        state.following = int(following) if following is not None else None
+        state.http = status.get("http")
+        capacity = status.get("capacity")
+        if isinstance(capacity, dict):
+            state.spec = NodeSpec(
+                name=state.name,
+                memory_bytes=int(capacity.get("memory_bytes", 0)),
+                backends=frozenset(capacity.get("backends", ())),
+                speed=float(capacity.get("speed", 1.0)),
+                cores=int(capacity.get("cores", 0)),
+                gpu=capacity.get("gpu"),
+            )
+        models: dict[str, HostedModel] = {}
+        for entry in status.get("models", ()):
+            name = str(entry.get("name", ""))
+            if not name:
+                continue
+            old = state.models.get(name)
+            hosted = HostedModel(
+                name=name,
+                requests=int(entry.get("requests", 0)),
+                executions=int(entry.get("executions", 0)),
+                compute_ns=int(entry.get("compute_ns", 0)),
+                queue_depth=int(entry.get("queue_depth", 0)),
+                memory_bytes=int(entry.get("memory_bytes") or 0),
+                backend=str(entry.get("backend", "")),
+            )
+            if name in models:  # several versions: one model, summed
+                first = models[name]
+                first.requests += hosted.requests
+                first.executions += hosted.executions
+                first.compute_ns += hosted.compute_ns
+                first.queue_depth += hosted.queue_depth
+                first.memory_bytes += hosted.memory_bytes
+                continue
+            if old is not None:
+                hosted.rate, hosted.rate_known = old.rate, old.rate_known
+            models[name] = hosted
+        for name, hosted in models.items():
+            old = state.models.get(name)
+            if old is not None and elapsed > 0 and not restarted:
+                sample = max(0, hosted.requests - old.requests) / elapsed
+                if old.rate_known:
+                    hosted.rate = old.rate + RATE_ALPHA * (sample - old.rate)
+                else:
+                    hosted.rate = sample
+                hosted.rate_known = True
+        state.models = models
+        misses = {str(k): int(v) for k, v in dict(status.get("misses", {})).items()}
+        for name, count in misses.items():
+            before = state.misses.get(name)
+            if before is not None and elapsed > 0 and not restarted:
+                sample = max(0, count - before) / elapsed
+                old_rate = state.miss_rate.get(name)
+                state.miss_rate[name] = (
+                    sample if old_rate is None else old_rate + RATE_ALPHA * (sample - old_rate)
+                )
+        state.misses = misses
+        state.metadata = dict(status.get("metadata", {}))
+        state.configs = dict(status.get("configs", {}))
+        state.load_seconds = {
+            str(k): float(v) for k, v in dict(status.get("load_seconds", {})).items()
+        }
+
+    # ---- answers ------------------------------------------------------------------
+    def online(self) -> list[NodeState]:
+        return [s for _, s in sorted(self.nodes.items()) if s.online]
+
+    def specs(self) -> list[NodeSpec]:
+        return [s.spec for s in self.online() if s.spec is not None]
+
+    def hosts(self, model: str, exclude: str | None = None) -> list[str]:
+        """Online nodes that report ``model`` loaded (its copies serving now)."""
+        return [s.name for s in self.online() if model in s.models and s.name != exclude]
+
+    def rate(self, model: str) -> float:
+        """Requests/s for ``model`` across the fleet, misses (unplaced) included."""
+        served = sum(s.models[model].rate for s in self.online() if model in s.models)
+        missed = sum(s.miss_rate.get(model, 0.0) for s in self.online())
+        return served + missed
+
+    def rate_known(self, model: str) -> bool:
+        """True once every online node hosting ``model`` has reported a rate for it."""
+        hosting = [s.models[model] for s in self.online() if model in s.models]
+        return bool(hosting) and all(h.rate_known for h in hosting)
+
+    def misses(self, model: str) -> int:
+        return sum(s.misses.get(model, 0) for s in self.online())
+
+    def observed_profile(self, model: str) -> tuple[float, int] | None:
+        """(mean compute seconds per execution, executions) over the fleet, or None."""
+        executions = sum(s.models[model].executions for s in self.online() if model in s.models)
+        if executions == 0:
+            return None
+        compute_ns = sum(s.models[model].compute_ns for s in self.online() if model in s.models)
+        return compute_ns / executions / 1e9, executions
+
+    def memory_of(self, model: str) -> int:
+        values = [s.models[model].memory_bytes for s in self.online() if model in s.models]
+        values = [v for v in values if v > 0]
+        return max(values) if values else 0
+
+    def metadata(self, model: str) -> dict[str, Any] | None:
+        for state in self.online():
+            if model in state.metadata:
+                return state.metadata[model]
+        return None
+
+    def config(self, model: str) -> dict[str, Any] | None:
+        for state in self.online():
+            if model in state.configs:
+                return state.configs[model]
+        return None

@@ -1,0 +1,1 @@
+"""Placement: which models run where (pure functions, no I/O)."""

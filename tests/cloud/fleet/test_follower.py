@@ -1,0 +1,143 @@
+"""Nodes following a placement published by hand (no controller): they load what it
+gives them, answer for each other over HTTP and MQTT, and move a model without
+an unanswered request."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+
+from cloud.placement.types import Copy, Placement
+from shared import envelope
+from shared.messages import InferResponse
+from shared.mqtt import PLACEMENT_TOPIC
+from tests.fleet_lab import FleetWatch, start_node
+from tests.support import Broker, linear_reference, mqtt_request, write_linear_model
+
+pytestmark = pytest.mark.slow
+
+
+def _copy(model: str, node: str) -> Copy:
+    return Copy(model, node, "onnxruntime", 1.0, 1, 0.1, 0.1, 1 << 20)
+
+
+def _publish_placement(broker: Broker, placement: Placement) -> None:
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=f"placer-{time.monotonic_ns()}",
+        protocol=mqtt.MQTTv5,
+    )
+    client.connect("127.0.0.1", broker.port)
+    client.loop_start()
+    info = client.publish(
+        PLACEMENT_TOPIC, json.dumps(placement.to_dict()).encode(), qos=1, retain=True
+    )
+    info.wait_for_publish(5)
+    client.loop_stop()
+    client.disconnect()
+
+
+def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def _infer_body(x: np.ndarray) -> dict[str, Any]:
+    return {
+        "inputs": [
+            {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> tuple[Path, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    weights = {}
+    for i, name in enumerate(("alpha", "beta")):
+        weights[name] = write_linear_model(tmp_path / "repo" / name / "1" / "model.onnx", seed=i)
+    return tmp_path / "repo", weights
+
+
+def test_nodes_load_their_share_answer_for_each_other_and_move_a_model(
+    tmp_path: Path, broker: Broker, repository: tuple[Path, dict]
+) -> None:
+    repo, weights = repository
+    _publish_placement(
+        broker, Placement(copies=(_copy("alpha", "n1"), _copy("beta", "n2")), generation=1)
+    )
+    watch = FleetWatch(broker)
+    nodes = {n: start_node(repo, broker, tmp_path, n) for n in ("n1", "n2")}
+    try:
+        watch.wait(
+            "each node hosts its model",
+            lambda: watch.view.hosts("alpha") == ["n1"] and watch.view.hosts("beta") == ["n2"],
+            30,
+        )
+        watch.wait(
+            "both nodes converged",
+            lambda: all(watch.view.nodes[n].following == 1 for n in ("n1", "n2")),
+            10,
+        )
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        # HTTP to the node that does not host the model: forwarded over the broker
+        for model, node in (("alpha", "n2"), ("beta", "n1")):
+            url = nodes[node].http_url
+            status, ready = _http(f"{url}/v2/models/{model}/ready")
+            assert status == 200 and ready["ready"] is True
+            status, meta = _http(f"{url}/v2/models/{model}")
+            assert status == 200 and meta["inputs"][0]["name"] == "x"
+            status, answer = _http(f"{url}/v2/models/{model}/infer", _infer_body(x))
+            assert status == 200, answer
+            y = np.array(answer["outputs"][0]["data"], np.float32).reshape(2, 3)
+            np.testing.assert_allclose(y, linear_reference(x, *weights[model]), rtol=1e-5)
+            assert answer["model_name"] == model
+        # a model nobody hosts is still unknown everywhere
+        status, _ = _http(f"{nodes['n1'].http_url}/v2/models/gamma/ready")
+        assert status == 503
+        status, error = _http(f"{nodes['n1'].http_url}/v2/models/gamma/infer", _infer_body(x))
+        assert status == 404, error
+        # over MQTT, as a device sends it
+        from shared.messages import InferRequest
+        from shared.tensors import Tensor
+
+        payload = envelope.encode_request(InferRequest([Tensor("x", "FP32", x)], id="m1"))
+        _, reply = envelope.decode_reply(mqtt_request(broker.url, "beta", payload, 20))
+        assert isinstance(reply, InferResponse) and reply.parameters["node"] == "n2"
+
+        # move alpha from n1 to n2 while a client keeps asking n1 for it over HTTP
+        answered, failed = 0, []
+        _publish_placement(
+            broker, Placement(copies=(_copy("alpha", "n2"), _copy("beta", "n2")), generation=2)
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status, answer = _http(f"{nodes['n1'].http_url}/v2/models/alpha/infer", _infer_body(x))
+            if status == 200:
+                answered += 1
+            else:
+                failed.append((status, answer))
+            if watch.view.hosts("alpha") == ["n2"] and watch.view.nodes["n1"].following == 2:
+                break
+        assert watch.view.hosts("alpha") == ["n2"], "alpha did not move"
+        assert failed == [] and answered > 0
+        status, answer = _http(f"{nodes['n1'].http_url}/v2/models/alpha/infer", _infer_body(x))
+        assert status == 200 and answer["model_name"] == "alpha"
+    finally:
+        for node in nodes.values():
+            node.terminate()
+        watch.close()
+    for node in nodes.values():
+        assert "Traceback" not in node.output(), node.output()[-3000:]

@@ -1,0 +1,85 @@
+"""FleetView folds node statuses into rates, hosts and membership (no broker)."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from cloud.fleet.view import FleetView, decode_document
+from shared.errors import ConfigError
+
+
+def _status(uptime: float, requests: int, *, models: tuple[str, ...] = ("m",), misses=None):
+    return {
+        "node": "n1",
+        "state": "online",
+        "uptime_s": uptime,
+        "models": [
+            {
+                "name": m,
+                "requests": requests,
+                "executions": requests,
+                "compute_ns": requests * 10**6,
+            }
+            for m in models
+        ],
+        "capacity": {"memory_bytes": 1 << 30, "backends": ["onnxruntime"], "cores": 2},
+        "misses": misses or {},
+    }
+
+
+def test_rate_comes_from_counter_deltas_over_the_nodes_own_uptime() -> None:
+    view = FleetView()
+    assert view.on_status("n1", _status(10.0, 100)) is True  # joined
+    assert view.rate("m") == 0.0 and not view.rate_known("m")
+    view.on_status("n1", _status(12.0, 140))
+    assert view.rate("m") == pytest.approx(20.0)
+    assert view.rate_known("m")
+    view.on_status("n1", _status(14.0, 140))
+    assert view.rate("m") == pytest.approx(10.0)  # smoothed toward 0
+
+
+def test_a_restarted_node_does_not_produce_a_negative_or_huge_rate() -> None:
+    view = FleetView()
+    view.on_status("n1", _status(100.0, 1000))
+    view.on_status("n1", _status(102.0, 1100))
+    view.on_status("n1", _status(1.0, 5))  # restarted: counters and uptime reset
+    assert view.rate("m") == pytest.approx(50.0)  # kept, not recomputed from the reset
+
+
+def test_last_will_takes_a_node_and_its_models_offline() -> None:
+    view = FleetView()
+    view.on_status("n1", _status(1.0, 0))
+    assert view.hosts("m") == ["n1"]
+    assert view.on_status("n1", {"node": "n1", "state": "offline"}) is True
+    assert view.hosts("m") == []
+    assert view.specs() == []
+    assert view.on_status("n1", None) is False  # a cleared retained topic: no change
+
+
+def test_hosts_excludes_the_asking_node_and_specs_come_from_capacity() -> None:
+    view = FleetView()
+    view.on_status("n1", _status(1.0, 0))
+    view.on_status("n2", {**_status(1.0, 0), "node": "n2"})
+    assert view.hosts("m", exclude="n1") == ["n2"]
+    spec = view.specs()[0]
+    assert spec.memory_bytes == 1 << 30 and spec.backends == frozenset({"onnxruntime"})
+
+
+def test_misses_count_as_demand_for_a_model_no_node_hosts() -> None:
+    view = FleetView()
+    view.on_status("n1", _status(1.0, 0, models=(), misses={"cold": 0}))
+    view.on_status("n1", _status(3.0, 0, models=(), misses={"cold": 10}))
+    assert view.rate("cold") == pytest.approx(5.0)
+    assert view.misses("cold") == 10
+
+
+def test_documents_decode_from_json_or_messagepack_and_garbage_is_a_config_error() -> None:
+    doc = {"generation": 3, "copies": []}
+    assert decode_document(json.dumps(doc).encode()) == doc
+    assert decode_document(msgspec.msgpack.encode(doc)) == doc
+    assert decode_document(b"") is None
+    with pytest.raises(ConfigError):
+        decode_document(b"{not json")
