@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -319,7 +320,8 @@ class DataPlane:
         looked up where the model runs)."""
         if name in self._models or self.remote is None:
             return None
-        return self.remote if self.remote.hosted(name) else None
+        remote = self.remote
+        return remote if remote.hosted(name) or remote.placed(name) else None
 
     def check_servable(self, name: str, version: str | int | None = None) -> None:
         """Raise unless a request for ``name`` can be served here or by the fleet
@@ -337,7 +339,7 @@ class DataPlane:
         if self._closing:
             return False
         if self._remote_for(name, version) is not None:
-            return True
+            return self.remote is not None and self.remote.hosted(name)
         try:
             self.get(name, version)
         except FerryError:
@@ -466,7 +468,18 @@ class DataPlane:
                     f"model {name!r} moved away from node {self.node}; try again",
                     retry_after=0.05,
                 )
-            return await remote.infer(name, request, version=wanted, deadline=deadline)
+            # placed but between homes (its node died, its new one is loading it): wait
+            # for a node to serve it, here or elsewhere, within the deadline
+            give_up = min(deadline or math.inf, start + remote.handover_wait_s)
+            while not remote.hosted(name) and name not in self._models:
+                if time.monotonic() >= give_up or not remote.placed(name):
+                    raise ModelNotReady(
+                        f"model {name!r} is being moved between nodes; try again",
+                        retry_after=1.0,
+                    )
+                await asyncio.sleep(0.05)
+            if name not in self._models:
+                return await remote.infer(name, request, version=wanted, deadline=deadline)
         if not forwardable and name not in self._models and self.remote is not None:
             raise ModelNotReady(
                 f"model {name!r} is not hosted on node {self.node} (placement changing)",
@@ -554,7 +567,12 @@ class DataPlane:
 class RemoteModels(Protocol):
     """The rest of the fleet, as the dataplane sees it (see :mod:`cloud.fleet`)."""
 
+    #: how long a request waits for a placed model that no node serves at the moment
+    handover_wait_s: float
+
     def hosted(self, name: str) -> bool: ...
+
+    def placed(self, name: str) -> bool: ...
 
     def missed(self, name: str) -> None: ...
 

@@ -67,12 +67,14 @@ class Forwarder:
         limits: Limits,
         *,
         timeout_s: float = DEFAULT_FORWARD_TIMEOUT_S,
+        handover_wait_s: float = 15.0,
     ) -> None:
         self.front = front
         self.view = view
         self.node = node
         self.limits = limits
         self.timeout_s = timeout_s
+        self.handover_wait_s = handover_wait_s
         self.reply_topic = reply_topic(f"{front.client_id}-fwd", front.username)
         self._pending: dict[bytes, _Pending] = {}
         self.misses: dict[str, int] = {}
@@ -85,6 +87,10 @@ class Forwarder:
     # ---- RemoteModels --------------------------------------------------------------
     def hosted(self, name: str) -> bool:
         return bool(self.view.hosts(name, exclude=self.node))
+
+    def placed(self, name: str) -> bool:
+        placement = self.view.placement
+        return placement is not None and bool(placement.copies_of(name))
 
     def missed(self, name: str) -> None:
         """A request for a model no node hosts: the controller sees it as demand (a

@@ -53,7 +53,9 @@ class LatencyProfile:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"latency profile {data!r}: {exc}") from None
         if profile.a_s < 0 or profile.beta_s <= 0 or profile.max_batch < 1:
-            raise ConfigError(f"latency profile {data!r}: needs a_s >= 0, beta_s > 0, max_batch >= 1")
+            raise ConfigError(
+                f"latency profile {data!r}: needs a_s >= 0, beta_s > 0, max_batch >= 1"
+            )
         return profile
 
 

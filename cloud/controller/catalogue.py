@@ -1,0 +1,69 @@
+"""The models the controller places, read from the shared model repository.
+
+Each model's ``[placement]`` table (latency objective, min/max copies, a rate
+to plan for until one is observed, allowed backends) is the operator's word;
+the backends it can run on are the ones its files allow (a config that names
+a backend pins it).  A model whose folder is broken is reported, not fatal:
+the rest of the fleet still gets placed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shared.errors import FerryError
+from shared.repository import ModelRepository, PlacementPolicy
+from shared.repository.capacity import SESSION_MEMORY_FACTOR, model_file_bytes
+from shared.runtimes import MODEL_FILES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    policy: PlacementPolicy
+    backends: tuple[str, ...]  # where its files can run, in preference order
+    memory_bytes: int  # estimate from the files until a node measures it
+    max_batch: int
+
+
+def read_catalogue(repository: ModelRepository) -> tuple[dict[str, ModelEntry], dict[str, str]]:
+    """(entries by name, problems by name) for every model in the repository."""
+    entries: dict[str, ModelEntry] = {}
+    problems: dict[str, str] = {}
+    for name in repository.model_names():
+        try:
+            entries[name] = _entry(repository, name)
+        except FerryError as exc:
+            problems[name] = exc.message
+            log.warning("model %s cannot be placed: %s", name, exc.message)
+    return entries, problems
+
+
+def _entry(repository: ModelRepository, name: str) -> ModelEntry:
+    config = repository.read_config(name)
+    versions = repository.selected_versions(name, config)
+    if not versions:
+        raise FerryError(f"model {name!r} has no version with a model file")
+    folder = repository.model_dir(name) / str(versions[-1])
+    present = [b for f, b in MODEL_FILES.items() if (folder / f).is_file()]
+    if config.backend is not None:
+        backends = [config.backend] if config.backend in present else []
+    else:
+        backends = list(present)  # a folder may hold the same model for several runtimes
+    if config.placement.backends:
+        backends = [b for b in backends if b in config.placement.backends]
+    if not backends:
+        raise FerryError(f"model {name!r}: no backend both allowed and present in {folder}")
+    _, path = repository.model_file(name, versions[-1], config.backend)
+    memory = model_file_bytes(path) * SESSION_MEMORY_FACTOR * len(versions)
+    memory *= config.instance_group.count
+    return ModelEntry(
+        name=name,
+        policy=config.placement,
+        backends=tuple(backends),
+        memory_bytes=memory,
+        max_batch=max(1, config.max_batch_size or 1),
+    )

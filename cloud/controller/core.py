@@ -1,0 +1,217 @@
+"""The controller's decisions, sans-IO: statuses and a clock in, placements out.
+
+When to re-place:
+- at once when nodes join or leave (a dead node's models need a new home,
+  a new node should take load);
+- every ``interval_s`` when some model's rate moved by more than
+  ``rate_tolerance`` (relative) since the placement in force was computed;
+- never before ``settle_s`` after start, so a restarted controller first reads
+  the retained placement and the nodes' retained statuses and then, with the
+  same input, computes the same placement (incremental packing keeps every
+  copy still feasible): a restart moves nothing.
+
+What it places: every model of the repository, at ``max(declared rate,
+measured rate)``, with the latency profile ``ferry-cloud tune`` measured
+(or, lacking one, a rough one from the compute time nodes report).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from cloud.controller.alerts import Alert, AlertSettings, UtilisationTracker
+from cloud.controller.catalogue import ModelEntry
+from cloud.fleet.view import FleetView
+from cloud.placement.packing import Headroom, Move, moves, place
+from cloud.placement.types import LatencyProfile, ModelDemand, Placement
+
+log = logging.getLogger(__name__)
+
+#: a model with no profile and no measurement is planned as this (seconds)
+FALLBACK_A_S = 0.005
+FALLBACK_BETA_S = 0.002
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    interval_s: float = 10.0
+    settle_s: float = 2.0
+    rate_tolerance: float = 0.25
+    min_rate_change: float = 0.5  # req/s: smaller moves never trigger a re-placement
+    headroom: Headroom | None = None
+    alerts: AlertSettings = field(default_factory=AlertSettings)
+
+
+@dataclass
+class Step:
+    """One published change."""
+
+    placement: Placement
+    moves: list[Move]
+    reason: str
+
+
+class ControllerCore:
+    def __init__(
+        self,
+        catalogue: dict[str, ModelEntry],
+        profiles: dict[str, list[LatencyProfile]] | None = None,
+        settings: ControllerSettings | None = None,
+        *,
+        started: float = 0.0,
+    ) -> None:
+        self.catalogue = catalogue
+        self.profiles = profiles or {}
+        self.settings = settings or ControllerSettings()
+        self.view = FleetView()
+        self.tracker = UtilisationTracker(self.settings.alerts)
+        self.current: Placement | None = None
+        self.planned_rates: dict[str, float] = {}
+        self.started = started
+        self.last_step = -math.inf
+        self.moves_total = 0
+        self.steps = 0
+        self._membership_dirty = True
+
+    # ---- input -------------------------------------------------------------------
+    def on_status(self, node: str, document: Any) -> None:
+        if self.view.on_status(node, document):
+            self._membership_dirty = True
+
+    def on_retained_placement(self, document: Any) -> None:
+        """The placement last published (by us before a restart): the starting point."""
+        placement = self.view.on_placement(document)
+        if placement is not None and self.current is None:
+            self.current = placement
+            self.planned_rates = {}
+            for copy in placement.copies:
+                self.planned_rates[copy.model] = self.planned_rates.get(copy.model, 0) + copy.rate
+
+    # ---- decisions ---------------------------------------------------------------
+    def demand_rate(self, entry: ModelEntry) -> float:
+        """The rate to plan for: the declared one, or more when more is measured.  Until
+        the hosting nodes have reported twice, the rate in force stands (a restarted
+        controller must not shrink a model it cannot measure yet)."""
+        name = entry.name
+        if self.view.rate_known(name) or not self.view.hosts(name):
+            measured = self.view.rate(name)
+        else:
+            measured = self.planned_rates.get(name, 0.0)
+        return max(entry.policy.rate, measured)
+
+    def profiles_for(self, entry: ModelEntry) -> tuple[LatencyProfile, ...]:
+        measured = self.view.memory_of(entry.name)
+        tuned = [p for p in self.profiles.get(entry.name, ()) if p.backend in entry.backends]
+        if tuned:
+            return tuple(tuned)
+        observed = self.view.observed_profile(entry.name)
+        per_exec = observed[0] if observed else FALLBACK_A_S + FALLBACK_BETA_S
+        a = per_exec * 0.5 if observed else FALLBACK_A_S
+        beta = max(per_exec * 0.5, 1e-5) if observed else FALLBACK_BETA_S
+        memory = measured or entry.memory_bytes
+        return tuple(
+            LatencyProfile(backend, a, beta, entry.max_batch, memory) for backend in entry.backends
+        )
+
+    def demands(self) -> list[ModelDemand]:
+        out = []
+        for name, entry in sorted(self.catalogue.items()):
+            policy = entry.policy
+            out.append(
+                ModelDemand(
+                    name=name,
+                    rate=self.demand_rate(entry),
+                    slo_s=policy.latency_objective_ms / 1000.0,
+                    profiles=self.profiles_for(entry),
+                    min_copies=policy.min_copies,
+                    max_copies=policy.max_copies,
+                )
+            )
+        return out
+
+    def _rates_moved(self) -> str | None:
+        s = self.settings
+        for name, entry in sorted(self.catalogue.items()):
+            now = self.demand_rate(entry)
+            before = self.planned_rates.get(name, 0.0)
+            change = abs(now - before)
+            if change >= s.min_rate_change and change > s.rate_tolerance * max(before, 1e-9):
+                return f"rate of {name} {before:.1f} -> {now:.1f} req/s"
+        return None
+
+    def step(self, now: float) -> Step | None:
+        """Recompute when due; a :class:`Step` when the placement changed."""
+        self._observe(now)
+        if now - self.started < self.settings.settle_s:
+            return None
+        nodes = self.view.specs()
+        if not nodes:
+            return None  # an empty fleet keeps the last placement (static stability)
+        reason = None
+        rate_step = False
+        if self._membership_dirty:
+            reason = "nodes " + ",".join(sorted(n.name for n in nodes))
+        elif self.current is None:
+            reason = "first placement"
+        elif now - self.last_step >= self.settings.interval_s:
+            reason = self._rates_moved()
+            rate_step = reason is not None
+        if reason is None:
+            return None
+        self._membership_dirty = False
+        self.last_step = now
+        demands = self.demands()
+        new = place(demands, nodes, self.current, headroom=self.settings.headroom)
+        old = self.current
+        if old is not None and _same(old, new):
+            self.planned_rates = {d.name: d.rate for d in demands}
+            return None
+        if (
+            old is not None
+            and not rate_step
+            and not moves(old, new)
+            and old.unplaced == new.unplaced
+        ):
+            # nodes came or went (or a restarted controller met the fleet) and nothing
+            # has to move: the placement in force stands; rates wait for their interval
+            return None
+        self.planned_rates = {d.name: d.rate for d in demands}
+        if old is not None and new.generation <= old.generation:
+            new = _with_generation(new, old.generation + 1)
+        changes = moves(old or Placement(), new)
+        self.current = new
+        self.moves_total += len(changes)
+        self.steps += 1
+        log.info(
+            "placement %d (%s): %d copies on %d nodes, %d moves, %d unplaced",
+            new.generation,
+            reason,
+            len(new.copies),
+            len(new.nodes_used()),
+            len(changes),
+            len(new.unplaced),
+        )
+        return Step(new, changes, reason)
+
+    def _observe(self, now: float) -> None:
+        planned: dict[str, float] = {}
+        if self.current is not None:
+            for copy in self.current.copies:
+                planned[copy.model] = planned.get(copy.model, 0.0) + copy.rate
+        for name in self.catalogue:
+            self.tracker.observe(now, name, self.view.rate(name), planned.get(name, 0.0))
+        self.tracker.forget(set(self.catalogue))
+
+    def alerts(self) -> list[Alert]:
+        return self.tracker.alerts(self.current)
+
+
+def _same(a: Placement, b: Placement) -> bool:
+    return a.copies == b.copies and a.unplaced == b.unplaced
+
+
+def _with_generation(p: Placement, generation: int) -> Placement:
+    return Placement(copies=p.copies, unplaced=p.unplaced, generation=generation, bounds=p.bounds)

@@ -1,0 +1,217 @@
+"""``ferry-cloud controller``: the thin async shell around :class:`ControllerCore`.
+
+It reads the nodes' retained statuses and the retained placement from the
+broker, steps the core twice a second, and publishes what the core decides:
+
+- ``ferry/v1/placement`` (retained, QoS 1): the placement, JSON (documented in
+  docs/scale-out.md);
+- ``ferry/v1/fleet/alerts`` (retained): the utilisation alerts in force;
+- ``ferry/v1/controller/status`` (retained; its last will says "offline").
+
+An HTTP endpoint serves ``/metrics`` (Prometheus: copies per model, memory
+per node, moves, nodes used against the lower bound, utilisation, alerts),
+``/fleet`` (the same as JSON) and ``/v2/health/live``.
+
+Nothing the nodes do depends on this process being alive: the placement is
+retained, nodes keep serving it, and a restarted controller converges on the
+same placement without moving models (see :mod:`cloud.controller.core`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from aiohttp import web
+
+from cloud.controller.core import ControllerCore
+from cloud.controller.metrics import render_controller_metrics
+from cloud.fleet.follower import STATUS_PATTERN
+from cloud.fleet.view import decode_document
+from shared.errors import ConfigError
+from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, nodelay
+
+log = logging.getLogger(__name__)
+
+ALERTS_TOPIC = f"{PREFIX}/fleet/alerts"
+CONTROLLER_TOPIC = f"{PREFIX}/controller/status"
+STEP_S = 0.5
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    broker: BrokerAddress
+    client_id: str = "ferry-controller"
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 8001  # None: no HTTP endpoint
+
+
+class ControllerService:
+    def __init__(self, core: ControllerCore, options: ControllerOptions) -> None:
+        self.core = core
+        self.options = options
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: mqtt.Client | None = None
+        self._connected = asyncio.Event()
+        self._published_once = False
+        self._alerts_key = ""
+        self._runner: web.AppRunner | None = None
+        self.http_port: int | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.core.started = time.monotonic()
+        client = mqtt.Client(
+            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+            client_id=self.options.client_id,
+            protocol=mqtt.MQTTv5,
+        )
+        broker = self.options.broker
+        if broker.username:
+            client.username_pw_set(broker.username, broker.password)
+        if broker.tls:
+            from shared.tls import client_tls_context
+
+            client.tls_set_context(client_tls_context(None))
+        client.on_socket_open = nodelay
+        client.on_connect = self._on_connect
+        client.on_message = self._on_message
+        client.reconnect_delay_set(min_delay=1, max_delay=5)
+        client.will_set(CONTROLLER_TOPIC, json.dumps({"state": "offline"}), qos=1, retain=True)
+        self._client = client
+        client.connect_async(broker.host, broker.port, keepalive=15)
+        client.loop_start()
+        if self.options.http_port is not None:
+            app = web.Application()
+            app.router.add_get("/metrics", self._metrics)
+            app.router.add_get("/fleet", self._fleet)
+            app.router.add_get("/v2/health/live", self._live)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.options.http_host, self.options.http_port)
+            await site.start()
+            sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+            self.http_port = sockets[0].getsockname()[1] if sockets else None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.tick(time.monotonic())
+            try:
+                await asyncio.wait_for(stop.wait(), STEP_S)
+            except TimeoutError:
+                pass
+
+    def tick(self, now: float) -> None:
+        if not self._connected.is_set():
+            return
+        step = self.core.step(now)
+        if step is not None:
+            document = json.dumps(step.placement.to_dict()).encode()
+            self._publish(PLACEMENT_TOPIC, document)
+            self._published_once = True
+            for move in step.moves:
+                log.info("move: %s %s on %s", move.op, move.model, move.node)
+        alerts = self.core.alerts()
+        key = json.dumps([a.to_dict() for a in alerts], sort_keys=True)
+        # re-published whenever the figures change; logged when the set of alerts changes
+        kinds = sorted((a.model, a.kind) for a in alerts)
+        if kinds != getattr(self, "_alert_kinds", None):
+            for alert in alerts:
+                log.warning("alert %s: %s", alert.kind, alert.message)
+            self._alert_kinds = kinds
+        if key != self._alerts_key:
+            self._alerts_key = key
+            self._publish(ALERTS_TOPIC, key.encode())
+
+    def _publish(self, topic: str, payload: bytes) -> None:
+        assert self._client is not None
+        self._client.publish(topic, payload, qos=1, retain=True)
+
+    async def close(self) -> None:
+        client = self._client
+        if client is not None:
+            info = client.publish(
+                CONTROLLER_TOPIC, json.dumps({"state": "offline"}), qos=1, retain=True
+            )
+            await asyncio.to_thread(_wait, info)
+            client.disconnect()
+            await asyncio.to_thread(client.loop_stop)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- paho thread -> loop --------------------------------------------------------------
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if reason.is_failure:
+            log.warning("MQTT connect refused: %s", reason)
+            return
+        client.subscribe(STATUS_PATTERN, qos=1)
+        client.subscribe(PLACEMENT_TOPIC, qos=1)
+        client.publish(CONTROLLER_TOPIC, json.dumps({"state": "online"}), qos=1, retain=True)
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._connected.set)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._handle, message.topic, message.payload)
+
+    def _handle(self, topic: str, payload: bytes) -> None:
+        try:
+            document = decode_document(payload)
+        except ConfigError as exc:
+            log.warning("ignoring %s: %s", topic, exc.message)
+            return
+        if topic == PLACEMENT_TOPIC:
+            if not self._published_once:
+                self.core.on_retained_placement(document)
+            return
+        node = topic[len(f"{PREFIX}/nodes/") : -len("/status")]
+        self.core.on_status(node, document)
+
+    # ---- HTTP ----------------------------------------------------------------------------
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, content_type = render_controller_metrics(self.core)
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
+        return response
+
+    async def _fleet(self, request: web.Request) -> web.Response:
+        from cloud.controller.table import fleet_document
+
+        return web.json_response(fleet_document(self.core.view, self.core.alerts()))
+
+    async def _live(self, request: web.Request) -> web.Response:
+        return web.json_response({"live": True, "broker": self._connected.is_set()})
+
+
+def _wait(info: mqtt.MQTTMessageInfo) -> None:
+    try:
+        info.wait_for_publish(2.0)
+    except (RuntimeError, ValueError):
+        pass
+
+
+async def run_controller(core: ControllerCore, options: ControllerOptions) -> int:
+    service = ControllerService(core, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    http = f" http=http://{options.http_host}:{service.http_port}" if service.http_port else ""
+    print(
+        f"ferry-controller ready broker={options.broker.host}:{options.broker.port}"
+        f" models={len(core.catalogue)}{http}",
+        flush=True,
+    )
+    await service.run(stop)
+    await service.close()
+    print("ferry-controller stopped", flush=True)
+    return 0

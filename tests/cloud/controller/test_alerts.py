@@ -1,0 +1,54 @@
+"""Utilisation alerts flag models far below or above what they were planned for."""
+
+from __future__ import annotations
+
+from cloud.controller.alerts import OVER, UNDER, UNPLACED, AlertSettings, UtilisationTracker
+from cloud.placement.types import Placement
+
+
+def _tracker(observed: float, planned: float, samples: int = 5) -> UtilisationTracker:
+    tracker = UtilisationTracker(AlertSettings(window_s=60, low=0.25, high=1.25, min_samples=3))
+    for t in range(samples):
+        tracker.observe(float(t), "m", observed, planned)
+    return tracker
+
+
+def test_a_model_using_a_tenth_of_its_plan_is_over_provisioned() -> None:
+    alerts = _tracker(1.0, 10.0).alerts(None)
+    assert [(a.model, a.kind) for a in alerts] == [("m", OVER)]
+    assert alerts[0].utilisation == 0.1
+
+
+def test_a_model_above_its_plan_is_under_provisioned() -> None:
+    assert [a.kind for a in _tracker(15.0, 10.0).alerts(None)] == [UNDER]
+    assert _tracker(11.0, 10.0).alerts(None) == []  # within the re-placement tolerance
+
+
+def test_a_model_within_its_plan_raises_nothing() -> None:
+    assert _tracker(6.0, 10.0).alerts(None) == []
+
+
+def test_a_short_window_does_not_speak_yet() -> None:
+    assert _tracker(1.0, 10.0, samples=2).alerts(None) == []
+
+
+def test_old_samples_leave_the_window() -> None:
+    tracker = _tracker(1.0, 10.0)
+    for t in range(100, 105):
+        tracker.observe(float(t), "m", 8.0, 10.0)
+    assert tracker.alerts(None) == []
+    assert tracker.window("m")[2] == 5
+
+
+def test_an_unplaced_model_is_an_alert_but_an_idle_one_is_not() -> None:
+    placement = Placement(unplaced={"big": "needs 9 GiB, largest node has 8 GiB", "cold": "idle"})
+    alerts = UtilisationTracker().alerts(placement)
+    assert [(a.model, a.kind) for a in alerts] == [("big", UNPLACED)]
+    assert "9 GiB" in alerts[0].message
+
+
+def test_tracked_models_are_bounded() -> None:
+    tracker = UtilisationTracker(AlertSettings(max_models=2))
+    for name in "abc":
+        tracker.observe(0.0, name, 1.0, 1.0)
+    assert tracker.window("c")[2] == 0

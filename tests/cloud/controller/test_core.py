@@ -1,0 +1,122 @@
+"""The controller's decisions, driven with statuses and a fake clock (no broker)."""
+
+from __future__ import annotations
+
+from cloud.controller.catalogue import ModelEntry, read_catalogue
+from cloud.controller.core import ControllerCore, ControllerSettings
+from cloud.placement.packing import check
+from cloud.placement.types import LatencyProfile
+from shared.repository import ModelRepository, PlacementPolicy
+from tests.support import write_linear_model
+
+GIB = 1 << 30
+
+
+def _entry(name: str, rate: float = 5.0, min_copies: int = 1) -> ModelEntry:
+    return ModelEntry(
+        name,
+        PlacementPolicy(latency_objective_ms=200, rate=rate, min_copies=min_copies),
+        ("onnxruntime",),
+        50 << 20,
+        8,
+    )
+
+
+def _status(node: str, uptime: float, hosted: dict[str, int] | None = None) -> dict:
+    return {
+        "node": node,
+        "state": "online",
+        "uptime_s": uptime,
+        "capacity": {"memory_bytes": GIB, "backends": ["onnxruntime"], "cores": 2},
+        "models": [{"name": m, "requests": n} for m, n in (hosted or {}).items()],
+    }
+
+
+def _core(entries: list[ModelEntry], **settings) -> ControllerCore:
+    profiles = {e.name: [LatencyProfile("onnxruntime", 0.004, 0.002, 8, 50 << 20)] for e in entries}
+    return ControllerCore(
+        {e.name: e for e in entries},
+        profiles,
+        ControllerSettings(settle_s=1.0, interval_s=5.0, **settings),
+        started=0.0,
+    )
+
+
+def test_nothing_is_published_before_settling_or_without_nodes() -> None:
+    core = _core([_entry("a")])
+    assert core.step(0.5) is None  # still settling
+    assert core.step(2.0) is None  # no node yet
+    core.on_status("n1", _status("n1", 1.0))
+    step = core.step(2.5)
+    assert step is not None and step.placement.generation >= 1
+    assert [(c.model, c.node) for c in step.placement.copies] == [("a", "n1")]
+    assert [(m.op, m.model, m.node) for m in step.moves] == [("load", "a", "n1")]
+
+
+def test_a_dead_nodes_models_are_replaced_on_the_survivors_at_once() -> None:
+    core = _core([_entry("a"), _entry("b"), _entry("c", min_copies=2)])
+    core.on_status("n1", _status("n1", 1.0))
+    core.on_status("n2", _status("n2", 1.0))
+    first = core.step(2.0)
+    assert first is not None
+    victim = first.placement.copies[0].node
+    survivor = "n2" if victim == "n1" else "n1"
+    core.on_status(victim, {"node": victim, "state": "offline"})
+    step = core.step(2.1)  # membership change: no interval wait
+    assert step is not None
+    assert {c.node for c in step.placement.copies} == {survivor}
+    assert {c.model for c in step.placement.copies} == {"a", "b", "c"}
+    assert step.placement.generation > first.placement.generation
+
+
+def test_a_restarted_controller_republishes_nothing_for_the_same_fleet() -> None:
+    entries = [_entry("a", rate=40), _entry("b", rate=3), _entry("c", min_copies=2)]
+    core = _core(entries)
+    core.on_status("n1", _status("n1", 1.0))
+    core.on_status("n2", _status("n2", 1.0))
+    step = core.step(2.0)
+    assert step is not None
+    retained = step.placement.to_dict()
+    # the restarted controller: retained placement first, then the retained statuses
+    again = _core(entries)
+    again.on_retained_placement(retained)
+    hosting = {n: {c.model: 100 for c in step.placement.on_node(n)} for n in ("n1", "n2")}
+    again.on_status("n1", _status("n1", 50.0, hosting["n1"]))
+    again.on_status("n2", _status("n2", 50.0, hosting["n2"]))
+    assert again.step(2.0) is None  # same input, same placement: nothing moves
+    assert again.current is not None and again.current.generation == step.placement.generation
+
+
+def test_a_measured_rate_far_above_the_plan_triggers_a_replacement_after_the_interval() -> None:
+    core = _core([_entry("a", rate=1.0)])
+    core.on_status("n1", _status("n1", 1.0, {"a": 0}))
+    first = core.step(2.0)
+    assert first is not None
+    core.on_status("n1", _status("n1", 3.0, {"a": 200}))  # 100 req/s measured
+    assert core.step(3.0) is None  # inside the interval
+    step = core.step(8.0)
+    assert step is not None and "rate of a" in step.reason
+    assert sum(c.rate for c in step.placement.copies_of("a")) >= 99
+
+
+def test_every_published_placement_is_feasible() -> None:
+    entries = [_entry(f"m{i}", rate=float(i * 7 % 50), min_copies=i % 3) for i in range(12)]
+    core = _core(entries)
+    for n in ("n1", "n2", "n3"):
+        core.on_status(n, _status(n, 1.0))
+    step = core.step(2.0)
+    assert step is not None
+    assert check(step.placement, core.demands(), core.view.specs()) == []
+
+
+def test_the_catalogue_reads_placement_tables_and_reports_broken_models(tmp_path) -> None:
+    write_linear_model(tmp_path / "good" / "1" / "model.onnx")
+    (tmp_path / "good" / "config.toml").write_text(
+        "[placement]\nlatency_objective_ms = 50\nrate = 12.5\nmin_copies = 2\n"
+    )
+    write_linear_model(tmp_path / "bad" / "1" / "model.onnx")
+    (tmp_path / "bad" / "config.toml").write_text('backend = "openvino"\n')
+    entries, problems = read_catalogue(ModelRepository(tmp_path))
+    assert entries["good"].policy.rate == 12.5 and entries["good"].policy.min_copies == 2
+    assert entries["good"].backends == ("onnxruntime",)
+    assert "bad" in problems and "backend" in problems["bad"]
