@@ -1,0 +1,47 @@
+# syntax=docker/dockerfile:1
+# Ferry edge agent: ONNX Runtime (the `edge` extra), for devices that run
+# containers (arm64 and amd64 images come from the same file).
+#
+#   docker build -f deploy/docker/edge.Dockerfile -t ferry-edge .
+#   docker run --rm -p 8080:8080 \
+#       -v /etc/ferry:/etc/ferry:ro -v /opt/ferry/repository:/opt/ferry/repository:ro \
+#       -v ferry-edge-state:/var/lib/ferry-edge ferry-edge
+#
+# The agent reads /etc/ferry/agent.toml (mount yours; deploy/README.md has one).
+# Set in it `state_dir = "/var/lib/ferry-edge"` (the volume: estimates and the
+# deferred-request store live there and must survive a restart),
+# `[api] host = "0.0.0.0"` for the port to be reachable from outside the
+# container, and `repository` to where the local models are mounted.  For
+# LiteRT models build with EXTRAS=edge,litert.
+
+FROM python:3.11.11-slim-bookworm AS build
+ARG EXTRAS=edge
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+RUN python -m venv /opt/ferry
+COPY . /src
+RUN /opt/ferry/bin/pip install --no-cache-dir "/src[${EXTRAS}]"
+
+FROM python:3.11.11-slim-bookworm
+LABEL org.opencontainers.image.title="ferry-edge" \
+      org.opencontainers.image.description="Ferry edge agent: local inference or offload to the cloud, by a cost policy" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 ferry \
+    && useradd --system --no-log-init --uid 10001 --gid ferry --home-dir /nonexistent --shell /usr/sbin/nologin ferry \
+    && mkdir -p /var/lib/ferry-edge /etc/ferry \
+    && chown ferry:ferry /var/lib/ferry-edge
+COPY --from=build /opt/ferry /opt/ferry
+ENV PATH=/opt/ferry/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
+WORKDIR /var/lib/ferry-edge
+VOLUME ["/var/lib/ferry-edge"]
+EXPOSE 8080
+# The agent's local V2 API ([api] port, 8080 by default); with the API disabled,
+# run the container with --no-healthcheck.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/v2/health/live', timeout=4)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["ferry-edge"]
+CMD ["run", "--config", "/etc/ferry/agent.toml"]
