@@ -32,11 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from cloud.broker_auth import add_auth_command
     from cloud.cli_model import add_model_commands
+    from cloud.cli_tune import add_tune_command
     from cloud.controller.cli import add_fleet_commands
 
     add_model_commands(sub)
     add_auth_command(sub)
     add_fleet_commands(sub)
+    add_tune_command(sub)
     return parser
 
 
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             from cloud.controller.cli import run_fleet_command
 
             return run_fleet_command(args)
+        if args.command == "tune":
+            from cloud.cli_tune import run_tune_command
+
+            return run_tune_command(args)
         if args.command == "auth":
             from cloud.broker_auth import run_auth_command
 
