@@ -29,8 +29,28 @@ MAX_DELAY_US = 3_600_000_000
 SESSION_MEMORY_FACTOR = 2
 
 
+def _cgroup_room() -> int | None:
+    """Bytes the process's cgroup (v2) still allows, where it sets a limit: in a
+    container /proc/meminfo shows the host's memory, not the pod's."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        return max(0, int(limit) - used)
+    except (OSError, ValueError):
+        return None
+
+
 def available_memory() -> int:
-    """Bytes the node may still take (MemAvailable; all of RAM where /proc is absent)."""
+    """Bytes the node may still take: MemAvailable, or less where a cgroup limit is
+    tighter (all of RAM where /proc is absent)."""
+    room = _cgroup_room()
+    host = _host_available()
+    return min(host, room) if room is not None else host
+
+
+def _host_available() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

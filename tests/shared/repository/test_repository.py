@@ -344,3 +344,13 @@ def test_plain_versions_parse():
     from shared.repository import parse_version
 
     assert parse_version("1") == 1 and parse_version("0") == 0 and parse_version(12) == 12
+
+
+def test_available_memory_takes_the_tighter_of_host_and_cgroup(monkeypatch) -> None:
+    from shared.repository import capacity
+
+    monkeypatch.setattr(capacity, "_host_available", lambda: 8 << 30)
+    monkeypatch.setattr(capacity, "_cgroup_room", lambda: 1 << 30)
+    assert capacity.available_memory() == 1 << 30
+    monkeypatch.setattr(capacity, "_cgroup_room", lambda: None)
+    assert capacity.available_memory() == 8 << 30
