@@ -91,12 +91,14 @@ class ControllerCore:
                 self.planned_rates[copy.model] = self.planned_rates.get(copy.model, 0) + copy.rate
 
     # ---- decisions ---------------------------------------------------------------
-    def demand_rate(self, entry: ModelEntry) -> float:
+    def demand_rate(self, entry: ModelEntry, rates_in_force: bool = False) -> float:
         """The rate to plan for: the declared one, or more when more is measured.  Until
         the hosting nodes have reported twice, the rate in force stands (a restarted
         controller must not shrink a model it cannot measure yet)."""
         name = entry.name
-        if self.view.rate_known(name) or not self.view.hosts(name):
+        if rates_in_force and name in self.planned_rates:
+            measured = self.planned_rates[name]
+        elif self.view.rate_known(name) or not self.view.hosts(name):
             measured = self.view.rate(name)
         else:
             measured = self.planned_rates.get(name, 0.0)
@@ -116,14 +118,17 @@ class ControllerCore:
             LatencyProfile(backend, a, beta, entry.max_batch, memory) for backend in entry.backends
         )
 
-    def demands(self) -> list[ModelDemand]:
+    def demands(self, rates_in_force: bool = False) -> list[ModelDemand]:
+        """What to place; ``rates_in_force`` keeps the rates the placement in force was
+        computed for (steps caused by nodes coming and going re-home copies, they do
+        not re-size them: that waits for a rate step)."""
         out = []
         for name, entry in sorted(self.catalogue.items()):
             policy = entry.policy
             out.append(
                 ModelDemand(
                     name=name,
-                    rate=self.demand_rate(entry),
+                    rate=self.demand_rate(entry, rates_in_force),
                     slo_s=policy.latency_objective_ms / 1000.0,
                     profiles=self.profiles_for(entry),
                     min_copies=policy.min_copies,
@@ -163,7 +168,7 @@ class ControllerCore:
             return None
         self._membership_dirty = False
         self.last_step = now
-        demands = self.demands()
+        demands = self.demands(rates_in_force=not rate_step and self.current is not None)
         new = place(demands, nodes, self.current, headroom=self.settings.headroom)
         old = self.current
         if old is not None and _same(old, new):

@@ -1,21 +1,44 @@
 """Lower bounds on the nodes any placement needs: the yardstick for the packer.
 
-Compute.  A copy of a model with ``l(b) = a + beta*b`` (on the fastest node,
-divided by its speed) that serves rate ``r`` in a duty cycle ``d`` must meet
-``d + a + beta*r*d <= L`` (its batch is at least ``r*d``), so
-``d <= (L - a)/(1 + beta*r)``, and it keeps the node busy for the share
-``(a + beta*r*d)/d = a/d + beta*r >= (a + beta*r*L)/(L - a)``.  Split into
-``k`` copies the shares add up to ``(k*a + a*beta*r)/(L - a) + beta*r``, which
-grows with ``k``; so every model needs at least its one-copy share (its
-``min_copies``-copy share when that is more), whatever the packing, and the
-nodes needed are at least the ceiling of the sum.  This is DESIGN.md's bound
-``r*beta*L/(L - a)`` plus the batch overhead every copy pays, so it is the
-tighter of the two, and still a bound: it ignores integer batches and the
-headroom for bursts, which only add.
+What is bounded: every placement :func:`cloud.placement.packing.check`
+accepts that serves each model's whole rate.  Each node runs its copies once
+per duty cycle ``d``; copy ``j`` of a model (rate ``r_j``, ``sum_j r_j = r``)
+plans an integer batch ``b_j >= max(1, ceil(r_j*d))``, at most ``max_batch``,
+within ``d + a + beta*b_j <= L``; the node's mean work per cycle fits it,
+``sum_j (a + beta*r_j*d) <= d`` (headroom only adds to both).  Latencies are
+the model's best profile's divided by the fastest node's speed, which only
+lowers every figure below.  A node is one unit of time, so the nodes needed
+are at least the sum over copies of their shares ``a/d + beta*r_j``.
 
-Memory.  Every model needs at least ``max(min_copies, copies its rate forces)``
-copies (one node serves at most ``B/l(B)`` requests/s, ``B`` its best batch),
-each holding its memory, on nodes of at most the largest memory.
+Per copy the share falls as ``d`` grows, and the latency rule caps ``d``: the
+longest cycle it allows, ``d_max`` (:func:`cloud.placement.sizing.longest_cycle`
+with mean batches), gives the least share ``a/d_max + beta*r_j``.  Over ``k``
+copies of a model the split of the rate is free, so three relaxations of the
+cap are summed instead, each valid for any split:
+
+* ``d*(1 + beta*r_j) <= L - a`` (batch at least ``r_j*d``):
+  ``(k*a + a*beta*r)/(L - a) + beta*r``;
+* ``d <= max_batch/r_j``: ``r*(a/max_batch + beta)``;
+* ``d <= L - a - beta`` (batch at least one): ``k*a/(L - a - beta) + beta*r``;
+
+the largest of the three holds, and each grows with ``k``, so ``k`` is the
+fewest copies any placement can have: the most of ``min_copies``, one for a
+model with traffic, and ``ceil(r / r_max)``, where
+``r_max = min((L - 2a)/(beta*L), max_batch/(a + beta*max_batch))`` is the most
+one copy serves (``a + beta*r*d <= d`` with ``d*(1 + beta*r) <= L - a`` gives
+the first, ``r*d <= max_batch`` with ``d >= a/(1 - beta*r)`` the second).
+DESIGN.md's ``r*beta*L/(L - a)`` is the first sum less its ``k*a`` term, so
+these bounds are at least as tight.
+
+Memory: each of those ``k`` copies holds the smallest profile's memory on its
+own node (one copy of a model per node), and no node holds more than the
+largest node's memory.
+
+Models no placement can hold (no node runs a backend of theirs, too big, an
+objective below ``2a + beta``: a cycle of at least ``a`` plus a batch of one)
+add nothing; a model held to fewer
+copies than its rate needs (``max_copies``, few nodes that run it) counts the
+rate those copies can serve.
 """
 
 from __future__ import annotations
@@ -23,49 +46,94 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from cloud.placement.sizing import EPS, Headroom, longest_cycle
 from cloud.placement.types import Bounds, LatencyProfile, ModelDemand, NodeSpec
 
+MEANS = Headroom(quantile=0.5, cv=0.0)
 
-def _share(p: LatencyProfile, rate: float, slo_s: float, speed: float, copies: int) -> float:
-    a, beta = p.a_s / speed, p.beta_s / speed
-    if slo_s <= a:
+
+def max_copy_rate(a: float, beta: float, max_batch: int, slo_s: float) -> float:
+    """The most requests/s one copy can serve (continuous batches; see above)."""
+    if slo_s <= 2 * a:
+        return 0.0
+    return min((slo_s - 2 * a) / (beta * slo_s), max_batch / (a + beta * max_batch))
+
+
+def copy_share(a: float, beta: float, max_batch: int, rate: float, slo_s: float) -> float:
+    """The least share of a node one copy serving ``rate`` can take (inf: none fits)."""
+    d_max = longest_cycle(a, beta, max_batch, rate, slo_s, MEANS)
+    if d_max <= 0:
         return math.inf
-    return (copies * a + a * beta * rate) / (slo_s - a) + beta * rate
+    return a / d_max + beta * rate
 
 
-def _max_rate(p: LatencyProfile, slo_s: float, speed: float) -> float:
-    a, beta = p.a_s / speed, p.beta_s / speed
-    best = min(p.max_batch, math.floor((slo_s / 2 - a) / beta + 1e-9))
-    return best / (a + beta * best) if best >= 1 else 0.0
+def model_share(p: LatencyProfile, rate: float, slo_s: float, speed: float, k: int) -> float:
+    """The least share of a node ``k`` copies of a model together take."""
+    a, beta, top = p.a_s / speed, p.beta_s / speed, p.max_batch
+    if k == 1:
+        return copy_share(a, beta, top, rate, slo_s)
+    if slo_s - a - beta <= 0:
+        return math.inf
+    return max(
+        (k * a + a * beta * rate) / (slo_s - a) + beta * rate,
+        rate * (a / top + beta),
+        k * a / (slo_s - a - beta) + beta * rate,
+    )
 
 
-def required_copies(demand: ModelDemand, speed: float, runnable: int) -> int:
-    """Copies every placement holds: at least one per ``min_copies`` and as many as its
-    rate forces, but never more than the nodes that run it or ``max_copies``."""
-    if demand.rate <= 0 and demand.min_copies == 0:
+def least_copies(demand: ModelDemand, usable: Sequence[LatencyProfile], speed: float) -> int:
+    """The fewest copies any placement that serves the model fully holds."""
+    if demand.rate <= 0 and demand.min_copies <= 0:
         return 0
-    top = max((_max_rate(p, demand.slo_s, speed) for p in demand.profiles), default=0.0)
-    forced = math.ceil(demand.rate / top - 1e-9) if top > 0 else 1
-    return min(max(1, demand.min_copies, forced), runnable, demand.max_copies or runnable)
+    top = max(
+        (max_copy_rate(p.a_s / speed, p.beta_s / speed, p.max_batch, demand.slo_s) for p in usable),
+        default=0.0,
+    )
+    forced = math.ceil(demand.rate / top - EPS) if top > 0 else 1
+    return max(1, demand.min_copies, forced)
 
 
 def lower_bounds(models: Sequence[ModelDemand], nodes: Sequence[NodeSpec]) -> Bounds:
-    """Compute and memory bounds, in nodes, over the models that can be placed."""
+    """Compute and memory bounds, in nodes, for the models that can be placed at all.
+
+    Valid for every placement that serves each model's rate (see the module
+    docstring for the proof); a packer is graded by how close it comes."""
+    compute, memory = bound_sums(models, nodes)
+    return Bounds(math.ceil(compute - 1e-6), math.ceil(memory - 1e-9))
+
+
+def bound_sums(models: Sequence[ModelDemand], nodes: Sequence[NodeSpec]) -> tuple[float, float]:
+    """The two bounds before rounding up: node-shares of compute, nodes of memory."""
     if not nodes:
-        return Bounds(0, 0)
+        return 0.0, 0.0
     speed = max(n.speed for n in nodes)
     largest = max(n.memory_bytes for n in nodes)
-    backends = set().union(*(n.backends for n in nodes))
+    alike: dict[tuple[int, frozenset[str]], int] = {}
+    for n in nodes:
+        alike[(n.memory_bytes, n.backends)] = alike.get((n.memory_bytes, n.backends), 0) + 1
     compute, memory = 0.0, 0
     for demand in models:
-        usable = [p for p in demand.profiles if p.backend in backends]
-        runnable = sum(1 for n in nodes if any(p.backend in n.backends for p in usable))
-        copies = required_copies(demand, speed, runnable)
-        if not usable or copies == 0:
+        usable = [
+            p
+            for p in demand.profiles
+            if any(p.backend in b and p.memory_bytes <= m for m, b in alike)
+            and demand.slo_s > (2 * p.a_s + p.beta_s) / speed
+        ]
+        k = least_copies(demand, usable, speed)
+        if not usable or k == 0:
             continue
-        share = min(_share(p, demand.rate, demand.slo_s, speed, copies) for p in usable)
-        if math.isinf(share) or min(p.memory_bytes for p in usable) > largest:
-            continue  # cannot be placed at all: it adds nothing to either bound
-        compute += share
-        memory += copies * min(p.memory_bytes for p in usable)
-    return Bounds(math.ceil(compute - 1e-9), math.ceil(memory / largest - 1e-9) if largest else 0)
+        runnable = sum(
+            count
+            for (m, b), count in alike.items()
+            if any(p.backend in b and p.memory_bytes <= m for p in usable)
+        )
+        k = min(k, runnable, demand.max_copies or runnable)
+        best = math.inf
+        for p in usable:
+            top = max_copy_rate(p.a_s / speed, p.beta_s / speed, p.max_batch, demand.slo_s)
+            rate = min(demand.rate, k * top)
+            best = min(best, model_share(p, rate, demand.slo_s, speed, k))
+        if math.isfinite(best):
+            compute += best
+            memory += k * min(p.memory_bytes for p in usable)
+    return compute, memory / largest

@@ -1,223 +1,88 @@
-"""Batching-aware bin packing of model copies onto nodes (pure; no I/O).
+"""Batching-aware bin packing of model copies onto shared nodes (pure; no I/O).
 
-``place`` turns each model's demand into copies (whole-node copies for a hot
-model at its best batch, one shared copy for the rest, at least
-``min_copies``), then packs the copies onto as few nodes as it can: copies in
-decreasing order of the share of a node they take, each onto the used node it
-fills best (ties: fewest models, then most free memory, ModelMesh's order),
-checking memory, backend, one copy per node and the shared duty cycle
-(:mod:`cloud.placement.sizing`).  A pass then tries to empty the emptiest
-nodes into the others, and small instances are finished by exact search.
+``place`` turns each model's demand into copies (:mod:`cloud.placement.demand`:
+whole-node copies for a hot model, one shared copy for the rest, at least
+``min_copies``) and packs them onto as few nodes as it can
+(:mod:`cloud.placement.bins`).  No single greedy order wins everywhere -
+decreasing size avoids fragments, decreasing duty cycle keeps copies with
+like objectives together, decreasing memory wins when memory binds - so a few
+orders are run and the packing on the fewest nodes is kept (ties: the least
+busy busiest node), after a pass that tries to empty the emptiest nodes and
+one that evens the load.  Small instances are finished by exact search
+(:mod:`cloud.placement.exact`).
 
-Given the placement in force, every copy that is still feasible stays where
-it is and only the rest is packed, so a rate change or a node leaving moves
-few models, and the same input gives back the same placement.
+Given the placement in force, every copy that still fits stays on its node
+and only the rest is packed, so a change of rates or nodes moves few models;
+the same input gives back an equal placement, and the generation only grows
+when something changed.  The fresh packing is the yardstick: when keeping
+copies in place costs more than a tenth more nodes (or leaves copies out
+that a fresh packing holds), the emptiest nodes are emptied or the fresh
+packing is taken.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from cloud.placement.bins import FAST, FULLEST, MARGINAL, SMALL, Packer
 from cloud.placement.bounds import lower_bounds
-from cloud.placement.sizing import Headroom, Sizing, node_cycle, saturated_rate, size_copy
-from cloud.placement.types import Copy, LatencyProfile, ModelDemand, NodeSpec, Placement
+from cloud.placement.checks import check
+from cloud.placement.demand import Item, kinds, split
+from cloud.placement.exact import rebuild, search
+from cloud.placement.sizing import Headroom
+from cloud.placement.types import Copy, ModelDemand, NodeSpec, Placement
 
-#: the emptiest nodes the improvement pass tries to empty, per round
-EMPTY_TRIES = 8
-#: instances up to this many copies are finished by exact search
-EXACT_MAX_COPIES = 7
+__all__ = [
+    "Headroom",
+    "Move",
+    "check",
+    "lower_bounds",
+    "moves",
+    "optimal_nodes",
+    "place",
+]
 
-__all__ = ["Headroom", "Move", "check", "lower_bounds", "moves", "optimal_nodes", "place"]
+#: instances this small are finished by exact search
+EXACT_MAX_COPIES = 8
+EXACT_MAX_NODES = 8
 
 
 @dataclass(frozen=True)
 class Move:
+    """One change a node makes to follow a new placement."""
+
     op: str  # "load" | "unload"
     model: str
     node: str
 
 
-@dataclass
-class _Item:
-    """A copy waiting for a node: its model, the share of the model's rate it serves."""
-
-    demand: ModelDemand
-    rate: float
-    index: int  # which copy of the model
-    alone: float = 0.0  # occupancy on a speed-1 node by itself (sort key)
-    memory: int = 0
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.demand.name, self.index)
+def _by_size(item: Item) -> tuple:
+    return (-item.alone, -item.memory, item.key)
 
 
-@dataclass
-class _Bin:
-    node: NodeSpec
-    items: list[tuple[_Item, Sizing]] = field(default_factory=list)
-    memory: int = 0
-    occupancy: float = 0.0
-
-    def models(self) -> set[str]:
-        return {i.demand.name for i, _ in self.items}
+def _by_cycle(item: Item) -> tuple:
+    return (-item.d_max, -item.alone, item.key)
 
 
-class _Packer:
-    def __init__(self, nodes: Sequence[NodeSpec], headroom: Headroom) -> None:
-        self.nodes = sorted(nodes, key=lambda n: n.name)
-        self.headroom = headroom
-        self.bins: dict[str, _Bin] = {n.name: _Bin(n) for n in self.nodes}
-
-    def profile_on(self, item: _Item, node: NodeSpec) -> LatencyProfile | None:
-        """The allowed profile this node runs with the least time per request."""
-        usable = [p for p in item.demand.profiles if p.backend in node.backends]
-        if not usable:
-            return None
-        return min(usable, key=lambda p: (p.latency(max(1, p.max_batch)) / p.max_batch, p.a_s))
-
-    def try_fit(self, item: _Item, bin_: _Bin) -> tuple[Sizing, float, float] | None:
-        """(sizing, new occupancy, duty cycle) of ``item`` added to ``bin_``, or None."""
-        node = bin_.node
-        if item.demand.name in bin_.models():
-            return None
-        profile = self.profile_on(item, node)
-        if profile is None or bin_.memory + profile.memory_bytes > node.memory_bytes:
-            return None
-        sizing = size_copy(profile, item.rate, item.demand.slo_s, node.speed, self.headroom)
-        if sizing.d_max <= 0:
-            return None
-        cycle = node_cycle([s for _, s in bin_.items] + [sizing], self.headroom)
-        if cycle is None:
-            return None
-        return sizing, cycle[1], cycle[0]
-
-    def add(self, item: _Item, bin_: _Bin, sizing: Sizing, occupancy: float) -> None:
-        bin_.items.append((item, sizing))
-        bin_.memory += sizing.profile.memory_bytes
-        bin_.occupancy = occupancy
-
-    def remove(self, bin_: _Bin, key: tuple[str, int]) -> None:
-        bin_.items = [(i, s) for i, s in bin_.items if i.key != key]
-        bin_.memory = sum(s.profile.memory_bytes for _, s in bin_.items)
-        cycle = node_cycle([s for _, s in bin_.items], self.headroom)
-        bin_.occupancy = cycle[1] if cycle else 0.0
-
-    def best_fit(self, item: _Item, used_only: bool) -> bool:
-        best: tuple[tuple, _Bin, Sizing, float] | None = None
-        for bin_ in self.bins.values():
-            if used_only and not bin_.items:
-                continue
-            fit = self.try_fit(item, bin_)
-            if fit is None:
-                continue
-            sizing, occupancy, _ = fit
-            free = bin_.node.memory_bytes - bin_.memory
-            rank = (
-                0 if bin_.items else 1,  # a used node before a new one
-                -occupancy if bin_.items else -bin_.node.memory_bytes * bin_.node.speed,
-                len(bin_.items),
-                -free,
-                bin_.node.name,
-            )
-            if best is None or rank < best[0]:
-                best = (rank, bin_, sizing, occupancy)
-        if best is None:
-            return False
-        self.add(item, best[1], best[2], best[3])
-        return True
-
-    def used(self) -> list[_Bin]:
-        return [b for b in self.bins.values() if b.items]
-
-    def empty_small_nodes(self) -> None:
-        """Try to move every copy of the emptiest node onto other used nodes."""
-        improved = True
-        while improved:
-            improved = False
-            emptiest = sorted(self.used(), key=lambda b: (b.occupancy, b.node.name))
-            for victim in emptiest[:EMPTY_TRIES]:
-                moved = list(victim.items)
-                victim.items, victim.memory, victim.occupancy = [], 0, 0.0
-                placed: list[tuple[_Item, _Bin]] = []
-                for item, _ in sorted(moved, key=lambda x: (-x[0].alone, x[0].key)):
-                    if self.best_fit(item, used_only=True):
-                        placed.append((item, self._where(item)))
-                    else:
-                        break
-                if len(placed) == len(moved):
-                    improved = True
-                    break
-                for item, bin_ in placed:  # undo
-                    self.remove(bin_, item.key)
-                for item, _ in moved:
-                    fit = self.try_fit(item, victim)
-                    assert fit is not None
-                    self.add(item, victim, fit[0], fit[1])
-
-    def _where(self, item: _Item) -> _Bin:
-        return next(b for b in self.bins.values() if any(i.key == item.key for i, _ in b.items))
+def _big_then_cycle(item: Item) -> tuple:
+    return (0, *_by_size(item)) if item.alone >= 0.5 else (1, *_by_cycle(item))
 
 
-def _split(
-    demand: ModelDemand, nodes: Sequence[NodeSpec], headroom: Headroom
-) -> tuple[list[_Item], str | None]:
-    """The copies of one model, or why it cannot be placed."""
-    runnable = [n for n in nodes if any(p.backend in n.backends for p in demand.profiles)]
-    if not demand.profiles:
-        return [], "no latency profile (run ferry-cloud tune)"
-    if not runnable:
-        wanted = ", ".join(sorted({p.backend for p in demand.profiles}))
-        return [], f"no node runs backend {wanted}"
-    if demand.rate <= 0 and demand.min_copies == 0:
-        return [], "idle"
-    smallest = min(p.memory_bytes for p in demand.profiles)
-    largest = max(n.memory_bytes for n in runnable)
-    if smallest > largest:
-        return [], (
-            f"needs {smallest / (1 << 20):.0f} MiB, the largest node offers "
-            f"{largest / (1 << 20):.0f} MiB"
-        )
-    fastest = max(n.speed for n in runnable)
-    best_rate, best_profile = 0.0, None
-    for p in demand.profiles:
-        rate, _ = saturated_rate(p, demand.slo_s, fastest, headroom)
-        if rate > best_rate:
-            best_rate, best_profile = rate, p
-    if best_profile is None:
-        p = min(demand.profiles, key=lambda q: q.a_s + q.beta_s)
-        return [], (
-            f"latency objective {demand.slo_s * 1000:.0f} ms is below twice the batch-1 "
-            f"latency ({2 * p.latency(1, fastest) * 1000:.1f} ms)"
-        )
-    # whole-node copies at the saturated rate (a little under it: batches are integers)
-    full_rate = best_rate * 0.98
-    cap = min(len(runnable), demand.max_copies or len(runnable))
-    full = int(demand.rate // full_rate) if full_rate > 0 else 0
-    rest = demand.rate - full * full_rate
-    rates = [full_rate] * full + ([rest] if rest > 1e-9 or full == 0 else [])
-    want = max(demand.min_copies, len(rates))
-    if want > len(rates):  # spread over min_copies copies evenly
-        rates = [demand.rate / want] * want
-    note = None
-    if len(rates) > cap:  # capped: every copy at full load, the rest unserved
-        rates = [min(full_rate, demand.rate / cap)] * cap
-        served = sum(rates)
-        if served + 1e-9 < demand.rate:
-            note = (
-                f"{served:.1f} of {demand.rate:.1f} req/s placed: at most {cap} copies "
-                "(max_copies or the nodes that run it)"
-            )
-    memory = smallest
-    items = []
-    for index, rate in enumerate(rates):
-        alone_profile = min(demand.profiles, key=lambda p: p.latency(1) + p.beta_s)
-        sizing = size_copy(alone_profile, rate, demand.slo_s, 1.0, headroom)
-        cycle = node_cycle([sizing], headroom) if sizing.d_max > 0 else None
-        items.append(_Item(demand, rate, index, cycle[1] if cycle else 1.0, memory))
-    return items, note
+def _by_memory(item: Item) -> tuple:
+    return (-item.memory, -item.alone, item.key)
+
+
+#: (order, how to choose a node, which profile to prefer)
+VARIANTS: tuple[tuple[Callable[[Item], tuple], str, str], ...] = (
+    (_big_then_cycle, MARGINAL, FAST),
+    (_by_cycle, MARGINAL, FAST),
+    (_by_size, MARGINAL, FAST),
+    (_by_size, FULLEST, FAST),
+    (_by_memory, FULLEST, SMALL),
+    (_big_then_cycle, MARGINAL, SMALL),
+)
 
 
 def place(
@@ -227,223 +92,188 @@ def place(
     *,
     headroom: Headroom | None = None,
 ) -> Placement:
-    """Copies of every model on nodes; see the module docstring."""
-    headroom = headroom or Headroom()
-    packer = _Packer(nodes, headroom)
-    unplaced: dict[str, str] = {}
-    items: list[_Item] = []
-    for demand in sorted(models, key=lambda m: m.name):
-        copies, why = _split(demand, packer.nodes, headroom)
-        if why is not None:
-            unplaced[demand.name] = why  # with copies: a partial placement, and why
+    """Copies of every model on ``nodes``, fewest nodes first; see the module docstring.
+
+    Never raises for an infeasible fleet: what cannot be placed is in
+    ``unplaced`` with the reason, including models only partly served."""
+    headroom = headroom if headroom is not None else Headroom()
+    fleet = sorted({n.name: n for n in nodes}.values(), key=lambda n: n.name)
+    demands = sorted({m.name: m for m in models}.values(), key=lambda m: m.name)
+    items: list[Item] = []
+    notes: dict[str, str] = {}
+    alike = kinds(fleet)
+    for demand in demands:
+        copies, why = split(demand, alike, headroom)
         items.extend(copies)
-    pending = _keep_previous(packer, items, previous)
-    pending.sort(key=lambda i: (-i.alone, -i.memory, i.key))
-    short: dict[str, int] = {}
-    for item in pending:
-        if not packer.best_fit(item, used_only=False):
-            short[item.demand.name] = short.get(item.demand.name, 0) + 1
-    wanted = {}
+        if why is not None:
+            notes[demand.name] = why
+    bounds = lower_bounds(demands, fleet)
+    packer, short = _fresh(items, fleet, bounds.nodes)
+    if previous is not None and previous.copies:
+        kept, kept_short, held = _incremental(items, fleet, previous)
+        if held == 0:  # nothing of the old placement survives: nothing to keep stable
+            kept, kept_short = packer, short
+        kept_short = _make_room(kept, kept_short, fleet)
+        if len(kept_short) <= len(short):
+            used, best = len(kept.used()), len(packer.used())
+            if used > best + max(1, math.ceil(0.1 * best)):
+                kept.empty_nodes(tries=len(fleet))
+            packer, short = kept, kept_short
+    copies = _copies(packer)
+    unplaced = dict(notes)
+    wanted: dict[str, int] = {}
     for item in items:
-        wanted[item.demand.name] = wanted.get(item.demand.name, 0) + 1
-    for name, missing in sorted(short.items()):
-        got = wanted[name] - missing
-        unplaced[name] = (
-            f"no room: every node that runs it is full ({len(nodes)} nodes)"
+        wanted[item.name] = wanted.get(item.name, 0) + 1
+    missing: dict[str, int] = {}
+    for item in short:
+        missing[item.name] = missing.get(item.name, 0) + 1
+    for name, lost in sorted(missing.items()):
+        got = wanted[name] - lost
+        room = (
+            f"no room on the {len(fleet)} nodes"
             if got == 0
             else f"{got} of {wanted[name]} copies placed: no room for the rest"
         )
-    if previous is None or not previous.copies:
-        packer.empty_small_nodes()
-        if len(items) <= EXACT_MAX_COPIES and not short:
-            _exact_into(packer, items)
+        unplaced[name] = f"{notes[name]}; {room}" if name in notes else room
+    result = Placement(copies, dict(sorted(unplaced.items())), 1, bounds)
+    if previous is None:
+        return result
+    same = result.copies == previous.copies and result.unplaced == previous.unplaced
+    generation = previous.generation if same else previous.generation + 1
+    return Placement(result.copies, result.unplaced, generation, bounds)
+
+
+def _fresh(items: list[Item], fleet: list[NodeSpec], bound: int) -> tuple[Packer, list[Item]]:
+    """The best packing of ``items`` over the variants (fewest left out, fewest nodes,
+    lowest peak share)."""
+    best: tuple[tuple, Packer, list[Item]] | None = None
+    for order, choose, prefer in VARIANTS:
+        packer = Packer(fleet, choose, prefer)
+        short = [item for item in sorted(items, key=order) if packer.place(item) is None]
+        packer.empty_nodes()
+        short = [item for item in short if packer.place(item) is None]  # on nodes freed
+        used = packer.used()
+        rank = (len(short), len(used), round(max((b.occupancy for b in used), default=0), 6))
+        if best is None or rank < best[0]:
+            best = (rank, packer, short)
+        if not short and len(used) <= bound:
+            break  # cannot do better than the bound
+    assert best is not None
+    _, packer, short = best
+    small = len(items) <= EXACT_MAX_COPIES and len(fleet) <= EXACT_MAX_NODES
+    if items and small and (short or len(packer.used()) > bound):
+        most = len(fleet) if short else len(packer.used()) - 1
+        found = search(packer, items, most)
+        if found is not None:
+            rebuild(packer, found)
+            short = []
+    packer.balance(rounds=2 * len(packer.used()))
+    return packer, _make_room(packer, short, fleet)
+
+
+def _make_room(packer: Packer, short: list[Item], fleet: list[NodeSpec]) -> list[Item]:
+    """Empty what nodes can be emptied and retry the copies left out, until neither
+    helps; the fresh and the incremental packing both end here, so re-placing a
+    placement's own input finds nothing more to do (a fixed point)."""
+    short = [item for item in short if packer.place(item) is None]
+    while short and packer.empty_nodes(tries=len(fleet)):
+        short = [item for item in short if packer.place(item) is None]
+    return short
+
+
+def _incremental(
+    items: list[Item], fleet: list[NodeSpec], previous: Placement
+) -> tuple[Packer, list[Item], int]:
+    """Keep each model's previous copies where they still fit (unchanged ones first),
+    then pack the rest around them; also says how many copies stayed."""
+    packer = Packer(fleet, MARGINAL, FAST)
+    held: dict[str, list[Copy]] = {}
+    for copy in previous.copies:
+        if copy.node in packer.bins:
+            held.setdefault(copy.model, []).append(copy)
+    per_model: dict[str, list[Item]] = {}
+    for item in items:
+        per_model.setdefault(item.name, []).append(item)
+    pairs: list[tuple[Item, Copy]] = []
+    pending: list[Item] = []
+    for name in sorted(per_model):
+        mine = sorted(per_model[name], key=lambda i: (-i.rate, i.index))
+        before = sorted(held.get(name, ()), key=lambda c: (-c.rate, c.node))
+        for item in list(mine):  # a copy planned as before keeps its node first
+            same = next((c for c in before if c.rate == item.rate), None)
+            if same is not None:
+                pairs.append((item, same))
+                mine.remove(item)
+                before.remove(same)
+        pairs.extend(zip(mine, before, strict=False))
+        pending.extend(mine[len(before) :])
+    pairs.sort(key=lambda p: (p[0].rate != p[1].rate, p[0].key))
+    for item, copy in pairs:
+        b = packer.bins[copy.node]
+        fit = None
+        for index, profile in item.options(b.node):
+            if profile.backend != copy.backend or b.holds(item.name):
+                continue
+            if b.memory + profile.memory_bytes <= b.node.memory_bytes:
+                fit = b.try_slot(item, index, item.slot(index, b.node.speed), MARGINAL, FAST)
+            break
+        if fit is None:
+            pending.append(item)
+        else:
+            b.add(item, fit)
+    held = len(items) - len(pending)
+    pending.sort(key=_by_size)
+    short = [item for item in pending if packer.place(item) is None]
+    return packer, short, held
+
+
+def _copies(packer: Packer) -> tuple[Copy, ...]:
+    """The bins as published copies; a copy's occupancy is its mean share plus its
+    part of the node's burst allowance (by variance), so they add up to the node's."""
     copies = []
-    for bin_ in sorted(packer.used(), key=lambda b: b.node.name):
-        cycle = node_cycle([s for _, s in bin_.items], headroom)
-        assert cycle is not None
-        d = math.floor(cycle[0] * 1e6) / 1e6  # published in us, never above the bound
-        for item, sizing in sorted(bin_.items, key=lambda x: x[0].key):
-            batch = sizing.batch_at(d, headroom)
+    for b in packer.used():
+        extra = b.occupancy - (b.overhead / b.d + b.work)
+        for item, _, slot in b.entries:
+            part = slot.variance / b.variance if b.variance > 0 else 0.0
             copies.append(
                 Copy(
-                    model=item.demand.name,
-                    node=bin_.node.name,
-                    backend=sizing.profile.backend,
-                    rate=round(item.rate, 6),
-                    batch=batch,
-                    duty_cycle_s=d,
-                    occupancy=round(sizing.latency(batch) / d, 6),
-                    memory_bytes=sizing.profile.memory_bytes,
-                    threads=sizing.profile.threads,
+                    model=item.name,
+                    node=b.node.name,
+                    backend=slot.profile.backend,
+                    rate=item.rate,
+                    batch=slot.batch(b.d),
+                    duty_cycle_s=b.d,
+                    occupancy=round(slot.a / b.d + slot.work + extra * part, 6),
+                    memory_bytes=slot.profile.memory_bytes,
+                    threads=slot.profile.threads,
                 )
             )
-    copies.sort(key=lambda c: (c.model, c.node))
-    bounds = lower_bounds(models, nodes)
-    generation = previous.generation if previous is not None else 0
-    result = Placement(tuple(copies), dict(sorted(unplaced.items())), generation, bounds)
-    if previous is None or result.copies != previous.copies or result.unplaced != previous.unplaced:
-        result = Placement(result.copies, result.unplaced, generation + 1, bounds)
-    return result
-
-
-def _keep_previous(packer: _Packer, items: list[_Item], previous: Placement | None) -> list[_Item]:
-    """Put each model's copies back on the nodes that hold them now where they still
-    fit; the rest is returned for packing."""
-    if previous is None:
-        return list(items)
-    held: dict[str, list[str]] = {}
-    for copy in previous.copies:
-        held.setdefault(copy.model, []).append(copy.node)
-    pending = []
-    for item in sorted(items, key=lambda i: i.key):
-        homes = sorted(held.get(item.demand.name, ()))
-        bin_ = packer.bins.get(homes[item.index]) if item.index < len(homes) else None
-        fit = packer.try_fit(item, bin_) if bin_ is not None else None
-        if bin_ is not None and fit is not None:
-            packer.add(item, bin_, fit[0], fit[1])
-        else:
-            pending.append(item)
-    return pending
-
-
-def _exact_into(packer: _Packer, items: list[_Item]) -> None:
-    """Replace the packing by one on the fewest nodes (exhaustive; small instances)."""
-    best = _search(packer, items, len(packer.used()) - 1)
-    if best is None:
-        return
-    for bin_ in packer.bins.values():
-        bin_.items, bin_.memory, bin_.occupancy = [], 0, 0.0
-    for item, name in best:
-        bin_ = packer.bins[name]
-        fit = packer.try_fit(item, bin_)
-        assert fit is not None
-        packer.add(item, bin_, fit[0], fit[1])
-
-
-def _search(packer: _Packer, items: list[_Item], limit: int) -> list[tuple[_Item, str]] | None:
-    """An assignment onto at most ``limit`` nodes, fewest first, or None."""
-    if limit < 1 or not items:
-        return None
-    for count in range(1, limit + 1):
-        scratch = _Packer(packer.nodes, packer.headroom)
-        order = sorted(items, key=lambda i: (-i.alone, i.key))
-        found = _assign(scratch, order, 0, count, [])
-        if found is not None:
-            return found
-    return None
-
-
-def _assign(
-    packer: _Packer, order: list[_Item], i: int, limit: int, chosen: list[tuple[_Item, str]]
-) -> list[tuple[_Item, str]] | None:
-    if i == len(order):
-        return list(chosen)
-    item = order[i]
-    opened = [b for b in packer.bins.values() if b.items]
-    candidates = list(opened)
-    if len(opened) < limit:
-        # distinct empty nodes matter only when nodes differ
-        seen: set[tuple] = set()
-        for b in packer.bins.values():
-            if b.items:
-                continue
-            kind = (b.node.memory_bytes, b.node.backends, b.node.speed)
-            if kind not in seen:
-                seen.add(kind)
-                candidates.append(b)
-    for bin_ in candidates:
-        fit = packer.try_fit(item, bin_)
-        if fit is None:
-            continue
-        packer.add(item, bin_, fit[0], fit[1])
-        chosen.append((item, bin_.node.name))
-        found = _assign(packer, order, i + 1, limit, chosen)
-        chosen.pop()
-        packer.remove(bin_, item.key)
-        if found is not None:
-            return found
-    return None
-
-
-def optimal_nodes(models: Sequence[ModelDemand], nodes: Sequence[NodeSpec]) -> int | None:
-    """The fewest nodes any assignment of the same copies needs (exhaustive: keep the
-    instance small), or None when they fit on no set of these nodes."""
-    headroom = Headroom()
-    packer = _Packer(nodes, headroom)
-    items: list[_Item] = []
-    for demand in models:
-        copies, _ = _split(demand, packer.nodes, headroom)
-        items.extend(copies)
-    if not items:
-        return 0
-    found = _search(packer, items, len(packer.nodes))
-    return None if found is None else len({name for _, name in found})
+    return tuple(sorted(copies, key=lambda c: (c.model, c.node)))
 
 
 def moves(old: Placement, new: Placement) -> list[Move]:
-    before = {(c.model, c.node) for c in old.copies}
-    after = {(c.model, c.node) for c in new.copies}
-    loads = [Move("load", m, n) for m, n in sorted(after - before)]
-    unloads = [Move("unload", m, n) for m, n in sorted(before - after)]
+    """Loads (first: a node loads and warms before it takes traffic) then unloads; a
+    copy that changes backend on the same node is unloaded and loaded again."""
+    before = {(c.model, c.node, c.backend) for c in old.copies}
+    after = {(c.model, c.node, c.backend) for c in new.copies}
+    loads = [Move("load", m, n) for m, n, _ in sorted(after - before)]
+    unloads = [Move("unload", m, n) for m, n, _ in sorted(before - after)]
     return loads + unloads
 
 
-def check(
-    placement: Placement,
-    models: Sequence[ModelDemand],
-    nodes: Sequence[NodeSpec],
-    headroom: Headroom | None = None,
-) -> list[str]:
-    """Every invariant the placement breaks (empty when it is valid)."""
-    headroom = headroom or Headroom()
-    problems: list[str] = []
-    by_node = {n.name: n for n in nodes}
-    demands = {m.name: m for m in models}
-    per_node: dict[str, list[Copy]] = {}
-    for copy in placement.copies:
-        per_node.setdefault(copy.node, []).append(copy)
-        if copy.node not in by_node:
-            problems.append(f"{copy.model} on unknown node {copy.node}")
-        elif copy.backend not in by_node[copy.node].backends:
-            problems.append(f"{copy.model} on {copy.node}, which lacks {copy.backend}")
-        if copy.model not in demands:
-            problems.append(f"copy of unknown model {copy.model}")
-    for name, copies in per_node.items():
-        node = by_node.get(name)
-        if node is None:
-            continue
-        models_here = [c.model for c in copies]
-        if len(set(models_here)) != len(models_here):
-            problems.append(f"{name} holds two copies of one model")
-        memory = sum(c.memory_bytes for c in copies)
-        if memory > node.memory_bytes:
-            problems.append(f"{name}: {memory} bytes placed, {node.memory_bytes} available")
-        sizings = []
-        for c in copies:
-            demand = demands.get(c.model)
-            profile = demand.profile_for(c.backend) if demand else None
-            if profile is None or demand is None:
-                continue
-            sizings.append(size_copy(profile, c.rate, demand.slo_s, node.speed, headroom))
-            d = c.duty_cycle_s
-            if d + profile.latency(c.batch, node.speed) > demand.slo_s * (1 + 1e-6):
-                problems.append(f"{c.model} on {name}: cycle + batch exceeds its objective")
-        if node_cycle(sizings, headroom) is None:
-            problems.append(f"{name}: its copies do not fit one duty cycle")
-    for demand in models:
-        count = len(placement.copies_of(demand.name))
-        if demand.name in placement.unplaced:
-            if count and " placed" not in placement.unplaced[demand.name]:
-                problems.append(f"{demand.name} both placed and unplaced")
-            continue
-        if count == 0:
-            problems.append(f"{demand.name} missing without a reason")
-        runnable = sum(1 for n in nodes if any(p.backend in n.backends for p in demand.profiles))
-        if count < min(demand.min_copies, runnable, demand.max_copies or runnable):
-            problems.append(f"{demand.name}: {count} copies, min_copies {demand.min_copies}")
-        if demand.max_copies and count > demand.max_copies:
-            problems.append(f"{demand.name}: {count} copies, max_copies {demand.max_copies}")
-        placed_rate = sum(c.rate for c in placement.copies_of(demand.name))
-        if placed_rate + 1e-6 < demand.rate and count < (demand.max_copies or runnable):
-            problems.append(f"{demand.name}: {placed_rate:.2f} of {demand.rate:.2f} req/s placed")
-    return problems
+def optimal_nodes(
+    models: Sequence[ModelDemand], nodes: Sequence[NodeSpec], headroom: Headroom | None = None
+) -> int | None:
+    """The fewest nodes that hold the same copies ``place`` makes, under the same rules
+    (exhaustive: keep it to a handful of copies and nodes); None when no choice of
+    nodes holds them all."""
+    headroom = headroom if headroom is not None else Headroom()
+    fleet = sorted({n.name: n for n in nodes}.values(), key=lambda n: n.name)
+    items: list[Item] = []
+    alike = kinds(fleet)
+    for demand in sorted(models, key=lambda m: m.name):
+        items.extend(split(demand, alike, headroom)[0])
+    if not items:
+        return 0
+    found = search(Packer(fleet), items, len(fleet), steps=None)
+    return None if found is None else len({name for _, name, _ in found})

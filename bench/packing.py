@@ -1,0 +1,352 @@
+"""Placement benchmark: nodes used against the lower bound, and the packed schedule
+simulated.  ``python bench/packing.py [--quick] [--profiles FILE] [--no-live]``.
+
+(a) Fleets of 50, 200 and 1,000 models (and one memory-bound fleet of 1,000,
+ModelMesh style: big models, little traffic) with heavy-tailed Poisson rates
+(lognormal, seeded) and latency profiles derived from measurements.  Nodes
+used by ``place`` (planned on means) against ``lower_bounds`` (and DESIGN.md's
+plain compute bound), next to three baselines: first-fit by memory (each
+model split into the same copies, so compute fits too), one copy per node,
+and ModelMesh's rule (one copy, a second for a model in regular use, more
+above 2,000 req/min per copy; copies to servers with room, then fewest
+models, then most free memory; nodes added until no node's compute is over
+100% in the same batching model).  Target: ours <= 1.10x the bound.
+
+(b) A discrete-event simulation of the packed schedule (``bench/_packing_sim.py``)
+of the three compute-bound fleets under Poisson and bursty Gamma (CV 2)
+arrivals.  Target rows (*) plan with the matching headroom (p99, ``cv`` of the
+traffic): >= 99% of every model's requests within its SLO; their node count
+against the bound is the price of that headroom.  The other rows show what
+planning on means, on a lighter quantile, or for Poisson when the traffic is
+bursty would do (no target).  The memory-bound fleet is placement only: its
+models see a request a minute, and compute is not what binds there.
+
+(c) the three-node fleet for real (``bench/_packing_live.py``; ``--no-live`` skips it).
+
+Profiles: with ``--profiles FILE`` (written by ``ferry-cloud tune``) each fleet
+model takes a measured model's profiles in turn; without it, figures measured
+on this machine (ONNX Runtime, 2 threads) for the real text-orientation CNN:
+fp32 a=1.9 ms, beta=0.75 ms/item, 28 MB; its static-QDQ int8 variant a=1.4 ms,
+beta=0.55 ms, 9 MB; OpenVINO a=1.2 ms, beta=0.6 ms, 40 MB; max batch 32.  Each
+fleet model is that network scaled by a size factor (lognormal, sigma 0.5:
+bigger and smaller models of the family: a, beta and memory scale together)
+with +-10% jitter on each figure; 30% of the models ship the int8 variant as
+their ONNX Runtime profile.  SLOs are log-uniform in 50-500 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._packing_sim import simulate  # noqa: E402
+from cloud.placement.bins import SMALL, Bin  # noqa: E402
+from cloud.placement.bounds import bound_sums  # noqa: E402
+from cloud.placement.demand import kinds, split  # noqa: E402
+from cloud.placement.packing import Headroom, check, lower_bounds, place  # noqa: E402
+from cloud.placement.sizing import cycle, size  # noqa: E402
+from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec  # noqa: E402
+
+MB, GIB = 1_000_000, 1 << 30
+TARGET = 1.10
+MEANS = Headroom(quantile=0.5, cv=0.0)
+MEASURED = {
+    "orientation": (
+        LatencyProfile("onnxruntime", 1.9e-3, 0.75e-3, 32, 28 * MB, threads=2),
+        LatencyProfile("openvino", 1.2e-3, 0.6e-3, 32, 40 * MB, threads=2),
+    ),
+    "orientation-int8": (
+        LatencyProfile("onnxruntime", 1.4e-3, 0.55e-3, 32, 9 * MB, threads=2),
+        LatencyProfile("openvino", 1.2e-3, 0.6e-3, 32, 40 * MB, threads=2),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    models: int
+    rate_median: float  # requests/s
+    rate_sigma: float  # of log rate
+    memory_scale: float  # memory multiplier (median) on top of the size factor
+    seed: int
+
+
+FLEETS = (
+    Fleet("50 models", 50, 20.0, 1.5, 1.0, 50),
+    Fleet("200 models", 200, 20.0, 1.5, 1.0, 200),
+    Fleet("1,000 models", 1000, 20.0, 1.5, 1.0, 1000),
+    Fleet("1,000 memory-bound", 1000, 0.5, 1.0, 25.0, 1001),
+)
+
+
+def load_profiles(path: Path | None) -> dict[str, tuple[LatencyProfile, ...]]:
+    """Measured profiles per model: from ``tune``'s JSON, else this machine's figures.
+
+    Reads ``models.<name>.profiles`` (one :class:`LatencyProfile` per backend) and
+    puts ``chosen``'s backend first (the baselines run the first profile); a
+    model with no profiles but a full profile as ``chosen`` uses that."""
+    if path is None:
+        return MEASURED
+    data = json.loads(path.read_text())
+    found: dict[str, tuple[LatencyProfile, ...]] = {}
+    for name, entry in sorted(data["models"].items()):
+        chosen = entry.get("chosen") or {}
+        listed = [LatencyProfile.from_dict(p) for p in entry.get("profiles") or []]
+        if not listed and "a_s" in chosen:
+            listed = [LatencyProfile.from_dict(chosen)]
+        listed.sort(key=lambda p: p.backend != chosen.get("backend"))
+        if listed:
+            found[name] = tuple(listed)
+    if not found:
+        raise SystemExit(f"{path}: no model has a latency profile")
+    return found
+
+
+def make_fleet(fleet: Fleet, measured: dict[str, tuple[LatencyProfile, ...]]) -> list[ModelDemand]:
+    rng = np.random.default_rng(fleet.seed)
+    names = sorted(measured)
+    models = []
+    for i in range(fleet.models):
+        if measured is MEASURED:
+            base = measured["orientation-int8" if rng.random() < 0.3 else "orientation"]
+        else:
+            base = measured[names[i % len(names)]]
+        factor = float(np.clip(rng.lognormal(0.0, 0.5), 0.25, 4.0))
+        memory = factor * float(np.clip(rng.lognormal(math.log(fleet.memory_scale), 0.7), 1, 100))
+        profiles = tuple(
+            replace(
+                p,
+                a_s=p.a_s * factor * rng.uniform(0.9, 1.1),
+                beta_s=p.beta_s * factor * rng.uniform(0.9, 1.1),
+                memory_bytes=int(min(p.memory_bytes * memory * rng.uniform(0.9, 1.1), 3 * GIB)),
+            )
+            for p in base
+        )
+        rate = float(rng.lognormal(math.log(fleet.rate_median), fleet.rate_sigma))
+        slo = float(math.exp(rng.uniform(math.log(0.05), math.log(0.5))))
+        min_copies = 2 if rng.random() < 0.1 else 1
+        models.append(ModelDemand(f"m{i:04d}", rate, slo, profiles, min_copies=min_copies))
+    return models
+
+
+def make_nodes(count: int) -> list[NodeSpec]:
+    return [
+        NodeSpec(f"node{i:04d}", 8 * GIB, frozenset({"onnxruntime", "openvino"}), cores=2)
+        for i in range(count)
+    ]
+
+
+def design_bound(models: list[ModelDemand]) -> int:
+    """DESIGN.md section 5's compute bound, ``ceil(sum r*beta*L/(L - a))``."""
+    total = 0.0
+    for m in models:
+        total += min(p.beta_s * m.rate * m.slo_s / (m.slo_s - p.a_s) for p in m.profiles)
+    return math.ceil(total - 1e-9)
+
+
+def first_fit_memory(models: list[ModelDemand], nodes: list[NodeSpec], headroom: Headroom) -> int:
+    """First fit by decreasing memory, the same copies as ours, smallest profile."""
+    alike = kinds(nodes)
+    items = [i for m in models for i in split(m, alike, headroom)[0]]
+    bins: list[Bin] = []
+    for item in sorted(items, key=lambda i: (-i.memory, i.key)):
+        for b in bins:
+            fit = b.fits(item, prefer=SMALL)
+            if fit is not None:
+                b.add(item, fit)
+                break
+        else:
+            b = Bin(nodes[len(bins)])
+            fit = b.fits(item, prefer=SMALL)
+            if fit is None:
+                return -1
+            b.add(item, fit)
+            bins.append(b)
+    return len(bins)
+
+
+def copies_needed(models: list[ModelDemand], nodes: list[NodeSpec], headroom: Headroom) -> int:
+    alike = kinds(nodes)
+    return sum(len(split(m, alike, headroom)[0]) for m in models)
+
+
+def modelmesh(models: list[ModelDemand], headroom: Headroom, start: int) -> int:
+    """Servers ModelMesh's placement needs before no server's compute is over 100%."""
+
+    def feasible(count: int) -> bool:
+        free = [8 * GIB] * count
+        held: list[list[tuple[ModelDemand, float]]] = [[] for _ in range(count)]
+        for m in sorted(models, key=lambda m: (-m.rate, m.name)):
+            per_min = m.rate * 60
+            copies = 1 if per_min < 1 else max(2, math.ceil(per_min / 2000))
+            copies = min(max(copies, m.min_copies), count)
+            need = m.profiles[0].memory_bytes
+            for _ in range(copies):
+                room = [
+                    s
+                    for s in range(count)
+                    if free[s] >= need and all(h[0] is not m for h in held[s])
+                ]
+                if not room:
+                    return False
+                s = min(room, key=lambda s: (len(held[s]), -free[s], s))
+                free[s] -= need
+                held[s].append((m, m.rate / copies))
+        for entries in held:
+            slots = [size(m.profiles[0], r, m.slo_s, 1.0, headroom) for m, r in entries]
+            if cycle(slots) is None:
+                return False
+        return True
+
+    lo, hi = max(1, start), max(1, start)
+    while not feasible(hi):
+        lo, hi = hi + 1, hi * 2
+        if hi > 100_000:
+            return -1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def part_a(measured, fleets, lines: list[str]) -> tuple[bool, dict[str, list[ModelDemand]]]:
+    ok = True
+    made: dict[str, list[ModelDemand]] = {}
+    lines.append("(a) nodes used, planned on mean arrivals (lower bound = max(compute, memory))")
+    head = (
+        f"{'fleet':<20}{'copies':>7}{'LB c/m':>10}{'DESIGN':>8}{'ours':>6}{'/LB':>6}"
+        f"{'FF-mem':>8}{'/LB':>6}{'1/node':>8}{'/LB':>6}{'MMesh':>7}{'/LB':>6}{'time':>7}"
+    )
+    lines.append(head)
+    for fleet in fleets:
+        models = make_fleet(fleet, measured)
+        made[fleet.name] = models
+        nodes = make_nodes(2 * len(models) + 50)
+        started = time.perf_counter()
+        placement = place(models, nodes, headroom=MEANS)
+        took = time.perf_counter() - started
+        problems = check(placement, models, nodes, MEANS)
+        bounds = placement.bounds or lower_bounds(models, nodes)
+        lb = bounds.nodes
+        ours = len(placement.nodes_used())
+        ff = first_fit_memory(models, nodes, MEANS)
+        single = copies_needed(models, nodes, MEANS)
+        mesh = modelmesh(models, MEANS, lb)
+        lines.append(
+            f"{fleet.name:<20}{len(placement.copies):>7}{bounds.compute:>5}/{bounds.memory:<4}"
+            f"{design_bound(models):>8}{ours:>6}{ours / lb:>6.2f}{ff:>8}{ff / lb:>6.2f}"
+            f"{single:>8}{single / lb:>6.2f}{mesh:>7}{mesh / lb:>6.2f}{took:>6.1f}s"
+        )
+        if problems:
+            ok = False
+            lines.append(f"    MISS: {len(problems)} invariants broken: {problems[:3]}")
+        if placement.unplaced:
+            ok = False
+            lines.append(f"    MISS: unplaced {dict(list(placement.unplaced.items())[:3])}")
+        if ours > TARGET * lb:
+            ok = False
+            compute, memory = bound_sums(models, nodes)
+            taken = sum(c.occupancy for c in placement.copies)
+            lines.append(
+                f"    MISS: {ours} nodes is {ours / lb:.2f}x the bound {lb} (> {TARGET}): the "
+                f"bound before rounding is {max(compute, memory):.2f} nodes; copies sharing a "
+                f"node share one cycle (objectives 50-500 ms), which raises their shares to "
+                f"{taken:.2f} nodes here, and below 10 nodes one node over the bound is over 10%"
+            )
+    return ok, made
+
+
+#: (arrivals CV, plan, is it the target row): the targets plan for the traffic they
+#: get; the rest show what lighter or wrong plans would do
+PLANS = (
+    (1.0, MEANS, False),
+    (1.0, Headroom(quantile=0.9, cv=1.0), False),
+    (1.0, Headroom(quantile=0.99, cv=1.0), True),
+    (2.0, Headroom(quantile=0.99, cv=1.0), False),
+    (2.0, Headroom(quantile=0.9, cv=2.0), False),
+    (2.0, Headroom(quantile=0.99, cv=2.0), True),
+)
+
+
+def part_b(made: dict[str, list[ModelDemand]], quick: bool, lines: list[str]) -> bool:
+    ok = True
+    lines.append("")
+    lines.append(
+        "(b) simulated schedule, share of requests within the SLO (target: >= 99% for every "
+        "model, on the * rows)"
+    )
+    lines.append(
+        f"{'fleet':<20}{'arrivals':<12}{'plan':<13}{'nodes':>6}{'/LB':>6}{'requests':>12}"
+        f"{'fewest':>7}{'all':>9}{'worst model':>22}{'sim':>7}"
+    )
+    for name, models in made.items():
+        if "memory" in name:
+            continue  # placement only: models at 0.02 req/s, and compute is not what binds
+        nodes = make_nodes(2 * len(models) + 50)
+        for cv, headroom, target in PLANS:
+            placement = place(models, nodes, headroom=headroom)
+            lb = (placement.bounds or lower_bounds(models, nodes)).nodes
+            used = len(placement.nodes_used())
+            started = time.perf_counter()
+            result = simulate(placement, models, nodes, cv=cv, quick=quick, seed=7)
+            took = time.perf_counter() - started
+            worst_model, worst = result.worst()
+            arrivals = "Poisson" if cv == 1.0 else f"Gamma CV {cv:g}"
+            plan = "means" if headroom.k == 0 else f"q{headroom.quantile:g} cv{headroom.cv:g}"
+            lines.append(
+                f"{name:<20}{arrivals:<12}{plan + (' *' if target else ''):<13}{used:>6}"
+                f"{used / lb:>6.2f}{result.total:>12,}{result.fewest:>7}{result.overall:>9.2%}"
+                f"{worst_model:>13} {worst:>8.2%}{took:>6.1f}s"
+            )
+            if not target:
+                continue
+            if placement.unplaced or check(placement, models, nodes, headroom):
+                ok = False
+                lines.append("    MISS: the headroom placement is not complete and valid")
+            if worst < 0.99:
+                ok = False
+                lines.append(f"    MISS: {worst_model} had {worst:.2%} within its SLO (< 99%)")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter simulation")
+    parser.add_argument("--profiles", type=Path, help="profiles JSON from ferry-cloud tune")
+    parser.add_argument("--no-live", action="store_true", help="skip (c), the live fleet")
+    args = parser.parse_args(argv)
+    measured = load_profiles(args.profiles)
+    lines: list[str] = []
+    ok_a, made = part_a(measured, FLEETS, lines)
+    print("\n".join(lines), flush=True)
+    lines.clear()
+    ok_b = part_b(made, args.quick, lines)
+    print("\n".join(lines), flush=True)
+    ok = ok_a and ok_b
+    if not args.no_live:
+        from bench._packing_live import run_live
+
+        ok_c, live = run_live()
+        print("\n" + "\n".join(live))
+        ok = ok and ok_c
+    print("\nall targets met" if ok else "\nMISSED a target (see MISS lines)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

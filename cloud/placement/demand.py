@@ -1,0 +1,216 @@
+"""From a model's demand to the copies the packer places, or why there are none.
+
+A model whose rate exceeds what one node serves (Nexus's saturated copy at its
+best batch) gets whole-node copies and one residual copy; a residual whose
+cycle ``max_batch`` cuts short is spread over a few copies, which costs no
+compute (:func:`spread`); ``min_copies`` spreads the rate evenly over more
+copies; one copy per node and ``max_copies`` cap the count.  Whatever cannot be honoured is said in words:
+the controller publishes those words and raises them as alerts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cloud.placement.sizing import Headroom, Slot, cycle, full_rate, size
+from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec
+
+IDLE = "idle"
+#: at most this many pieces of one shared copy, and what they may cost together
+SPREAD_MAX = 4
+SPREAD_SLACK = 0.002
+
+
+@dataclass(eq=False)
+class Item:
+    """A copy waiting for a node: ``rate`` is its share of the model's traffic."""
+
+    demand: ModelDemand
+    rate: float
+    index: int
+    headroom: Headroom
+    alone: float = 0.0  # share of the best runnable node it takes by itself (sort key)
+    d_max: float = 0.0  # the longest cycle it allows there (sort key)
+    memory: int = 0  # its smallest profile's memory
+    floor: float = 0.0  # a share of a node it takes at least, wherever it goes
+    _slots: dict[tuple[int, float], Slot] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.demand.name
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.demand.name, self.index)
+
+    def slot(self, profile_index: int, speed: float) -> Slot:
+        """The copy sized with one of its profiles on a node of ``speed`` (cached)."""
+        found = self._slots.get((profile_index, speed))
+        if found is None:
+            profile = self.demand.profiles[profile_index]
+            found = size(profile, self.rate, self.demand.slo_s, speed, self.headroom)
+            self._slots[(profile_index, speed)] = found
+        return found
+
+    def options(self, node: NodeSpec) -> list[tuple[int, LatencyProfile]]:
+        """Its profiles that ``node`` runs, by index (stable order)."""
+        return [
+            (i, p)
+            for i, p in enumerate(self.demand.profiles)
+            if p.backend in node.backends and p.memory_bytes <= node.memory_bytes
+        ]
+
+
+def size_text(count: int) -> str:
+    if count >= 1 << 30:
+        return f"{count / (1 << 30):.1f} GiB"
+    return f"{count / (1 << 20):.0f} MiB"
+
+
+def fits_alone(p: LatencyProfile, demand: ModelDemand, node: NodeSpec, headroom: Headroom) -> bool:
+    return (
+        p.backend in node.backends
+        and p.memory_bytes <= node.memory_bytes
+        and cycle([size(p, 0.0, demand.slo_s, node.speed, headroom)]) is not None
+    )
+
+
+def kinds(nodes: Sequence[NodeSpec]) -> list[tuple[NodeSpec, int]]:
+    """Nodes that look alike to a copy (speed, memory, backends): one of each, and how
+    many; fleets are mostly identical nodes, so this keeps sizing cheap."""
+    seen: dict[tuple, list] = {}
+    for n in sorted(nodes, key=lambda n: n.name):
+        key = (n.speed, n.memory_bytes, tuple(sorted(n.backends)))
+        if key in seen:
+            seen[key][1] += 1
+        else:
+            seen[key] = [n, 1]
+    return [(n, count) for n, count in seen.values()]
+
+
+def runnable(
+    demand: ModelDemand, fleet: Sequence[tuple[NodeSpec, int]], headroom: Headroom
+) -> list[tuple[NodeSpec, int]]:
+    """The kinds of node (from :func:`kinds`) one copy of the model could use by
+    itself (backend, memory, latency), with how many of each."""
+    return [
+        (n, count)
+        for n, count in fleet
+        if any(fits_alone(p, demand, n, headroom) for p in demand.profiles)
+    ]
+
+
+def why_nowhere(demand: ModelDemand, nodes: Sequence[NodeSpec]) -> str:
+    """The first of backend, memory, latency that rules out every node."""
+    if not demand.profiles:
+        return "no latency profile (run ferry-cloud tune)"
+    if not nodes:
+        return "no nodes"
+    pairs = [(p, n) for p in demand.profiles for n in nodes if p.backend in n.backends]
+    if not pairs:
+        wanted = " or ".join(sorted({p.backend for p in demand.profiles}))
+        return f"no node runs backend {wanted}"
+    fitting = [(p, n) for p, n in pairs if p.memory_bytes <= n.memory_bytes]
+    if not fitting:
+        need = min(p.memory_bytes for p, _ in pairs)
+        have = max(n.memory_bytes for _, n in pairs)
+        return f"needs {size_text(need)}, the largest node that runs it offers {size_text(have)}"
+    p, n = min(fitting, key=lambda pn: (2 * pn[0].a_s + pn[0].beta_s) / pn[1].speed)
+    a, batch1 = p.a_s / n.speed, p.latency(1, n.speed)
+    return (
+        f"SLO {demand.slo_s * 1000:.1f} ms below {(a + batch1) * 1000:.1f} ms: a request "
+        f"may wait one cycle (at least the {a * 1000:.1f} ms overhead) and then its own "
+        f"batch ({batch1 * 1000:.1f} ms for one)"
+    )
+
+
+def best_slot(
+    demand: ModelDemand, rate: float, hosts: Sequence[NodeSpec], headroom: Headroom
+) -> Slot:
+    return min(
+        (
+            size(p, rate, demand.slo_s, n.speed, headroom)
+            for n in hosts
+            for p in demand.profiles
+            if p.backend in n.backends and p.memory_bytes <= n.memory_bytes
+        ),
+        key=lambda s: (s.alone(), -s.d_max),
+    )
+
+
+def spread(
+    demand: ModelDemand, rate: float, hosts: Sequence[NodeSpec], headroom: Headroom, most: int
+) -> int:
+    """How many copies to make of a shared copy so that it does not shorten its node's
+    cycle for nothing.
+
+    A busy copy whose cycle is cut short by ``max_batch`` (``r*d <= max_batch``)
+    forces that short cycle on every copy it shares a node with, and they pay
+    their batch overhead that much more often.  Split in ``k``, each piece
+    allows a ``k`` times longer cycle for the same total share
+    (``r*(a/max_batch + beta)``) until the latency objective binds instead;
+    so split while the total share does not grow (by more than
+    ``SPREAD_SLACK`` of a node) and the cycle does, up to ``SPREAD_MAX``."""
+    base = best_slot(demand, rate, hosts, headroom)
+    share, longest, pieces = base.alone(), base.d_max, 1
+    for k in range(2, min(most, SPREAD_MAX) + 1):
+        piece = best_slot(demand, rate / k, hosts, headroom)
+        if k * piece.alone() > share + SPREAD_SLACK or piece.d_max < longest * 1.05:
+            break
+        longest, pieces = piece.d_max, k
+    return pieces
+
+
+def split(
+    demand: ModelDemand, fleet: Sequence[tuple[NodeSpec, int]], headroom: Headroom
+) -> tuple[list[Item], str | None]:
+    """The copies of one model and, when not all it asks for can be met, why;
+    ``fleet`` is the nodes as :func:`kinds` groups them."""
+    if demand.rate <= 0 and demand.min_copies <= 0:
+        return [], IDLE
+    usable = runnable(demand, fleet, headroom)
+    hosts = [n for n, _ in usable]
+    if not hosts:
+        return [], why_nowhere(demand, [n for n, _ in fleet])
+    reach = sum(count for _, count in usable)
+    slowest = min(hosts, key=lambda n: (n.speed, n.name))
+    top = max(
+        full_rate(p, demand.slo_s, slowest.speed, headroom)
+        for p in demand.profiles
+        if fits_alone(p, demand, slowest, headroom)
+    )
+    rate = max(demand.rate, 0.0)
+    full = int(rate // top) if top > 0 else 0
+    rest = rate - full * top
+    rates = [top] * full + ([rest] if rest > 1e-9 * max(rate, 1.0) or full == 0 else [])
+    cap = min(reach, demand.max_copies or reach)
+    if rates and (full == 0 or len(rates) > full):  # the shared copy: spread when free
+        pieces = spread(demand, rates[-1], hosts, headroom, cap - len(rates) + 1)
+        rates = rates[:-1] + [rates[-1] / pieces] * pieces
+    want = max(demand.min_copies, len(rates))
+    if want > len(rates):  # min_copies: spread the traffic evenly
+        rates = [rate / want] * want
+    note = None
+    if len(rates) > cap:
+        served = min(rate, cap * top)
+        rates = [served / cap] * cap
+        if served < rate * (1 - 1e-9):
+            limit = (
+                f"capped at max_copies {demand.max_copies}"
+                if demand.max_copies and demand.max_copies < reach
+                else f"only {reach} nodes can run it"
+            )
+            note = f"{limit}: plans {served:.1f} of {rate:.1f} req/s"
+        elif demand.min_copies > cap and cap == reach:
+            note = f"{cap} of min_copies {demand.min_copies}: only {cap} nodes can run it"
+    items = [Item(demand, r, i, headroom) for i, r in enumerate(rates)]
+    for item in items:
+        best = min(
+            (item.slot(i, n.speed) for n in hosts for i, _ in item.options(n)),
+            key=lambda s: (s.alone(), -s.d_max),
+        )
+        item.alone, item.d_max = best.alone(), best.d_max
+        item.memory = min(p.memory_bytes for n in hosts for _, p in item.options(n))
+        item.floor = min(item.slot(i, n.speed).floor() for n in hosts for i, _ in item.options(n))
+    return items, note
