@@ -58,14 +58,21 @@ def run_live(duration_s: float = 45.0) -> tuple[bool, list[str]]:
             for c in clients:
                 c.start()
             time.sleep(duration_s / 3)
-            victim = max(nodes, key=lambda n: sum(n in watch.hosts(m) for m in MODELS))
+            # the node that is the only home of the most models: its death must re-place
+            victim = max(
+                sorted(nodes), key=lambda n: sum(watch.hosts(m) == [n] for m in MODELS)
+            )
+            orphans = [m for m in MODELS if watch.hosts(m) == [victim]]
+            generation = watch.generation()
             nodes[victim].kill()
             clients[0].down.add(victim)  # type: ignore[union-attr]
             replaced_s = watch.wait(
                 "re-placed",
-                lambda: all(any(h != victim for h in watch.view.hosts(m)) for m in MODELS),
+                lambda: watch.view.placement.generation != generation
+                and all(any(h != victim for h in watch.view.hosts(m)) for m in MODELS),
                 30,
             )
+            lines.append(f"    killed {victim}, sole home of {orphans or 'no model'}")
             time.sleep(duration_s / 3)
             nodes["n4"] = start_node(repository, broker, folder, "n4")
             time.sleep(duration_s / 3)
