@@ -179,7 +179,7 @@ class MqttFront:
                 qos=1,
                 retain=True,
             )
-            await asyncio.to_thread(_wait_published, info, timeout_s)
+            await asyncio.to_thread(wait_published, info, timeout_s)
             client.disconnect()
             await asyncio.to_thread(client.loop_stop)
 
@@ -465,7 +465,7 @@ class MqttFront:
                 self._publish_status()
 
 
-def _wait_published(info: mqtt.MQTTMessageInfo, timeout: float) -> None:
+def wait_published(info: mqtt.MQTTMessageInfo, timeout: float) -> None:
     try:
         info.wait_for_publish(timeout)
     except (RuntimeError, ValueError):

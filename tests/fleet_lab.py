@@ -16,12 +16,14 @@ import json
 import shutil
 import threading
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cloud.tuning.apply import dumps
 from tests.support import Broker, ServerProcess, write_linear_model
 
 #: the models of the lab: (name, source folder in the example repository or None for
@@ -33,17 +35,6 @@ LAB_MODELS: tuple[tuple[str, str | None, float, int], ...] = (
     ("linear", None, 20.0, 1),
 )
 
-_IO_ORIENTATION = """
-max_batch_size = 8
-[[input]]
-name = "x"
-datatype = "FP32"
-dims = [3, 224, 224]
-[[output]]
-name = "fetch_name_0"
-datatype = "FP32"
-dims = [4]
-"""
 
 
 def build_lab_repository(root: Path, example: Path, slo_ms: float = 1000.0) -> Path:
@@ -59,7 +50,11 @@ def build_lab_repository(root: Path, example: Path, slo_ms: float = 1000.0) -> P
             for f in (example / source / "1").iterdir():
                 shutil.copy(f, folder / "1" / f.name)
             backend = "openvino" if source.endswith("-ov") else "onnxruntime"
-            io = _IO_ORIENTATION
+            # the example's own tensor declarations, with a smaller batch bound
+            declared = tomllib.loads((example / source / "config.toml").read_text())
+            io = dumps(
+                {"max_batch_size": 8, "input": declared["input"], "output": declared["output"]}
+            )
         (folder / "config.toml").write_text(
             f'backend = "{backend}"\n{io}'
             "[dynamic_batching]\nmax_queue_delay_us = 2000\n"

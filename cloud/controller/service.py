@@ -34,6 +34,7 @@ from cloud.controller.core import ControllerCore
 from cloud.controller.metrics import render_controller_metrics
 from cloud.fleet.follower import STATUS_PATTERN
 from cloud.fleet.view import decode_document
+from cloud.mqtt_front import wait_published
 from shared.errors import ConfigError
 from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, nodelay
 
@@ -139,7 +140,7 @@ class ControllerService:
             info = client.publish(
                 CONTROLLER_TOPIC, json.dumps({"state": "offline"}), qos=1, retain=True
             )
-            await asyncio.to_thread(_wait, info)
+            await asyncio.to_thread(wait_published, info, 2.0)
             client.disconnect()
             await asyncio.to_thread(client.loop_stop)
         if self._runner is not None:
@@ -190,12 +191,6 @@ class ControllerService:
     async def _live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True, "broker": self._connected.is_set()})
 
-
-def _wait(info: mqtt.MQTTMessageInfo) -> None:
-    try:
-        info.wait_for_publish(2.0)
-    except (RuntimeError, ValueError):
-        pass
 
 
 async def run_controller(core: ControllerCore, options: ControllerOptions) -> int:

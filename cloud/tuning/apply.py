@@ -1,84 +1,161 @@
 """``tune --apply``: write the chosen settings into each model's ``config.toml``.
 
-Only the keys tuning decides change (``backend``, ``max_batch_size`` kept or
-set, ``[runtime] threads``, ``[dynamic_batching] preferred_batch_sizes``); every
-other key and value of the file is kept.  The file is rewritten from its
-parsed form (comments are not kept: a copy is left as ``config.toml.bak``) and
-the result is checked with the repository's own loader before it replaces
-the original.
+Only the keys tuning decides change: ``backend``, ``[runtime] threads``,
+``[dynamic_batching] preferred_batch_sizes`` and ``max_queue_delay_us``
+(``max_batch_size`` only ever grows: shrinking it would refuse clients' larger
+requests).  Every other key and value is kept.  The file is rewritten from its
+parsed form, so comments are lost: the original stays as ``config.toml.bak``.
+The result is checked with the repository's own loader, and the chosen backend
+against the files of every served version, before it replaces the original.
 """
 
 from __future__ import annotations
 
+import copy
+import datetime as dt
+import math
 import os
+import re
 import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from cloud.tuning.fit import queue_delay_us
 from shared.errors import ConfigError
-from shared.repository import parse_config
+from shared.repository import ModelRepository, parse_config
+from shared.repository.repository import CONFIG_FILE, LEGACY_CONFIG_FILE
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
-def merged(data: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+def merged(data: dict[str, Any], chosen: dict[str, Any], latency_ms: float) -> dict[str, Any]:
+    """``data`` (a parsed config.toml) with ``chosen`` (profiles.json's) written in."""
+    out = copy.deepcopy(data)
     out["backend"] = chosen["backend"]
-    runtime = out.setdefault("runtime", {})
-    runtime["threads"] = int(chosen["threads"])
+    out.setdefault("runtime", {})["threads"] = int(chosen["threads"])
     batch = int(chosen["batch"])
-    if out.get("max_batch_size", 1) != 0 and batch > 1:
-        if "max_batch_size" in out and out["max_batch_size"] < batch:
-            out["max_batch_size"] = batch
+    if out.get("max_batch_size") == 0:  # no batch dimension: nothing to batch
+        return out
+    if isinstance(out.get("max_batch_size"), int) and out["max_batch_size"] < batch:
+        out["max_batch_size"] = batch
+    batching = out.get("dynamic_batching")
+    if batch > 1:
         batching = out.setdefault("dynamic_batching", {})
         batching["preferred_batch_sizes"] = [batch]
+        current = batching.get("max_queue_delay_us")
+        current = current if isinstance(current, int) and not isinstance(current, bool) else None
+        p99_s = float(chosen["p99_ms"]) / 1000
+        batching["max_queue_delay_us"] = queue_delay_us(latency_ms / 1000, p99_s, current)
+    elif isinstance(batching, dict):  # batch 1 is best: waiting to batch only costs latency
+        batching.pop("preferred_batch_sizes", None)
+        batching["max_queue_delay_us"] = 0
     return out
+
+
+def _key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _string(key)
+
+
+def _string(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch < " " or ch == "\x7f":
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def _value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int | float):
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _string(v)
+    if isinstance(v, dt.date | dt.time):  # datetime is a date
+        return v.isoformat()
     if isinstance(v, list):
         return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
     raise ConfigError(f"cannot write {v!r} to TOML")
 
 
-def dumps(data: dict[str, Any]) -> str:
-    """TOML for a config: scalars, then tables, then arrays of tables ([[input]])."""
-    lines = []
-    tables, arrays = [], []
+def _is_table_array(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(x, dict) for x in value)
+
+
+def _emit(data: dict[str, Any], prefix: str, lines: list[str]) -> None:
+    """Scalars first (they belong to the current header), then sub-tables, then
+    arrays of tables, each under its full dotted name."""
     for key, value in data.items():
+        if not isinstance(value, dict) and not _is_table_array(value):
+            lines.append(f"{_key(key)} = {_value(value)}")
+    for key, value in data.items():
+        name = f"{prefix}{_key(key)}"
         if isinstance(value, dict):
-            tables.append((key, value))
-        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
-            arrays.append((key, value))
-        else:
-            lines.append(f"{key} = {_value(value)}")
-    for key, items in arrays:
-        for item in items:
-            lines.append(f"\n[[{key}]]")
-            lines.extend(f"{k} = {_value(v)}" for k, v in item.items())
-    for key, table in tables:
-        lines.append(f"\n[{key}]")
-        lines.extend(f"{k} = {_value(v)}" for k, v in table.items())
+            lines.extend(["", f"[{name}]"])
+            _emit(value, name + ".", lines)
+        elif _is_table_array(value):
+            for item in value:
+                lines.extend(["", f"[[{name}]]"])
+                _emit(item, name + ".", lines)
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """TOML text for what ``tomllib`` parsed (``tomllib.loads(dumps(d)) == d``)."""
+    lines: list[str] = []
+    _emit(data, "", lines)
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def apply_choice(model_dir: Path, name: str, chosen: dict[str, Any]) -> Path:
-    path = model_dir / "config.toml"
-    data = tomllib.loads(path.read_text()) if path.is_file() else {}
-    text = dumps(merged(data, chosen))
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(text)
+def apply_choice(
+    repository: ModelRepository,
+    name: str,
+    chosen: dict[str, Any],
+    latency_ms: float,
+    cores: int = 0,
+) -> tuple[Path, list[str]]:
+    """Write ``chosen`` into ``name``'s config.toml; returns the path and warnings.
+    ConfigError (and nothing written) when the result would not load."""
+    folder = repository.model_dir(name)
+    path = folder / CONFIG_FILE
+    if not path.is_file() and (folder / LEGACY_CONFIG_FILE).is_file():
+        raise ConfigError(
+            f"{folder / LEGACY_CONFIG_FILE}: a dl_inference config is not rewritten; "
+            f"write a {CONFIG_FILE} for {name!r} first"
+        )
     try:
-        parse_config(tmp, name)  # the loader's own checks, before anything is replaced
-    except ConfigError:
+        data = tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(dumps(merged(data, chosen, latency_ms)), encoding="utf-8")
+    try:
+        config = parse_config(tmp, name)  # the loader's own checks, before anything changes
+        for version in repository.selected_versions(name, config):
+            repository.model_file(name, version, config.backend)
+    except ConfigError as exc:
         tmp.unlink()
-        raise
+        raise ConfigError(f"{path}: not applied: {exc.message}") from None
     if path.is_file():
         shutil.copy2(path, path.with_suffix(".toml.bak"))
     os.replace(tmp, path)
-    return path
+    warnings = []
+    sessions = config.instance_group.count * config.runtime.threads
+    if cores and sessions > cores:
+        warnings.append(
+            f"{name}: {config.instance_group.count} instances x {config.runtime.threads} "
+            f"threads > {cores} cores (tuning measured one session alone)"
+        )
+    return path, warnings

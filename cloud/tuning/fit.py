@@ -1,4 +1,5 @@
-"""Pure tuning maths: the linear latency fit and the choice under an objective."""
+"""Pure tuning maths: the linear latency fit, the choice under an objective, and the
+queue delay that choice leaves room for.  No runtimes, no clocks: unit-testable."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Point:
-    """One measured batch size of one configuration."""
+    """One measured batch size of one configuration (seconds per batch)."""
 
     batch: int
     p50_s: float
@@ -19,6 +20,7 @@ class Point:
 
     @property
     def throughput(self) -> float:
+        """Items per second with one batch in flight at a time."""
         return self.batch / self.mean_s if self.mean_s > 0 else 0.0
 
 
@@ -30,9 +32,14 @@ class Fit:
 
 
 def fit_linear(points: Sequence[Point]) -> Fit:
-    """Least squares ``l(b) = a + beta*b`` over the mean latencies.  One point (a model
-    without a batch dimension) gives ``a = 0`` and ``beta = l(1)``; a fit that comes
-    out with a negative intercept or slope is clamped (noise on a flat curve)."""
+    """Least squares ``l(b) = a + beta*b`` over the mean latencies (the packer adds up
+    batch times in a duty cycle, so it needs means; the tail is in ``spread_s`` and in
+    the measured p99 the choice uses).
+
+    One batch size (a model without a batch dimension) gives ``a = 0`` and
+    ``beta = l(1)``.  A negative slope or intercept is noise on a flat curve, not a
+    model that gets faster with more work, so it is clamped: placement divides by
+    ``beta`` and needs ``a >= 0``."""
     if not points:
         raise ValueError("no measured points")
     xs = [float(p.batch) for p in points]
@@ -47,7 +54,9 @@ def fit_linear(points: Sequence[Point]) -> Fit:
     if beta <= 0:
         beta = max(min(ys) / max(xs), 1e-9)
         a = max(0.0, min(ys) - beta)
-    a = max(a, 0.0)
+    elif a < 0:  # refit through the origin: keeps the line close to the points
+        a = 0.0
+        beta = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
     residuals = [y - (a + beta * x) for x, y in zip(xs, ys, strict=True)]
     spread = math.sqrt(sum(r * r for r in residuals) / max(n - 2, 1))
     return Fit(a, beta, spread)
@@ -60,11 +69,29 @@ class Candidate:
     point: Point
 
 
-def choose(candidates: Sequence[Candidate], latency_s: float) -> Candidate | None:
-    """The most throughput whose batch p99 stays within half the objective (Nexus:
-    the other half is for waiting in the queue); ties go to fewer threads, then the
-    smaller batch.  None when nothing qualifies."""
+def choose(
+    candidates: Sequence[Candidate], latency_s: float, tolerance: float = 0.02
+) -> Candidate | None:
+    """The most throughput whose measured batch p99 stays within half the objective
+    (Nexus: the other half is for waiting in the queue); None when nothing qualifies.
+
+    Throughputs within ``tolerance`` of the best are a tie (two runs of one point
+    differ by that much), and a tie goes to fewer threads, then the smaller batch:
+    threads left over serve other models, and a smaller batch waits less to fill."""
     fitting = [c for c in candidates if c.point.p99_s <= latency_s / 2]
     if not fitting:
         return None
-    return max(fitting, key=lambda c: (round(c.point.throughput, 6), -c.threads, -c.point.batch))
+    best = max(c.point.throughput for c in fitting)
+    near = [c for c in fitting if c.point.throughput >= best * (1 - tolerance)]
+    return min(near, key=lambda c: (c.threads, c.point.batch, -c.point.throughput))
+
+
+def queue_delay_us(latency_s: float, batch_p99_s: float, current_us: int | None) -> int:
+    """``max_queue_delay_us`` for a chosen batch: a request may wait for its batch to
+    fill and then behind one running batch, inside the objective's queueing half, so
+    the delay never exceeds ``L/2 - p99(b)``.  A delay the user set is kept when it
+    fits; with none set, about one batch time (longer waits buy throughput only at
+    loads where a backlog fills batches anyway)."""
+    budget = max(0.0, latency_s / 2 - batch_p99_s)
+    wanted = batch_p99_s if current_us is None else current_us / 1e6
+    return int(min(wanted, budget) * 1e6)

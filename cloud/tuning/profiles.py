@@ -1,15 +1,22 @@
 """``profiles.json``: what ``ferry-cloud tune`` measured, read by the controller and
-``bench/packing.py``.  Schema (version 1), documented in docs/tuning.md::
+``bench/packing.py``.  Schema (version 1, documented with an example in
+docs/tuning.md)::
 
-    {"version": 1, "latency_objective_ms": 100,
+    {"version": 1, "created": "...", "latency_objective_ms": 100, "duration_s": 1.0,
      "machine": {"cores": 2, "memory_bytes": ..., "cpu": "...", "gpu": null},
      "models": {"<name>": {
-        "chosen": {"backend", "threads", "batch", "throughput", "p99_ms"} | null,
-        "profiles": [LatencyProfile.to_dict(), ...],   # one per backend: its best threads
-        "trials": [{"backend", "threads", "memory_bytes", "a_s", "beta_s", "spread_s",
-                    "points": [{"batch", "p50_ms", "p99_ms", "mean_ms", "runs",
-                                "throughput"}]}],
-        "skipped": {"<backend>": "why"}}}}
+        "version": 1, "max_batch_size": 32, "sessions": 2,
+        "chosen": {"backend", "threads", "batch", "throughput", "p99_ms",
+                   "max_queue_delay_us"} | null,
+        "converted_best": {... as chosen, backend not served by the files} | absent,
+        "profiles": [LatencyProfile.to_dict(), ...],  # per backend, at its best threads
+        "trials": [{"backend", "threads", "converted", "memory_bytes", "a_s", "beta_s",
+                    "spread_s", "points": [{"batch", "p50_ms", "p99_ms", "mean_ms",
+                                            "runs", "throughput"}]}],
+        "skipped": {"<backend>": "why"}, "notes": [...], "error": "why" | absent}}}
+
+A trial's ``memory_bytes`` is one session; a profile's is one loaded copy (the
+model's instance count times its served versions), the figure a node reports.
 """
 
 from __future__ import annotations
@@ -17,18 +24,19 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
 from cloud.placement.types import LatencyProfile
-from cloud.tuning.fit import choose
-from cloud.tuning.sweep import ModelResult, Trial
+from cloud.tuning.fit import Candidate, choose, queue_delay_us
+from cloud.tuning.sweep import ModelResult
 from shared.errors import ConfigError
 
 VERSION = 1
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -38,110 +46,180 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def best_profiles(result: ModelResult) -> list[LatencyProfile]:
-    """Per backend, the thread count with the most throughput at its largest batch."""
-    best: dict[str, Trial] = {}
-    for trial in result.trials:
-        top = max(p.throughput for p in trial.points)
-        held = best.get(trial.backend)
-        if held is None or top > max(p.throughput for p in held.points):
-            best[trial.backend] = trial
-    return [
-        LatencyProfile(
-            backend=t.backend,
-            a_s=t.fit.a_s,
-            beta_s=max(t.fit.beta_s, 1e-9),
-            max_batch=t.max_batch,
-            # the first load of a backend also pays for the runtime's own code and arenas,
-            # which later loads reuse: take the largest reading, not the luckiest
-            memory_bytes=max(1, *(x.memory_bytes for x in result.trials if x.backend == t.backend)),
-            threads=t.threads,
-            spread_s=t.fit.spread_s,
+def best_profiles(result: ModelResult, latency_s: float) -> list[LatencyProfile]:
+    """Per backend, the thread count of its best point under the objective (else of
+    its most throughput; the overall choice's own for its backend): the placement
+    sizes copies with that configuration."""
+    chosen = choose(result.candidates(), latency_s)
+    out = []
+    for backend in sorted({t.backend for t in result.trials}):
+        trials = [t for t in result.trials if t.backend == backend]
+        candidates = [Candidate(t.backend, t.threads, p) for t in trials for p in t.points]
+        best = choose(candidates, latency_s) or max(candidates, key=lambda c: c.point.throughput)
+        if chosen is not None and chosen.backend == backend:
+            best = chosen
+        trial = next(t for t in trials if t.threads == best.threads)
+        out.append(
+            LatencyProfile(
+                backend=backend,
+                a_s=trial.fit.a_s,
+                beta_s=max(trial.fit.beta_s, 1e-9),
+                max_batch=trial.max_batch,
+                memory_bytes=max(1, trial.memory_bytes * result.sessions),
+                threads=trial.threads,
+                spread_s=trial.fit.spread_s,
+            )
         )
-        for _, t in sorted(best.items())
+    return out
+
+
+def _choice(best: Candidate | None, latency_s: float) -> dict[str, Any] | None:
+    if best is None:
+        return None
+    return {
+        "backend": best.backend,
+        "threads": best.threads,
+        "batch": best.point.batch,
+        "throughput": round(best.point.throughput, 2),
+        "p99_ms": round(best.point.p99_s * 1000, 3),
+        "max_queue_delay_us": queue_delay_us(latency_s, best.point.p99_s, None),
+    }
+
+
+def model_entry(result: ModelResult, latency_ms: float) -> dict[str, Any]:
+    latency_s = latency_ms / 1000
+    chosen = choose(result.candidates(), latency_s)
+    entry: dict[str, Any] = {
+        "version": result.version,
+        "max_batch_size": result.max_batch_size,
+        "sessions": result.sessions,
+        "chosen": _choice(chosen, latency_s),
+    }
+    anywhere = choose(result.candidates(converted=True), latency_s)
+    if anywhere is not None and anywhere.backend not in result.servable:
+        if chosen is None or anywhere.point.throughput > chosen.point.throughput * 1.02:
+            entry["converted_best"] = _choice(anywhere, latency_s)
+    entry["profiles"] = [p.to_dict() for p in best_profiles(result, latency_s)]
+    entry["trials"] = [
+        {
+            "backend": t.backend,
+            "threads": t.threads,
+            "converted": t.converted,
+            "memory_bytes": t.memory_bytes,
+            "a_s": t.fit.a_s,
+            "beta_s": t.fit.beta_s,
+            "spread_s": t.fit.spread_s,
+            "points": [
+                {
+                    "batch": p.batch,
+                    "p50_ms": round(p.p50_s * 1000, 4),
+                    "p99_ms": round(p.p99_s * 1000, 4),
+                    "mean_ms": round(p.mean_s * 1000, 4),
+                    "runs": p.runs,
+                    "throughput": round(p.throughput, 2),
+                }
+                for p in t.points
+            ],
+        }
+        for t in result.trials
     ]
+    entry["skipped"] = dict(result.skipped)
+    entry["notes"] = list(result.notes)
+    if result.error is not None:
+        entry["error"] = result.error
+    return entry
 
 
 def document(
-    results: list[ModelResult], latency_ms: float, cores: int, memory: int, gpu: str | None
+    results: list[ModelResult],
+    latency_ms: float,
+    machine: dict[str, Any],
+    duration_s: float = 0.0,
 ) -> dict[str, Any]:
-    models: dict[str, Any] = {}
-    for result in results:
-        chosen = choose(result.candidates(), latency_ms / 1000)
-        models[result.name] = {
-            "chosen": None
-            if chosen is None
-            else {
-                "backend": chosen.backend,
-                "threads": chosen.threads,
-                "batch": chosen.point.batch,
-                "throughput": round(chosen.point.throughput, 2),
-                "p99_ms": round(chosen.point.p99_s * 1000, 3),
-            },
-            "profiles": [p.to_dict() for p in best_profiles(result)],
-            "trials": [
-                {
-                    "backend": t.backend,
-                    "threads": t.threads,
-                    "memory_bytes": t.memory_bytes,
-                    "a_s": t.fit.a_s,
-                    "beta_s": t.fit.beta_s,
-                    "spread_s": t.fit.spread_s,
-                    "points": [
-                        {
-                            "batch": p.batch,
-                            "p50_ms": round(p.p50_s * 1000, 4),
-                            "p99_ms": round(p.p99_s * 1000, 4),
-                            "mean_ms": round(p.mean_s * 1000, 4),
-                            "runs": p.runs,
-                            "throughput": round(p.throughput, 2),
-                        }
-                        for p in t.points
-                    ],
-                }
-                for t in result.trials
-            ],
-            "skipped": dict(result.skipped),
-        }
+    """The whole file; ``machine`` holds cores, memory_bytes, cpu and gpu (or None)."""
     return {
         "version": VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "latency_objective_ms": latency_ms,
-        "machine": {
-            "cores": cores,
-            "memory_bytes": memory,
-            "cpu": _cpu_name(),
-            "gpu": gpu,
-        },
-        "models": models,
+        "duration_s": duration_s,
+        "machine": machine,
+        "models": {r.name: model_entry(r, latency_ms) for r in results},
     }
 
 
 def write_profiles(path: Path, doc: dict[str, Any]) -> None:
+    """Atomically: a controller reading the file mid-write must see the old one."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, path)
 
 
-def load_profiles(path: Path) -> dict[str, list[LatencyProfile]]:
-    """Model name -> its latency profiles (one per backend); errors name the file."""
+def read_document(path: Path) -> dict[str, Any]:
+    """The parsed file, its envelope checked; errors name the file and the key."""
     try:
         doc = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except ValueError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
-        raise ConfigError(f"{path}: key 'models': expected an object of models")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(doc).__name__}")
     if doc.get("version", VERSION) != VERSION:
         raise ConfigError(f"{path}: key 'version': expected {VERSION}, got {doc.get('version')!r}")
-    out: dict[str, list[LatencyProfile]] = {}
+    if not isinstance(doc.get("models"), dict):
+        raise ConfigError(f"{path}: key 'models': expected an object of models")
     for name, entry in doc["models"].items():
-        profiles = entry.get("profiles") if isinstance(entry, dict) else None
-        if not isinstance(profiles, list):
-            raise ConfigError(f"{path}: key 'models.{name}.profiles': expected a list")
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{path}: key 'models.{name}': expected an object")
+    return doc
+
+
+def _profiles(path: Path, name: str, entry: dict[str, Any]) -> list[LatencyProfile]:
+    listed = entry.get("profiles", [])
+    if not isinstance(listed, list):
+        raise ConfigError(f"{path}: key 'models.{name}.profiles': expected a list")
+    out = []
+    for i, item in enumerate(listed):
+        if not isinstance(item, dict):
+            raise ConfigError(f"{path}: key 'models.{name}.profiles[{i}]': expected an object")
         try:
-            out[name] = [LatencyProfile.from_dict(p) for p in profiles]
+            out.append(LatencyProfile.from_dict(item))
         except ConfigError as exc:
-            raise ConfigError(f"{path}: key 'models.{name}.profiles': {exc.message}") from None
+            raise ConfigError(f"{path}: key 'models.{name}.profiles[{i}]': {exc.message}") from None
+    chosen = entry.get("chosen")
+    if chosen is not None and not isinstance(chosen, dict):
+        raise ConfigError(f"{path}: key 'models.{name}.chosen': expected an object or null")
+    backend = (chosen or {}).get("backend")
+    out.sort(key=lambda p: p.backend != backend)  # stable: the chosen backend first
     return out
+
+
+def load_profiles(path: Path) -> dict[str, list[LatencyProfile]]:
+    """Model name -> its latency profiles, one per backend, the chosen backend's first
+    (models with none are left out: the controller then plans from what nodes report)."""
+    doc = read_document(path)
+    out = {}
+    for name, entry in doc["models"].items():
+        profiles = _profiles(path, name, entry)
+        if profiles:
+            out[name] = profiles
+    return out
+
+
+def chosen_profile(path: Path, model: str) -> LatencyProfile | None:
+    """The profile of ``model``'s chosen configuration; None when nothing met the
+    objective or the model was not tuned.  A chosen backend without a profile is a
+    broken file, not a missing measurement, so it raises."""
+    doc = read_document(path)
+    entry = doc["models"].get(model)
+    if entry is None or not entry.get("chosen"):
+        return None
+    profiles = _profiles(path, model, entry)
+    if not profiles or profiles[0].backend != entry["chosen"].get("backend"):
+        raise ConfigError(
+            f"{path}: key 'models.{model}.profiles': no profile for the chosen backend "
+            f"{entry['chosen'].get('backend')!r}"
+        )
+    return profiles[0]

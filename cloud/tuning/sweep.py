@@ -1,32 +1,69 @@
 """The measurement loop of ``ferry-cloud tune`` (blocking: it runs the runtimes).
 
-For one model: every backend whose model file is in the newest version folder
-and whose runtime is installed (TensorRT only with a GPU), intra-op threads
-1, 2, 4 ... up to the cores (and the cores themselves), batch sizes 1, 2, 4 ...
-up to ``max_batch_size``.  Each point runs for ``duration_s`` (at least
-``min_runs`` times) on random inputs after a warm-up run; resident memory is
-the growth of the process while the session loads and warms.
+:func:`plan_model` decides what to try for one model, cheaply and before any
+session loads (so a progress bar knows its length): every backend whose file is
+in the newest served version folder and whose runtime is installed (TensorRT
+only with a GPU), and OpenVINO on a temporary IR converted from the ONNX file
+when the folder holds no IR.  :func:`measure_model` then runs it: per backend,
+intra-op threads 1, 2, 4 ... up to the cores (and the cores themselves); per
+thread count, batch sizes 1, 2, 4 ... up to ``max_batch_size``.  Each point runs
+for ``duration_s`` (at least ``min_runs`` times) on random inputs.
+
+Memory is measured the way the dataplane measures a load (``MemoryProbe``: the
+growth of the process), after a first throw-away load of the backend so the
+runtime's one-time start-up is not billed to every model, and read again after
+the largest batch so activation buffers count.
 """
 
 from __future__ import annotations
 
 import gc
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
 from cloud.loading import MemoryProbe
 from cloud.tuning.fit import Candidate, Fit, Point, fit_linear
 from shared.datatypes import numpy_dtype
+from shared.errors import FerryError
 from shared.repository import ModelConfig, ModelRepository, complete_config
-from shared.runtimes import MODEL_FILES, installed_backends, load_session
+from shared.runtimes import MODEL_FILES, Session, installed_backends, load_session
+
+#: (what runs now, trials finished since the last call) -> None
+Progress = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One backend to try; ``converted``: ``path`` is an ONNX file to convert first."""
+
+    backend: str
+    path: Path
+    threads: tuple[int, ...]
+    converted: bool = False
+
+
+@dataclass
+class Plan:
+    name: str
+    version: int
+    config: ModelConfig
+    targets: list[Target] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # backend -> why
+    servable: frozenset[str] = frozenset()  # backends the folder's files serve as they are
+
+    @property
+    def trials(self) -> int:
+        return sum(len(t.threads) for t in self.targets)
 
 
 @dataclass
 class Trial:
-    """One backend with one thread count: its points, fit and memory."""
+    """One backend with one thread count: its points, fit and memory per session."""
 
     backend: str
     threads: int
@@ -34,22 +71,35 @@ class Trial:
     fit: Fit
     memory_bytes: int
     max_batch: int
+    converted: bool = False
 
 
 @dataclass
 class ModelResult:
     name: str
+    version: int = 0
+    max_batch_size: int = 0
+    sessions: int = 1  # sessions per loaded copy: instance count x served versions
+    servable: frozenset[str] = frozenset()
     trials: list[Trial] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # backend -> why
+    skipped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None  # the model could not be tuned at all
 
-    def candidates(self) -> list[Candidate]:
-        return [Candidate(t.backend, t.threads, p) for t in self.trials for p in t.points]
+    def candidates(self, converted: bool = False) -> list[Candidate]:
+        """Every measured point; converted backends only when asked (the repository
+        cannot serve them until the IR is written into the version folder)."""
+        return [
+            Candidate(t.backend, t.threads, p)
+            for t in self.trials
+            if converted or not t.converted
+            for p in t.points
+        ]
 
 
 def thread_counts(cores: int, limit: int | None = None) -> list[int]:
-    top = min(cores, limit or cores)
-    counts = {top}
-    n = 1
+    top = max(1, min(cores, limit or cores))
+    counts, n = {top}, 1
     while n < top:
         counts.add(n)
         n *= 2
@@ -59,7 +109,7 @@ def thread_counts(cores: int, limit: int | None = None) -> list[int]:
 def batch_sizes(max_batch: int, limit: int | None = None) -> list[int]:
     if max_batch <= 0:
         return [1]
-    top = min(max_batch, limit or max_batch)
+    top = max(1, min(max_batch, limit or max_batch))
     sizes, n = [], 1
     while n < top:
         sizes.append(n)
@@ -68,114 +118,173 @@ def batch_sizes(max_batch: int, limit: int | None = None) -> list[int]:
 
 
 def random_inputs(
-    config: ModelConfig, batch: int, rng: np.random.Generator
+    config: ModelConfig,
+    batch: int,
+    rng: np.random.Generator,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Random inputs of ``batch`` items (dynamic dims as 1), or ValueError for BYTES."""
+    """Random inputs of ``batch`` items for a completed config; dynamic dims come from
+    ``shapes`` or are 1.  Integers are 0 or 1 (valid ids for any embedding table).
+    ValueError for BYTES: random bytes mean nothing to a model that parses them."""
     lead = [batch] if config.max_batch_size else []
     out = {}
     for spec in config.inputs:
         if spec.datatype == "BYTES":
-            raise ValueError(f"input {spec.name!r} is BYTES: no meaningful random data")
-        shape = tuple(lead + [d if d > 0 else 1 for d in spec.dims])
+            raise ValueError(f"input {spec.name!r} is BYTES: random bytes cannot exercise it")
+        dims = (shapes or {}).get(spec.name) or tuple(d if d > 0 else 1 for d in spec.dims)
+        shape = tuple(lead + list(dims))
         dtype = numpy_dtype(spec.datatype)
-        if dtype.kind == "f" or dtype.name == "bfloat16":
-            arr = rng.random(shape, dtype=np.float32).astype(dtype)
-        elif dtype.kind == "b":
+        if dtype.kind == "b":
             arr = rng.random(shape) < 0.5
-        else:
+        elif dtype.kind in "iu":
             arr = rng.integers(0, 2, shape).astype(dtype)
+        else:  # float kinds and ml_dtypes' bfloat16
+            arr = rng.random(shape, dtype=np.float32).astype(dtype)
         out[spec.name] = arr
     return out
 
 
-def candidate_backends(
-    repository: ModelRepository, name: str, gpu: bool
-) -> tuple[list[str], dict[str, str]]:
-    config = repository.read_config(name)
-    versions = repository.selected_versions(name, config)
-    folder = repository.model_dir(name) / str(versions[-1])
-    present = [b for f, b in MODEL_FILES.items() if (folder / f).is_file()]
-    if config.backend:
-        present = [b for b in present if b == config.backend]
-    installed = set(installed_backends())
-    usable, skipped = [], {}
-    for backend in present:
-        if backend not in installed:
-            skipped[backend] = "runtime not installed"
-        elif backend == "tensorrt" and not gpu:
-            skipped[backend] = "no GPU on this machine"
-        else:
-            usable.append(backend)
-    return usable, skipped
-
-
-def measure_model(
+def plan_model(
     repository: ModelRepository,
     name: str,
     *,
     cores: int,
     gpu: bool = False,
+    gpu_reason: str = "no GPU on this machine",
     backends: list[str] | None = None,
     max_threads: int | None = None,
-    max_batch: int | None = None,
+) -> Plan:
+    """What to measure for ``name``.  The config's own ``backend`` does not limit it
+    (choosing the backend is tuning's job); ``[placement] backends`` and
+    ``--backends`` do.  Raises FerryError for a model that cannot be read."""
+    config = repository.read_config(name)
+    versions = repository.selected_versions(name, config)
+    if not versions:
+        raise FerryError(f"model {name!r}: no served version holds a model file")
+    folder = repository.model_dir(name) / str(versions[-1])
+    files = {b: folder / f for f, b in MODEL_FILES.items() if (folder / f).is_file()}
+    plan = Plan(name, versions[-1], config, servable=frozenset(files))
+    installed = set(installed_backends())
+    if "openvino" not in files and "onnxruntime" in files:
+        files["openvino"] = files["onnxruntime"]  # measured on a temporary IR
+    for backend, path in files.items():
+        allowed = config.placement.backends
+        if backends and backend not in backends:
+            plan.skipped[backend] = "not asked for (--backends)"
+        elif allowed and backend not in allowed:
+            plan.skipped[backend] = f"not in [placement] backends {list(allowed)}"
+        elif backend not in installed:
+            plan.skipped[backend] = "runtime not installed"
+        elif backend == "tensorrt" and not gpu:
+            plan.skipped[backend] = gpu_reason
+        else:
+            threads = (1,) if backend == "tensorrt" else tuple(thread_counts(cores, max_threads))
+            converted = backend not in plan.servable
+            plan.targets.append(Target(backend, path, threads, converted))
+    return plan
+
+
+def measure_model(
+    repository: ModelRepository,
+    plan: Plan,
+    *,
     duration_s: float = 1.0,
     min_runs: int = 5,
-    progress: Callable[[str], None] = lambda _: None,
+    max_batch: int | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    progress: Progress = lambda _text, _done: None,
 ) -> ModelResult:
-    result = ModelResult(name)
-    usable, result.skipped = candidate_backends(repository, name, gpu)
-    if backends:
-        for b in usable:
-            if b not in backends:
-                result.skipped[b] = "not asked for (--backends)"
-        usable = [b for b in usable if b in backends]
-    base = repository.read_config(name)
-    version = repository.selected_versions(name, base)[-1]
-    rng = np.random.default_rng(0)
-    probe = MemoryProbe()
-    for backend in usable:
-        _, path = repository.model_file(name, version, backend)
-        for threads in thread_counts(cores, max_threads):
-            gc.collect()
-            before = probe.read()
-            options = replace(base.runtime.to_options(), threads=threads)
-            session = load_session(backend, path, options)
+    """Run ``plan``.  A backend that fails to convert, load or run is recorded in
+    ``skipped`` with the runtime's reason, and the other backends still run."""
+    base = plan.config
+    result = ModelResult(plan.name, plan.version, servable=plan.servable)
+    result.skipped = dict(plan.skipped)
+    result.sessions = base.instance_group.count * len(repository.selected_versions(plan.name, base))
+    sweep = _Sweep(base, duration_s, min_runs, max_batch, shapes, progress)
+    for target in plan.targets:
+        done = 0
+        with tempfile.TemporaryDirectory(prefix="ferry-tune-") as tmp:
             try:
-                config = complete_config(replace(base, backend=backend), session)
-                try:
-                    session.run(random_inputs(config, 1, rng))  # warm-up
-                except ValueError as exc:
-                    result.skipped[backend] = str(exc)
-                    break
-                memory = MemoryProbe.growth(before, probe.read())
-                points = []
-                for batch in batch_sizes(config.max_batch_size or 0, max_batch):
-                    progress(f"{name} {backend} threads={threads} batch={batch}")
-                    points.append(
-                        _time(
-                            session, random_inputs(config, batch, rng), batch, duration_s, min_runs
-                        )
-                    )
-            finally:
-                session.close()
-            result.trials.append(
-                Trial(
-                    backend,
-                    threads,
-                    points,
-                    fit_linear(points),
-                    memory,
-                    max(1, config.max_batch_size or 1),
-                )
-            )
+                path = _model_path(target, Path(tmp))
+                config = sweep.prime(target.backend, path)
+                result.max_batch_size = config.max_batch_size or 0
+                if shapes is None and any(d < 0 for s in config.inputs for d in s.dims):
+                    note = "dynamic input dims measured as 1 (--shape gives real ones)"
+                    result.notes = sorted({*result.notes, note})
+                for threads in target.threads:
+                    progress(f"{plan.name} {target.backend} {threads}t", 0)
+                    result.trials.append(sweep.trial(target, path, config, threads))
+                    done += 1
+                    progress(f"{plan.name} {target.backend} {threads}t", 1)
+            except (FerryError, ValueError) as exc:
+                result.skipped[target.backend] = getattr(exc, "message", None) or str(exc)
+                progress(f"{plan.name} {target.backend} skipped", len(target.threads) - done)
     return result
 
 
+@dataclass
+class _Sweep:
+    """The settings one model's sweep shares across backends and thread counts."""
+
+    base: ModelConfig
+    duration_s: float
+    min_runs: int
+    max_batch: int | None
+    shapes: dict[str, tuple[int, ...]] | None
+    progress: Progress
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    probe: MemoryProbe = field(default_factory=MemoryProbe)
+
+    def inputs(self, config: ModelConfig, batch: int) -> dict[str, np.ndarray]:
+        return random_inputs(config, batch, self.rng, self.shapes)
+
+    def prime(self, backend: str, path: Path) -> ModelConfig:
+        """Load, check and run once, then close: pays the runtime's one-time start-up
+        (imports, plugins, thread pools) before memory is measured, and finds a model
+        this backend cannot run before the sweep starts.  Returns the completed config."""
+        options = replace(self.base.runtime.to_options(self.base.instance_group.kind), threads=1)
+        session = load_session(backend, path, options)
+        try:
+            config = complete_config(replace(self.base, backend=backend), session)
+            session.run(self.inputs(config, 1))
+            return config
+        finally:
+            session.close()
+
+    def trial(self, target: Target, path: Path, config: ModelConfig, threads: int) -> Trial:
+        options = self.base.runtime.to_options(self.base.instance_group.kind)
+        gc.collect()
+        before = self.probe.read()
+        session = load_session(target.backend, path, replace(options, threads=threads))
+        try:
+            session.run(self.inputs(config, 1))  # what a dataplane's warm-up does
+            memory = MemoryProbe.growth(before, self.probe.read())
+            points = []
+            for batch in batch_sizes(config.max_batch_size or 0, self.max_batch):
+                self.progress(f"{config.name} {target.backend} {threads}t b{batch}", 0)
+                inputs = self.inputs(config, batch)
+                points.append(_time(session, inputs, batch, self.duration_s, self.min_runs))
+            memory = max(memory, MemoryProbe.growth(before, self.probe.read()))
+        finally:
+            session.close()
+        max_b = max(1, config.max_batch_size or 1)
+        fit = fit_linear(points)
+        return Trial(target.backend, threads, points, fit, memory, max_b, target.converted)
+
+
+def _model_path(target: Target, tmp: Path) -> Path:
+    if not target.converted:
+        return target.path
+    from shared.modeltools.convert import convert_to_openvino
+
+    return convert_to_openvino(target.path, tmp, progress=False)
+
+
 def _time(
-    session, inputs: dict[str, np.ndarray], batch: int, duration_s: float, min_runs: int
+    session: Session, inputs: dict[str, np.ndarray], batch: int, duration_s: float, min_runs: int
 ) -> Point:
-    session.run(inputs)  # first run at this shape
-    times = []
+    session.run(inputs)  # first run at this shape: allocations, kernel choice
+    times: list[float] = []
     until = time.perf_counter() + duration_s
     while len(times) < min_runs or time.perf_counter() < until:
         start = time.perf_counter()
