@@ -120,3 +120,20 @@ def test_the_catalogue_reads_placement_tables_and_reports_broken_models(tmp_path
     assert entries["good"].policy.rate == 12.5 and entries["good"].policy.min_copies == 2
     assert entries["good"].backends == ("onnxruntime",)
     assert "bad" in problems and "backend" in problems["bad"]
+
+
+def test_metrics_report_copies_memory_bounds_and_moves() -> None:
+    from cloud.controller.metrics import render_controller_metrics
+
+    core = _core([_entry("a"), _entry("b", min_copies=2)])
+    core.on_status("n1", _status("n1", 1.0))
+    core.on_status("n2", _status("n2", 1.0))
+    assert core.step(2.0) is not None
+    body, content_type = render_controller_metrics(core)
+    text = body.decode()
+    assert content_type.startswith("text/plain")
+    assert 'ferry_placement_copies{model="b"} 2.0' in text
+    assert 'ferry_node_memory_capacity_bytes{node="n1"}' in text
+    assert "ferry_placement_moves_total 3.0" in text
+    assert "ferry_placement_lower_bound_nodes" in text
+    assert 'ferry_model_alert{kind="unplaced",model="a"} 0.0' in text

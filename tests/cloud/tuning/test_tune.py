@@ -1,93 +1,208 @@
-"""ferry-cloud tune on real models: profiles, report, --apply."""
+"""ferry-cloud tune on real models: profiles, report, --apply, errors."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import tomllib
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from onnx import TensorProto
 
 from cloud.cli import main
-from cloud.tuning.profiles import load_profiles
+from cloud.placement.types import LatencyProfile
+from cloud.tuning.apply import apply_choice, dumps, merged
+from cloud.tuning.profiles import chosen_profile, load_profiles
 from shared.errors import ConfigError
 from shared.repository import ModelRepository
-from tests.support import write_linear_model
+from shared.runtimes import installed_backends
+from tests.support import write_identity_model, write_linear_model
+
+LIN_CONFIG = """\
+# a comment the rewrite cannot keep (the .bak does)
+max_batch_size = 8
+
+[dynamic_batching]
+max_queue_delay_us = 500
+max_queue_size = 64
+
+[instance_group]
+count = 1
+
+[placement]
+rate = 3.0
+backends = ["onnxruntime", "openvino"]
+"""
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    write_linear_model(tmp_path / "repo" / "lin" / "1" / "model.onnx")
-    (tmp_path / "repo" / "lin" / "config.toml").write_text(
-        "max_batch_size = 8\n[instance_group]\ncount = 1\n[placement]\nrate = 3.0\n"
-    )
-    return tmp_path / "repo"
+    root = tmp_path / "repo"
+    write_linear_model(root / "lin" / "1" / "model.onnx")
+    (root / "lin" / "config.toml").write_text(LIN_CONFIG)
+    write_identity_model(root / "text" / "1" / "model.onnx", TensorProto.STRING)
+    return root
+
+
+def _tune(repo: Path, out: Path, *extra: str) -> int:
+    args = ["tune", "--repository", str(repo), "--duration-s", "0.03", "--out", str(out)]
+    return main([*args, "--max-threads", "2", "--no-progress", *extra])
 
 
 def test_tune_writes_profiles_report_and_applies_the_choice(
-    repo: Path, tmp_path: Path, capsys
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "profiles.json"
-    code = main(
-        [
-            "tune",
-            "--repository",
-            str(repo),
-            "--duration-s",
-            "0.05",
-            "--max-threads",
-            "2",
-            "--out",
-            str(out),
-            "--report",
-            str(tmp_path / "report"),
-            "--apply",
-            "--no-progress",
-        ]
-    )
-    assert code == 0
+    out = tmp_path / "out" / "profiles.json"
+    report = tmp_path / "report"
+    assert _tune(repo, out, "--report", str(report), "--apply") == 0
     doc = json.loads(out.read_text())
-    entry = doc["models"]["lin"]
     assert doc["version"] == 1 and doc["machine"]["cores"] >= 1
-    assert [p["batch"] for p in entry["trials"][0]["points"]] == [1, 2, 4, 8]
-    assert entry["chosen"]["backend"] == "onnxruntime"
+    assert doc["machine"]["gpu"] is None or isinstance(doc["machine"]["gpu"], str)
+    assert doc["machine"]["memory_bytes"] > 0 and doc["machine"]["cpu"]
+    entry = doc["models"]["lin"]
+    ort = [t for t in entry["trials"] if t["backend"] == "onnxruntime"]
+    assert [t["threads"] for t in ort] == [1, 2] or [t["threads"] for t in ort] == [1]
+    assert [p["batch"] for p in ort[0]["points"]] == [1, 2, 4, 8]
+    assert all(p["runs"] >= 5 and p["p99_ms"] >= p["p50_ms"] > 0 for p in ort[0]["points"])
+    assert ort[0]["memory_bytes"] > 0 and ort[0]["beta_s"] > 0
+    chosen = entry["chosen"]
+    assert chosen["backend"] == "onnxruntime"  # the only file the folder can serve
+    assert chosen["p99_ms"] <= 50
+    if "openvino" in installed_backends():  # tried on a temporary IR, never chosen
+        assert any(t["backend"] == "openvino" and t["converted"] for t in entry["trials"])
+        assert not (repo / "lin" / "1" / "model.xml").exists()
+    assert "tensorrt" not in [t["backend"] for t in entry["trials"]]
+
+    # profiles.json round-trips to the placement's records, the chosen one first
     profiles = load_profiles(out)["lin"]
-    assert profiles[0].backend == "onnxruntime" and profiles[0].beta_s > 0
-    assert profiles[0].max_batch == 8 and profiles[0].memory_bytes > 0
-    svg = (tmp_path / "report" / "lin.svg").read_text()
-    assert svg.startswith("<svg") and "polyline" in svg
-    assert "<- chosen" in (tmp_path / "report" / "lin.txt").read_text()
-    config = ModelRepository(repo).read_config("lin")
-    assert config.backend == "onnxruntime"
-    assert config.runtime.threads == entry["chosen"]["threads"]
-    assert config.placement.rate == 3.0  # the user's keys stay
-    assert config.instance_group.count == 1
-    assert (repo / "lin" / "config.toml.bak").is_file()
+    assert [p.to_dict() for p in profiles][: len(entry["profiles"])] == sorted(
+        entry["profiles"], key=lambda p: p["backend"] != "onnxruntime"
+    )
+    first = chosen_profile(out, "lin")
+    assert isinstance(first, LatencyProfile) and first == profiles[0]
+    assert (first.backend, first.threads) == (chosen["backend"], chosen["threads"])
+    assert first.max_batch == 8 and first.memory_bytes > 0 and first.beta_s > 0
+
+    # the BYTES model is skipped with its reason, not fatal
+    assert doc["models"]["text"]["chosen"] is None
+    assert "BYTES" in doc["models"]["text"]["skipped"]["onnxruntime"]
+    assert "text" not in load_profiles(out) and chosen_profile(out, "text") is None
+
+    # report: a table and a well-formed SVG per model
+    table = (report / "lin.txt").read_text()
+    assert "<- chosen" in table and "l(b) =" in table
+    svg = ET.parse(report / "lin.svg").getroot()
+    assert svg.tag.endswith("svg")
+    assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == len(entry["trials"])
     assert "best: onnxruntime" in capsys.readouterr().out
 
+    # --apply: the chosen keys written, the user's kept, the loader accepts it
+    config = ModelRepository(repo).read_config("lin")
+    assert config.backend == "onnxruntime"
+    assert config.runtime.threads == chosen["threads"]
+    assert config.placement.rate == 3.0 and config.placement.backends == ("onnxruntime", "openvino")
+    assert config.instance_group.count == 1 and config.max_batch_size == 8
+    assert config.dynamic_batching.max_queue_size == 64
+    if chosen["batch"] > 1:
+        assert config.dynamic_batching.preferred_batch_sizes == (chosen["batch"],)
+        assert config.dynamic_batching.max_queue_delay_us <= 500  # the user's value at most
+    assert (repo / "lin" / "config.toml.bak").read_text() == LIN_CONFIG
 
-def test_an_unknown_model_is_a_clear_error(repo: Path, tmp_path: Path, capsys) -> None:
-    code = main(
-        [
-            "tune",
-            "--repository",
-            str(repo),
-            "--models",
-            "nope",
-            "--out",
-            str(tmp_path / "p.json"),
-            "--no-progress",
-        ]
-    )
-    assert code == 2
-    assert "nope" in capsys.readouterr().err
+
+def test_an_unknown_model_or_bad_flag_is_a_clear_error(
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p.json"
+    assert _tune(repo, out, "--models", "lin,nope") == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "lin" in err
+    assert _tune(repo, out, "--backends", "onnxruntime,tensorflow") == 2
+    assert "tensorflow" in capsys.readouterr().err
+    assert _tune(repo, out, "--shape", "x:3,zero") == 2
+    assert "--shape" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_broken_model_is_reported_and_the_others_still_tuned(repo: Path, tmp_path: Path) -> None:
+    (repo / "bad").mkdir()
+    (repo / "bad" / "config.toml").write_text("max_batch_size = -1\n")
+    out = tmp_path / "p.json"
+    assert _tune(repo, out, "--models", "bad,lin", "--backends", "onnxruntime") == 1
+    doc = json.loads(out.read_text())
+    assert "max_batch_size" in doc["models"]["bad"]["error"]
+    assert doc["models"]["lin"]["chosen"]["backend"] == "onnxruntime"
+    assert doc["models"]["lin"]["skipped"]["openvino"] == "not asked for (--backends)"
 
 
 def test_a_broken_profiles_file_names_file_and_key(tmp_path: Path) -> None:
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"version": 1, "models": {"m": {"profiles": [{"backend": "x"}]}}}))
-    with pytest.raises(ConfigError, match=r"p.json: key 'models.m.profiles'"):
+    with pytest.raises(ConfigError, match=r"p.json: key 'models.m.profiles\[0\]'"):
         load_profiles(bad)
+    bad.write_text(json.dumps({"version": 2, "models": {}}))
+    with pytest.raises(ConfigError, match=r"p.json: key 'version'"):
+        load_profiles(bad)
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_profiles(bad)
+
+
+def test_the_toml_writer_round_trips_what_tomllib_reads() -> None:
+    text = """\
+backend = "onnxruntime"
+"odd key" = "quote \\" back\\\\slash \\u0001 tab\\t"
+ratio = 0.5
+big = inf
+[[input]]
+name = "a/b"
+dims = [3, 224, 224]
+[[input]]
+name = "c"
+dims = [-1]
+[input.extra]
+deep = {x = 1, y = [true, false]}
+[runtime]
+threads = 2
+[runtime.nested]
+when = 1979-05-27T07:32:00Z
+"""
+    data = tomllib.loads(text)
+    assert tomllib.loads(dumps(data)) == data
+
+
+def test_merging_a_choice_never_drops_keys_and_never_shrinks_the_batch() -> None:
+    data = {"max_batch_size": 16, "input": [{"name": "x"}], "dynamic_batching": {"x": 1}}
+    chosen = {"backend": "openvino", "threads": 1, "batch": 4, "p99_ms": 10.0}
+    out = merged(data, chosen, 100.0)
+    assert out["max_batch_size"] == 16 and out["input"] == [{"name": "x"}]
+    assert out["dynamic_batching"] == {
+        "x": 1,
+        "preferred_batch_sizes": [4],
+        "max_queue_delay_us": 10_000,
+    }
+    assert data["dynamic_batching"] == {"x": 1}  # the input is not modified
+    one = merged(
+        {"dynamic_batching": {"preferred_batch_sizes": [8], "max_queue_delay_us": 2000}},
+        {**chosen, "batch": 1},
+        100.0,
+    )
+    assert one["dynamic_batching"] == {"max_queue_delay_us": 0}
+    assert "dynamic_batching" not in merged({"max_batch_size": 0}, chosen, 100.0)
+
+
+def test_apply_refuses_a_legacy_config_and_a_backend_without_its_file(repo: Path) -> None:
+    repository = ModelRepository(repo)
+    chosen = {"backend": "openvino", "threads": 1, "batch": 2, "p99_ms": 1.0}
+    with pytest.raises(ConfigError, match=r"not applied.*openvino"):
+        apply_choice(repository, "lin", chosen, 100.0)
+    assert (repo / "lin" / "config.toml").read_text() == LIN_CONFIG
+    assert not (repo / "lin" / "config.toml.tmp").exists()
+    write_linear_model(repo / "old" / "1" / "model.onnx")
+    (repo / "old" / "config.txt").write_text('{"batch_size": 4}')
+    with pytest.raises(ConfigError, match=r"config\.txt"):
+        apply_choice(repository, "old", {**chosen, "backend": "onnxruntime"}, 100.0)
 
 
 def test_the_real_example_model_is_tuned_on_onnxruntime(
@@ -96,26 +211,13 @@ def test_the_real_example_model_is_tuned_on_onnxruntime(
     repo = tmp_path / "repo"
     shutil.copytree(example_repository / "orientation", repo / "orientation")
     out = tmp_path / "profiles.json"
-    assert (
-        main(
-            [
-                "tune",
-                "--repository",
-                str(repo),
-                "--backends",
-                "onnxruntime",
-                "--max-threads",
-                "1",
-                "--max-batch",
-                "2",
-                "--duration-s",
-                "0.05",
-                "--out",
-                str(out),
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    code = _tune(repo, out, "--backends", "onnxruntime", "--max-threads", "1", "--max-batch", "2")
+    assert code == 0
     (profile,) = load_profiles(out)["orientation"]
-    assert profile.backend == "onnxruntime" and profile.a_s + profile.beta_s > 0.0005
+    assert profile.backend == "onnxruntime" and profile.threads == 1
+    assert profile.max_batch == 32  # the model's, not the sweep's limit
+    assert profile.a_s + 2 * profile.beta_s > 0.0005  # a real CNN, not a no-op
+    entry = json.loads(out.read_text())["models"]["orientation"]
+    assert [p["batch"] for p in entry["trials"][0]["points"]] == [1, 2]
+    assert entry["sessions"] == 2  # [instance_group] count = 2: a copy's memory is two
+    assert profile.memory_bytes == 2 * entry["trials"][0]["memory_bytes"]
