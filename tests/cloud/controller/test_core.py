@@ -136,4 +136,4 @@ def test_metrics_report_copies_memory_bounds_and_moves() -> None:
     assert 'ferry_node_memory_capacity_bytes{node="n1"}' in text
     assert "ferry_placement_moves_total 3.0" in text
     assert "ferry_placement_lower_bound_nodes" in text
-    assert 'ferry_model_alert{kind="unplaced",model="a"} 0.0' in text
+    assert 'ferry_model_alert{model="a",kind="unplaced"} 0.0' in text
