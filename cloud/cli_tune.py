@@ -1,6 +1,11 @@
 """``ferry-cloud tune``: measure models the way CPU-serving teams tune by hand
 (backend, threads, batch size), write ``profiles.json`` for the placement
-controller, a report per model, and optionally the chosen settings."""
+controller, a report per model, and optionally the chosen settings.
+
+A model that cannot be read or run is reported and the others are still tuned
+(one broken folder should not cost an hour of measurements); the exit status
+is then 1.  Bad arguments are a ConfigError before anything is measured.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ConfigError
+from shared.errors import ConfigError, FerryError
 
 
 def add_tune_command(sub: Any) -> None:
@@ -21,71 +26,131 @@ def add_tune_command(sub: Any) -> None:
     tune.add_argument("--max-threads", type=int, help="largest intra-op thread count")
     tune.add_argument("--max-batch", type=int, help="largest batch size")
     tune.add_argument("--duration-s", type=float, default=1.0, help="time per point (1.0)")
+    tune.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="INPUT:D1,D2,..",
+        help="dims (without batch) for an input with dynamic dims; repeatable",
+    )
     tune.add_argument("--out", required=True, type=Path, help="profiles.json to write")
     tune.add_argument("--report", type=Path, help="folder for tables and SVG plots")
     tune.add_argument("--apply", action="store_true", help="write the choices to config.toml")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _shapes(values: list[str]) -> dict[str, tuple[int, ...]] | None:
+    shapes = {}
+    for value in values:
+        name, _, dims = value.rpartition(":")
+        try:
+            parsed = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            parsed = ()
+        if not name or not parsed or min(parsed) < 1:
+            raise ConfigError(f"--shape {value!r}: expected INPUT:D1,D2,... with positive dims")
+        shapes[name] = parsed
+    return shapes or None
+
+
+def _check(args: argparse.Namespace) -> list[str] | None:
+    from shared.runtimes import BACKENDS
+
+    if args.latency_ms <= 0 or args.duration_s <= 0:
+        raise ConfigError("--latency-ms and --duration-s must be positive")
+    for flag in ("max_threads", "max_batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if not args.backends:
+        return None
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        raise ConfigError(f"--backends: unknown {unknown}; expected some of {sorted(BACKENDS)}")
+    return backends
+
+
 def run_tune_command(args: argparse.Namespace) -> int:
     from cloud.gpu import GpuMonitor
-    from cloud.tuning.apply import apply_choice
-    from cloud.tuning.profiles import document, write_profiles
+    from cloud.tuning.profiles import cpu_name, document, write_profiles
     from cloud.tuning.report import table, write_report
-    from cloud.tuning.sweep import measure_model
+    from cloud.tuning.sweep import ModelResult, measure_model, plan_model
     from shared.repository import ModelRepository
     from shared.repository.capacity import available_memory
     from shared.runtimes.base import available_cpus
 
-    if args.latency_ms <= 0 or args.duration_s <= 0:
-        raise ConfigError("--latency-ms and --duration-s must be positive")
+    backends = _check(args)
+    shapes = _shapes(args.shape)
     repository = ModelRepository(args.repository)
     names = repository.model_names()
     if args.models:
         wanted = [m.strip() for m in args.models.split(",") if m.strip()]
         unknown = sorted(set(wanted) - set(names))
         if unknown:
-            raise ConfigError(f"--models: no such model in {args.repository}: {unknown}")
+            raise ConfigError(
+                f"--models: no such model in {args.repository}: {unknown}; it has {names}"
+            )
         names = wanted
     gpu = GpuMonitor()
     has_gpu = gpu.start()
+    samples = gpu.sample() if has_gpu else []
+    gpu_name = ", ".join(sorted({s.name for s in samples})) if samples else None
+    gpu_reason = gpu.reason
+    gpu.close()
     cores = available_cpus()
-    backends = args.backends.split(",") if args.backends else None
+    plans, failed = {}, {}
+    for name in names:
+        try:
+            plans[name] = plan_model(
+                repository,
+                name,
+                cores=cores,
+                gpu=has_gpu,
+                gpu_reason=gpu_reason,
+                backends=backends,
+                max_threads=args.max_threads,
+            )
+        except FerryError as exc:
+            failed[name] = exc.message
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(names), unit="model", file=sys.stderr, leave=False)
+        total = sum(p.trials for p in plans.values())
+        bar = tqdm(total=total, unit="trial", file=sys.stderr, leave=False, desc="tune")
+
+    def progress(text: str, done: int) -> None:
+        if bar is not None:
+            bar.set_postfix_str(text[-50:], refresh=False)
+            bar.update(done)
+
     results = []
     try:
         for name in names:
-
-            def progress(text: str) -> None:
-                if bar is not None:
-                    bar.set_postfix_str(text[-60:])
-
+            if name in failed:
+                results.append(ModelResult(name, error=failed[name]))
+                continue
             results.append(
                 measure_model(
                     repository,
-                    name,
-                    cores=cores,
-                    gpu=has_gpu,
-                    backends=backends,
-                    max_threads=args.max_threads,
-                    max_batch=args.max_batch,
+                    plans[name],
                     duration_s=args.duration_s,
+                    max_batch=args.max_batch,
+                    shapes=shapes,
                     progress=progress,
                 )
             )
-            if bar is not None:
-                bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-        gpu.close()
-    doc = document(
-        results, args.latency_ms, cores, available_memory(), gpu.reason if has_gpu else None
-    )
+    machine = {
+        "cores": cores,
+        "memory_bytes": available_memory(),
+        "cpu": cpu_name(),
+        "gpu": gpu_name,
+    }
+    doc = document(results, args.latency_ms, machine, args.duration_s)
     write_profiles(args.out, doc)
     for name, entry in doc["models"].items():
         print(table(name, entry, args.latency_ms))
@@ -93,11 +158,30 @@ def run_tune_command(args: argparse.Namespace) -> int:
         written = write_report(args.report, doc)
         print(f"report: {len(written)} files in {args.report}")
     print(f"profiles: {args.out}")
+    status = 1 if failed else 0
     if args.apply:
-        for name, entry in doc["models"].items():
-            if entry["chosen"] is None:
-                print(f"not applied to {name}: nothing meets the objective")
-                continue
-            path = apply_choice(repository.model_dir(name), name, entry["chosen"])
-            print(f"applied to {path}")
-    return 0
+        status = max(status, _apply(repository, doc, args.latency_ms, cores))
+    return status
+
+
+def _apply(repository: Any, doc: dict[str, Any], latency_ms: float, cores: int) -> int:
+    from cloud.tuning.apply import apply_choice
+
+    status = 0
+    for name, entry in doc["models"].items():
+        if entry.get("error"):
+            continue
+        if entry["chosen"] is None:
+            why = "nothing meets the objective" if entry["trials"] else "nothing measured"
+            print(f"not applied to {name}: {why}")
+            continue
+        try:
+            path, warnings = apply_choice(repository, name, entry["chosen"], latency_ms, cores)
+        except ConfigError as exc:
+            print(f"ferry-cloud: error: {exc.message}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"applied to {path} (previous file: {path.name}.bak)")
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    return status

@@ -62,6 +62,18 @@ def fit_linear(points: Sequence[Point]) -> Fit:
     return Fit(a, beta, spread)
 
 
+def fit_within(points: Sequence[Point], latency_s: float) -> tuple[Fit, list[int]]:
+    """The fit over the batch sizes whose p99 is within the objective (at least the two
+    smallest), and those sizes.  Placement never plans a batch slower than the
+    objective, and on CPUs the curve bends upwards at large batches (caches): a line
+    through those points would hide the fixed cost ``a`` that matters at small ones."""
+    ordered = sorted(points, key=lambda p: p.batch)
+    used = [p for p in ordered if p.p99_s <= latency_s]
+    if len(used) < 2:
+        used = ordered[:2]
+    return fit_linear(used), [p.batch for p in used]
+
+
 @dataclass(frozen=True)
 class Candidate:
     backend: str

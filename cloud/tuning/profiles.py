@@ -11,8 +11,9 @@ docs/tuning.md)::
         "converted_best": {... as chosen, backend not served by the files} | absent,
         "profiles": [LatencyProfile.to_dict(), ...],  # per backend, at its best threads
         "trials": [{"backend", "threads", "converted", "memory_bytes", "a_s", "beta_s",
-                    "spread_s", "points": [{"batch", "p50_ms", "p99_ms", "mean_ms",
-                                            "runs", "throughput"}]}],
+                    "spread_s", "fit_batches": [...],
+                    "points": [{"batch", "p50_ms", "p99_ms", "mean_ms", "runs",
+                                "throughput"}]}],
         "skipped": {"<backend>": "why"}, "notes": [...], "error": "why" | absent}}}
 
 A trial's ``memory_bytes`` is one session; a profile's is one loaded copy (the
@@ -30,7 +31,7 @@ from typing import Any
 
 from cloud.placement.types import LatencyProfile
 from cloud.tuning.fit import Candidate, choose, queue_delay_us
-from cloud.tuning.sweep import ModelResult
+from cloud.tuning.sweep import ModelResult, Trial
 from shared.errors import ConfigError
 
 VERSION = 1
@@ -59,15 +60,16 @@ def best_profiles(result: ModelResult, latency_s: float) -> list[LatencyProfile]
         if chosen is not None and chosen.backend == backend:
             best = chosen
         trial = next(t for t in trials if t.threads == best.threads)
+        fit, _ = trial.fit(latency_s)
         out.append(
             LatencyProfile(
                 backend=backend,
-                a_s=trial.fit.a_s,
-                beta_s=max(trial.fit.beta_s, 1e-9),
+                a_s=fit.a_s,
+                beta_s=max(fit.beta_s, 1e-9),
                 max_batch=trial.max_batch,
                 memory_bytes=max(1, trial.memory_bytes * result.sessions),
                 threads=trial.threads,
-                spread_s=trial.fit.spread_s,
+                spread_s=fit.spread_s,
             )
         )
     return out
@@ -100,34 +102,37 @@ def model_entry(result: ModelResult, latency_ms: float) -> dict[str, Any]:
         if chosen is None or anywhere.point.throughput > chosen.point.throughput * 1.02:
             entry["converted_best"] = _choice(anywhere, latency_s)
     entry["profiles"] = [p.to_dict() for p in best_profiles(result, latency_s)]
-    entry["trials"] = [
-        {
-            "backend": t.backend,
-            "threads": t.threads,
-            "converted": t.converted,
-            "memory_bytes": t.memory_bytes,
-            "a_s": t.fit.a_s,
-            "beta_s": t.fit.beta_s,
-            "spread_s": t.fit.spread_s,
-            "points": [
-                {
-                    "batch": p.batch,
-                    "p50_ms": round(p.p50_s * 1000, 4),
-                    "p99_ms": round(p.p99_s * 1000, 4),
-                    "mean_ms": round(p.mean_s * 1000, 4),
-                    "runs": p.runs,
-                    "throughput": round(p.throughput, 2),
-                }
-                for p in t.points
-            ],
-        }
-        for t in result.trials
-    ]
+    entry["trials"] = [_trial(t, latency_s) for t in result.trials]
     entry["skipped"] = dict(result.skipped)
     entry["notes"] = list(result.notes)
     if result.error is not None:
         entry["error"] = result.error
     return entry
+
+
+def _trial(t: Trial, latency_s: float) -> dict[str, Any]:
+    fit, batches = t.fit(latency_s)
+    return {
+        "backend": t.backend,
+        "threads": t.threads,
+        "converted": t.converted,
+        "memory_bytes": t.memory_bytes,
+        "a_s": fit.a_s,
+        "beta_s": fit.beta_s,
+        "spread_s": fit.spread_s,
+        "fit_batches": batches,
+        "points": [
+            {
+                "batch": p.batch,
+                "p50_ms": round(p.p50_s * 1000, 4),
+                "p99_ms": round(p.p99_s * 1000, 4),
+                "mean_ms": round(p.mean_s * 1000, 4),
+                "runs": p.runs,
+                "throughput": round(p.throughput, 2),
+            }
+            for p in t.points
+        ],
+    }
 
 
 def document(

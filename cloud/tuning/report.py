@@ -18,7 +18,8 @@ def _label(trial: dict[str, Any]) -> str:
 
 def _verdict(kind: str, choice: dict[str, Any]) -> str:
     return (
-        f"  {kind}: {choice['backend']}, {choice['threads']} threads, batch {choice['batch']}: "
+        f"  {kind}: {choice['backend']}, {choice['threads']} thread"
+        f"{'' if choice['threads'] == 1 else 's'}, batch {choice['batch']}: "
         f"{choice['throughput']:.1f} items/s at p99 {choice['p99_ms']:.2f} ms"
     )
 
@@ -44,13 +45,16 @@ def table(name: str, entry: dict[str, Any], latency_ms: float) -> str:
             )
     for t in entry["trials"]:
         lines.append(
-            f"  fit {_label(t)} {t['threads']}t: l(b) = {t['a_s'] * 1000:.3f} + "
-            f"{t['beta_s'] * 1000:.3f}*b ms (spread {t['spread_s'] * 1000:.3f} ms)"
+            f"  fit {_label(t)} {t['threads']}t: l(b) = {t['a_s'] * 1000:.4g} + "
+            f"{t['beta_s'] * 1000:.4g}*b ms (spread {t['spread_s'] * 1000:.3g} ms, "
+            f"batches {','.join(str(b) for b in t.get('fit_batches', []))})"
         )
     if entry.get("chosen"):
         lines.append(_verdict("best", entry["chosen"]))
-    elif not entry.get("error"):
+    elif entry["trials"]:
         lines.append("  best: nothing meets the objective")
+    elif not entry.get("error"):
+        lines.append("  best: nothing could be measured (see skipped)")
     if entry.get("converted_best"):
         lines.append(_verdict("better once converted", entry["converted_best"]))
     if any(t.get("converted") for t in entry["trials"]):

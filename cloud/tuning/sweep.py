@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from cloud.loading import MemoryProbe
-from cloud.tuning.fit import Candidate, Fit, Point, fit_linear
+from cloud.tuning.fit import Candidate, Fit, Point, fit_within
 from shared.datatypes import numpy_dtype
 from shared.errors import FerryError
 from shared.repository import ModelConfig, ModelRepository, complete_config
@@ -63,15 +63,18 @@ class Plan:
 
 @dataclass
 class Trial:
-    """One backend with one thread count: its points, fit and memory per session."""
+    """One backend with one thread count: its points and memory per session."""
 
     backend: str
     threads: int
     points: list[Point]
-    fit: Fit
     memory_bytes: int
     max_batch: int
     converted: bool = False
+
+    def fit(self, latency_s: float) -> tuple[Fit, list[int]]:
+        """``l(b)`` over the batch sizes within the objective, and those sizes."""
+        return fit_within(self.points, latency_s)
 
 
 @dataclass
@@ -216,8 +219,10 @@ def measure_model(
                     result.trials.append(sweep.trial(target, path, config, threads))
                     done += 1
                     progress(f"{plan.name} {target.backend} {threads}t", 1)
-            except (FerryError, ValueError) as exc:
-                result.skipped[target.backend] = getattr(exc, "message", None) or str(exc)
+            except (FerryError, ValueError, RuntimeError, MemoryError, OSError) as exc:
+                # one backend's failure is a finding about the model, not the end of the run
+                why = exc.message if isinstance(exc, FerryError) else str(exc)
+                result.skipped[target.backend] = why or type(exc).__name__
                 progress(f"{plan.name} {target.backend} skipped", len(target.threads) - done)
     return result
 
@@ -264,12 +269,12 @@ class _Sweep:
                 self.progress(f"{config.name} {target.backend} {threads}t b{batch}", 0)
                 inputs = self.inputs(config, batch)
                 points.append(_time(session, inputs, batch, self.duration_s, self.min_runs))
+            del inputs  # the input array is the client's memory, not the session's
             memory = max(memory, MemoryProbe.growth(before, self.probe.read()))
         finally:
             session.close()
         max_b = max(1, config.max_batch_size or 1)
-        fit = fit_linear(points)
-        return Trial(target.backend, threads, points, fit, memory, max_b, target.converted)
+        return Trial(target.backend, threads, points, memory, max_b, target.converted)
 
 
 def _model_path(target: Target, tmp: Path) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloud.tuning.fit import Candidate, Point, choose, fit_linear, queue_delay_us
+from cloud.tuning.fit import Candidate, Point, choose, fit_linear, fit_within, queue_delay_us
 
 
 def _point(batch: int, mean_ms: float, p99_ms: float | None = None) -> Point:
@@ -38,6 +38,17 @@ def test_a_single_point_is_all_slope_and_noise_never_gives_negative_figures() ->
     assert through.beta_s == pytest.approx((0.5 + 3.8 + 16.4) / 21 / 1000)
     with pytest.raises(ValueError):
         fit_linear([])
+
+
+def test_the_fit_leaves_out_batches_slower_than_the_objective() -> None:
+    # linear up to batch 8, then the curve bends upwards (caches)
+    points = [_point(b, 2.0 + 1.0 * b) for b in (1, 2, 4, 8)] + [_point(16, 60.0)]
+    fit, used = fit_within(points, 0.050)  # batch 16's p99 is 66 ms
+    assert used == [1, 2, 4, 8]
+    assert fit.a_s == pytest.approx(0.002) and fit.beta_s == pytest.approx(0.001)
+    # nothing within the objective: the two smallest batches still give a line
+    fit, used = fit_within(list(reversed(points)), 0.001)
+    assert used == [1, 2] and fit.beta_s == pytest.approx(0.001)
 
 
 def test_the_choice_is_the_most_throughput_within_half_the_objective() -> None:
