@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -36,6 +37,7 @@ from shared import envelope
 from shared.errors import FerryError, InternalError, InvalidInput, Overloaded, ShuttingDown
 from shared.mqtt import (
     PREFIX,
+    BrokerAddress,
     model_from_topic,
     nodelay,
     reply_principal,
@@ -47,6 +49,32 @@ from shared.tls import client_tls_context
 
 log = logging.getLogger(__name__)
 
+
+
+def new_client(
+    broker: BrokerAddress,
+    client_id: str,
+    *,
+    ca_file: Path | None = None,
+    insecure: bool = False,
+    cert_file: Path | None = None,
+    key_file: Path | None = None,
+) -> mqtt.Client:
+    """A paho MQTT v5 client for the cloud tier (node, controller, ``fleet``): the
+    broker's credentials and TLS, Nagle off."""
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        protocol=mqtt.MQTTv5,
+    )
+    if broker.username:
+        client.username_pw_set(broker.username, broker.password)
+    if broker.tls:
+        client.tls_set_context(
+            client_tls_context(ca_file, insecure=insecure, cert_file=cert_file, key_file=key_file)
+        )
+    client.on_socket_open = nodelay
+    return client
 
 
 #: replies above this are handed to paho from a worker thread (it copies them whole)
@@ -99,24 +127,15 @@ class MqttFront:
     # ---- lifecycle --------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> None:
         self._loop = asyncio.get_running_loop()
-        client = mqtt.Client(
-            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-            client_id=self.client_id,
-            protocol=mqtt.MQTTv5,
-        )
         broker = self.config.broker
-        if broker.username:
-            client.username_pw_set(broker.username, broker.password)
-        if broker.tls:
-            client.tls_set_context(
-                client_tls_context(
-                    self.config.ca_file,
-                    insecure=self.config.tls_insecure,
-                    cert_file=self.config.cert_file,
-                    key_file=self.config.key_file,
-                )
-            )
-        client.on_socket_open = nodelay
+        client = new_client(
+            broker,
+            self.client_id,
+            ca_file=self.config.ca_file,
+            insecure=self.config.tls_insecure,
+            cert_file=self.config.cert_file,
+            key_file=self.config.key_file,
+        )
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message

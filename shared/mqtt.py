@@ -72,6 +72,15 @@ def status_topic(node: str) -> str:
     return f"{PREFIX}/nodes/{node}/status"
 
 
+def node_from_status_topic(topic: str) -> str | None:
+    """The node name in a status topic, or None when the topic is not one."""
+    head = f"{PREFIX}/nodes/"
+    if topic.startswith(head) and topic.endswith("/status"):
+        node = topic[len(head) : -len("/status")]
+        return node if node and "/" not in node else None
+    return None
+
+
 @dataclass(frozen=True)
 class BrokerAddress:
     """Where a broker is and how to reach it (from ``mqtt://`` / ``mqtts://`` URLs)."""

@@ -84,8 +84,9 @@ def _fleet(args: argparse.Namespace) -> int:
     from cloud.controller.table import fleet_document, render_fleet
     from cloud.fleet.follower import STATUS_PATTERN
     from cloud.fleet.view import FleetView, decode_document
+    from cloud.mqtt_front import new_client
     from shared.errors import ConfigError, EndpointUnavailable
-    from shared.mqtt import PLACEMENT_TOPIC, PREFIX, nodelay, parse_broker_url
+    from shared.mqtt import PLACEMENT_TOPIC, node_from_status_topic, parse_broker_url
 
     broker = parse_broker_url(args.broker)
     view = FleetView()
@@ -109,21 +110,11 @@ def _fleet(args: argparse.Namespace) -> int:
             elif message.topic == ALERTS_TOPIC:
                 alerts[:] = document if isinstance(document, list) else []
             else:
-                node = message.topic[len(f"{PREFIX}/nodes/") : -len("/status")]
-                view.on_status(node, document)
+                node = node_from_status_topic(message.topic)
+                if node:
+                    view.on_status(node, document)
 
-    client = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id=f"ferry-fleet-{time.monotonic_ns() % 10**9}",
-        protocol=mqtt.MQTTv5,
-    )
-    if broker.username:
-        client.username_pw_set(broker.username, broker.password)
-    if broker.tls:
-        from shared.tls import client_tls_context
-
-        client.tls_set_context(client_tls_context(None))
-    client.on_socket_open = nodelay
+    client = new_client(broker, f"ferry-fleet-{time.monotonic_ns() % 10**9}")
     client.on_connect = on_connect
     client.on_message = on_message
     try:

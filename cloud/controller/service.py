@@ -34,9 +34,9 @@ from cloud.controller.core import ControllerCore
 from cloud.controller.metrics import render_controller_metrics
 from cloud.fleet.follower import STATUS_PATTERN
 from cloud.fleet.view import decode_document
-from cloud.mqtt_front import wait_published
+from cloud.mqtt_front import new_client, wait_published
 from shared.errors import ConfigError
-from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, nodelay
+from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, node_from_status_topic
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +68,8 @@ class ControllerService:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.core.started = time.monotonic()
-        client = mqtt.Client(
-            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-            client_id=self.options.client_id,
-            protocol=mqtt.MQTTv5,
-        )
         broker = self.options.broker
-        if broker.username:
-            client.username_pw_set(broker.username, broker.password)
-        if broker.tls:
-            from shared.tls import client_tls_context
-
-            client.tls_set_context(client_tls_context(None))
-        client.on_socket_open = nodelay
+        client = new_client(broker, self.options.client_id)
         client.on_connect = self._on_connect
         client.on_message = self._on_message
         client.reconnect_delay_set(min_delay=1, max_delay=5)
@@ -173,8 +162,9 @@ class ControllerService:
             if not self._published_once:
                 self.core.on_retained_placement(document)
             return
-        node = topic[len(f"{PREFIX}/nodes/") : -len("/status")]
-        self.core.on_status(node, document)
+        node = node_from_status_topic(topic)
+        if node:
+            self.core.on_status(node, document)
 
     # ---- HTTP ----------------------------------------------------------------------------
     async def _metrics(self, request: web.Request) -> web.Response:

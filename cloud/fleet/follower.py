@@ -31,7 +31,7 @@ from cloud.fleet.view import FleetView, decode_document
 from cloud.mqtt_front import MqttFront
 from cloud.placement.types import Copy, Placement
 from shared.errors import ConfigError, FerryError
-from shared.mqtt import PLACEMENT_TOPIC, PREFIX
+from shared.mqtt import PLACEMENT_TOPIC, PREFIX, node_from_status_topic
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ class PlacementFollower:
         self._wake.set()
 
     def _on_status(self, topic: str, payload: bytes, properties: Any) -> None:
-        node = topic[len(f"{PREFIX}/nodes/") : -len("/status")]
-        if node == self.node:
+        node = node_from_status_topic(topic)
+        if not node or node == self.node:
             return
         try:
             document = decode_document(payload)
