@@ -7,16 +7,20 @@ also reads ``class_count``) comes back as a BYTES tensor of shape
 ``"<value>:<index>"`` for the k largest elements of each item, largest
 first, ties broken by the lower index.  Values print as C's ``%f`` for
 floating-point outputs and as integers otherwise, as Triton prints them.
-k larger than the number of classes returns every class.  Labels files are
-not supported, so no ``":<label>"`` part is added.
+k larger than the number of classes returns every class.  Where the model's
+``[[postprocess]]`` names a labels file for the output, ``":<label>"`` is
+added, as Triton adds its ``label_filename``'s.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from shared.errors import InvalidInput
 from shared.messages import InferRequest
+from shared.pipeline import post
 from shared.repository import ModelConfig
 
 _KEYS = ("classification", "class_count")
@@ -50,20 +54,8 @@ def requested_classes(config: ModelConfig, request: InferRequest) -> dict[str, i
     return found
 
 
-def top_k(array: np.ndarray, k: int, batched: bool) -> np.ndarray:
+def top_k(
+    array: np.ndarray, k: int, batched: bool, labels: Sequence[str] | None = None
+) -> np.ndarray:
     """The classification strings (bytes) of ``array``; see the module docstring."""
-    if batched:
-        rows = array.reshape(array.shape[0], -1) if array.ndim else array.reshape(1, 1)
-    else:
-        rows = array.reshape(1, -1)
-    count = min(k, rows.shape[1])
-    values = rows.astype(np.float64)
-    order = np.argsort(-values, axis=1, kind="stable")[:, :count]
-    is_float = array.dtype.kind == "f" or array.dtype.name == "bfloat16"
-    out = np.empty((rows.shape[0], count), dtype=object)
-    for i in range(rows.shape[0]):
-        for j, index in enumerate(order[i]):
-            value = values[i, index]
-            shown = f"{value:f}" if is_float else str(int(value))
-            out[i, j] = f"{shown}:{int(index)}".encode()
-    return out if batched else out.reshape(count)
+    return post.top_k(array, k, labels, 1 if batched else 0)

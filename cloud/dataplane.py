@@ -42,6 +42,7 @@ from shared.errors import (
     ShuttingDown,
 )
 from shared.messages import InferRequest, InferResponse
+from shared.pipeline import open_session
 from shared.repository import (
     ModelConfig,
     ModelRepository,
@@ -57,7 +58,7 @@ from shared.repository.capacity import (
     check_capacity,
     model_file_bytes,
 )
-from shared.runtimes import Session, load_session
+from shared.runtimes import Session
 from shared.runtimes.base import available_cpus
 from shared.tensors import Limits, Tensor
 
@@ -218,11 +219,11 @@ class DataPlane:
     ) -> LoadedModel:
         before = self._memory.read()
         backend, path = self.repository.model_file(name, version, config.backend)
-        sessions = [load_session(backend, path, options)]
+        sessions = [open_session(backend, path, options, config)]
         try:
             vconfig = complete_config(config, sessions[0])
             for _ in range(vconfig.instance_group.count - 1):
-                sessions.append(load_session(backend, path, options))
+                sessions.append(open_session(backend, path, options, config))
             for session in sessions:
                 warm_up(session, vconfig)
         except BaseException:
@@ -546,7 +547,10 @@ class DataPlane:
         tensors = []
         for n in names:
             if run.classes and n in run.classes:
-                strings = top_k(result.outputs[n], run.classes[n], bool(config.max_batch_size))
+                labels = getattr(model.sessions[0], "labels", {}).get(n)
+                strings = top_k(
+                    result.outputs[n], run.classes[n], bool(config.max_batch_size), labels
+                )
                 tensors.append(Tensor(n, "BYTES", strings))
             else:
                 tensors.append(output_tensor(n, result.outputs[n], config))

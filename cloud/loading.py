@@ -29,7 +29,8 @@ import ctypes
 import logging
 import os
 
-from shared.repository import ModelConfig, warm_up_inputs
+from shared.pipeline import sample_inputs
+from shared.repository import ModelConfig
 from shared.runtimes.base import Session
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class MemoryProbe:
 def warm_up(session: Session, config: ModelConfig) -> bool:
     """Run ``session`` once on zeros; False (and a warning) when the model rejects them."""
     try:
-        session.run(warm_up_inputs(config))
+        session.run(sample_inputs(session, config))
     except Exception as exc:
         log.warning("model %s: warm-up run on zeros failed (%s); loaded anyway", config.name, exc)
         return False

@@ -40,7 +40,8 @@ from edge.transports.base import Transport
 from shared.errors import ConfigError, FerryError, InvalidInput
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import BrokerAddress, parse_broker_url
-from shared.repository import ModelRepository, warm_up_inputs
+from shared.pipeline import sample_inputs
+from shared.repository import ModelRepository
 from shared.tensors import Tensor
 from shared.tls import client_tls_context
 
@@ -208,7 +209,8 @@ class Agent:
 
     async def _warm_up(self, name: str) -> None:
         """One run on zeros: pays first-call costs and seeds the latency estimate."""
-        inputs = warm_up_inputs(self.local.get(name).config)
+        model = self.local.get(name)
+        inputs = sample_inputs(model.session, model.config)
         try:
             for _ in range(2):
                 _, seconds = await self.local.run(name, inputs)

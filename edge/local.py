@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.errors import ModelNotFound, Overloaded
+from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
-from shared.runtimes import RuntimeOptions, Session, load_session
+from shared.runtimes import RuntimeOptions, Session
 
 
 @dataclass
@@ -87,7 +88,7 @@ class LocalModels:
                 precision_hint=options.precision_hint,
                 allow_spinning=options.allow_spinning,
             )
-        session = load_session(backend, path, options)
+        session = open_session(backend, path, options, config)
         model = LocalModel(
             name,
             version,

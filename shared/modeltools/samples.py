@@ -140,6 +140,28 @@ def orientation_samples(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
+def orientation_jpegs(
+    n: int, seed: int = 0, quality: int = 85
+) -> tuple[list[bytes], np.ndarray]:
+    """The same pages as :func:`orientation_samples`, as the JPEG files a phone app would
+    send (rotated, encoded at ``quality``), and their labels."""
+    import io
+
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    blobs: list[bytes] = []
+    labels = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        rng = np.random.default_rng([seed, i])
+        label = (i + seed) % len(ANGLES)
+        rotated = render_page(rng).rotate(-ANGLES[label], expand=True, fillcolor=255)
+        buffer = io.BytesIO()
+        rotated.convert("RGB").save(buffer, "JPEG", quality=quality)
+        blobs.append(buffer.getvalue())
+        labels[i] = label
+    return blobs, labels
+
+
 def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     try:
         return ImageFont.load_default(size=size)

@@ -14,11 +14,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
 
 from shared.configcheck import loads_toml
 from shared.datatypes import DATATYPES
 from shared.errors import ConfigError
+from shared.pipeline.spec import ImageInput, OutputStage
+from shared.repository.checks import (
+    check_bool,
+    check_choice,
+    check_dims,
+    check_int,
+    check_int_list,
+    check_name,
+    check_number,
+    check_table,
+    check_unique,
+    fail,
+)
+from shared.repository.stages import parse_postprocess, parse_preprocess
 from shared.runtimes import BACKENDS
 from shared.runtimes.base import RuntimeOptions, TensorSpec
 
@@ -131,80 +144,9 @@ class ModelConfig:
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     placement: PlacementPolicy = field(default_factory=PlacementPolicy)
+    preprocess: tuple[ImageInput, ...] = ()
+    postprocess: tuple[OutputStage, ...] = ()
     source: Path | None = None
-
-
-# ---- checks shared with the legacy reader ------------------------------------------------
-
-
-def fail(source: str, key: str, expected: str, value: object) -> NoReturn:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    raise ConfigError(f"{source}: key {key!r}: expected {expected}, got {shown}")
-
-
-def check_table(value: object, source: str, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        fail(source, key, "a table", value)
-    for k in value:
-        if k not in allowed:
-            dotted = f"{key}.{k}" if key else str(k)
-            raise ConfigError(
-                f"{source}: unknown key {dotted!r}; expected one of {sorted(allowed)}"
-            )
-    return value
-
-
-def check_int(value: object, source: str, key: str, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        wanted = {0: "a non-negative integer", 1: "a positive integer"}.get(
-            minimum, f"an integer >= {minimum}"
-        )
-        fail(source, key, wanted, value)
-    return value
-
-
-def check_bool(value: object, source: str, key: str) -> bool:
-    if not isinstance(value, bool):
-        fail(source, key, "true or false", value)
-    return value
-
-
-def check_choice(value: object, source: str, key: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        fail(source, key, "one of " + ", ".join(repr(c) for c in choices), value)
-    return value
-
-
-def check_int_list(value: object, source: str, key: str, minimum: int = 0) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        fail(source, key, "a list of integers", value)
-    return tuple(check_int(v, source, f"{key}[{i}]", minimum) for i, v in enumerate(value))
-
-
-def check_dims(value: object, source: str, key: str) -> tuple[int, ...]:
-    expected = "a list of dimensions (positive integers, or -1 for a dynamic one)"
-    if not isinstance(value, list):
-        fail(source, key, expected, value)
-    for v in value:
-        if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
-            fail(source, key, expected, value)
-    return tuple(value)
-
-
-def check_name(value: object, source: str, key: str) -> str:
-    if not isinstance(value, str) or not value:
-        fail(source, key, "a non-empty string", value)
-    return value
-
-
-def check_unique(specs: tuple[TensorSpec, ...], source: str, key: str) -> None:
-    seen: set[str] = set()
-    for i, spec in enumerate(specs):
-        if spec.name in seen:
-            raise ConfigError(f"{source}: key '{key}[{i}].name': {spec.name!r} is declared twice")
-        seen.add(spec.name)
 
 
 # ---- config.toml -------------------------------------------------------------------------
@@ -219,6 +161,8 @@ _TOP = (
     "version_policy",
     "runtime",
     "placement",
+    "preprocess",
+    "postprocess",
 )
 _TENSOR = ("name", "datatype", "dims")
 _BATCHING = (  # preferred_batch_sizes first: the others are integers
@@ -269,6 +213,8 @@ def parse_config_dict(data: dict, source: str, name: str) -> ModelConfig:
         version_policy=_version_policy(data.get("version_policy", {}), source),
         runtime=_runtime(data.get("runtime", {}), source),
         placement=_placement(data.get("placement", {}), source),
+        preprocess=parse_preprocess(data.get("preprocess", []), source),
+        postprocess=parse_postprocess(data.get("postprocess", []), source),
     )
 
 
@@ -391,14 +337,6 @@ def _runtime(value: object, source: str) -> RuntimeConfig:
 _PLACEMENT = ("latency_objective_ms", "min_copies", "max_copies", "rate", "backends")
 
 
-def _number(value: object, source: str, key: str, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        fail(source, key, "a number", value)
-    if value < 0 or (positive and value == 0) or value == float("inf"):
-        fail(source, key, "a positive number" if positive else "a number >= 0", value)
-    return float(value)
-
-
 def _placement(value: object, source: str) -> PlacementPolicy:
     t = check_table(value, source, "placement", _PLACEMENT)
     k = "placement."
@@ -407,12 +345,12 @@ def _placement(value: object, source: str) -> PlacementPolicy:
         fail(source, k + "backends", "a list of backend names", backends)
     chosen = tuple(check_choice(b, source, k + "backends", tuple(BACKENDS)) for b in backends)
     policy = PlacementPolicy(
-        latency_objective_ms=_number(
+        latency_objective_ms=check_number(
             t.get("latency_objective_ms", 100.0), source, k + "latency_objective_ms", True
         ),
         min_copies=check_int(t.get("min_copies", 1), source, k + "min_copies"),
         max_copies=check_int(t.get("max_copies", 0), source, k + "max_copies"),
-        rate=_number(t.get("rate", 0.0), source, k + "rate", False),
+        rate=check_number(t.get("rate", 0.0), source, k + "rate", False),
         backends=chosen,
     )
     if policy.max_copies and policy.max_copies < policy.min_copies:

@@ -35,8 +35,7 @@ from pathlib import Path
 
 from shared.datatypes import DATATYPES
 from shared.errors import ConfigError
-from shared.repository.config import (
-    ModelConfig,
+from shared.repository.checks import (
     check_dims,
     check_int,
     check_name,
@@ -44,6 +43,7 @@ from shared.repository.config import (
     check_unique,
     fail,
 )
+from shared.repository.config import ModelConfig
 from shared.repository.triton import triton_datatype
 from shared.runtimes.base import TensorSpec
 

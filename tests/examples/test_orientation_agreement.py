@@ -121,7 +121,16 @@ def test_every_variant_has_a_config_naming_its_backend_and_io(repository: Path) 
         "orientation-int8": "onnxruntime",
         "orientation-ov": "openvino",
     }
-    assert sorted(p.name for p in repository.iterdir()) == sorted(expected)
+    pipelines = {"orientation-jpeg": "orientation", "orientation-int8-jpeg": "orientation-int8"}
+    assert sorted(p.name for p in repository.iterdir()) == sorted([*expected, *pipelines])
+    for name, source in pipelines.items():
+        config = tomllib.loads((repository / name / "config.toml").read_text())
+        assert config["input"] == [{"name": "image", "datatype": "BYTES", "dims": [1]}]
+        assert config["preprocess"][0]["tensor"] == "x"
+        assert config["postprocess"][0]["labels"] == "labels.txt"
+        assert (repository / name / "labels.txt").read_text().split() == ["0", "90", "180", "270"]
+        same = (repository / name / "1" / "model.onnx").read_bytes()
+        assert same == (repository / source / "1" / "model.onnx").read_bytes()
     for name, backend in expected.items():
         config = tomllib.loads((repository / name / "config.toml").read_text())
         assert config["backend"] == backend
@@ -145,7 +154,7 @@ def test_rebuilding_an_up_to_date_repository_touches_nothing(
     load_builder().build_repository(repository)
     assert time.monotonic() - start < 5.0
     assert {p: p.stat().st_mtime_ns for p in files} == before
-    assert capsys.readouterr().out.count("up to date") == 3
+    assert capsys.readouterr().out.count("up to date") == 5
 
 
 def test_force_rebuilds_the_int8_variant(repository: Path) -> None:

@@ -1,0 +1,52 @@
+"""Declarative pre- and post-processing shared by both tiers.
+
+A model's ``config.toml`` may turn an image input into the tensor the model
+takes (``[[preprocess]]``) and an output into scores, labels or an index
+(``[[postprocess]]``); :func:`open_session` loads a model file with them, so
+the agent and the cloud run the same code on the same request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shared.pipeline.session import PipelineSession, decode_pool, wrap
+from shared.pipeline.spec import ImageInput, OutputStage
+from shared.runtimes import RuntimeOptions, Session, load_session
+
+if TYPE_CHECKING:
+    from shared.repository.config import ModelConfig
+
+
+def open_session(backend: str, path: Path, options: RuntimeOptions, config: ModelConfig) -> Session:
+    """Load ``path`` and put the config's stages around it (model folder: ``path``'s grandparent)."""
+    session = load_session(backend, path, options)
+    if not config.preprocess and not config.postprocess:
+        return session
+    where = str(config.source) if config.source else f"model {config.name!r}"
+    try:
+        return wrap(session, config.preprocess, config.postprocess, Path(path).parent.parent, where)
+    except BaseException:
+        session.close()
+        raise
+
+
+def sample_inputs(session: Session, config: ModelConfig) -> dict:
+    """Valid inputs of one item for a warm-up run: zeros, or a grey image for an image input."""
+    if isinstance(session, PipelineSession):
+        return session.sample_inputs()
+    from shared.repository import warm_up_inputs
+
+    return warm_up_inputs(config)
+
+
+__all__ = [
+    "ImageInput",
+    "OutputStage",
+    "PipelineSession",
+    "decode_pool",
+    "open_session",
+    "sample_inputs",
+    "wrap",
+]

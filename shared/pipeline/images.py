@@ -1,0 +1,326 @@
+"""Decoding one encoded image into the uint8 pixels a model input is made from.
+
+Three decoders, picked per image: libjpeg-turbo (PyTurboJPEG, with Debian's
+libturbojpeg) for JPEG, OpenCV for every format, Pillow as the one always
+present.  ``bench/pipeline.py`` measured them on this machine: for a 1024x768
+camera JPEG to 224x224, TurboJPEG's scaled decode took 1.6 ms, OpenCV's
+reduced decode 2.7 ms, Pillow with ``draft`` 5.2 ms; so ``auto`` tries them
+in that order.  A scaled JPEG decode (1/2, 1/4, 1/8 in the IDCT) never goes
+below the size the resize needs, so it only saves work.
+
+Every image is checked before any pixel is decoded: its magic bytes (the
+format must be one the input accepts), the size its header declares (bounded
+by ``max_pixels``: a decompression bomb is refused before it allocates), and
+for JPEG that the entropy-coded data ends (a truncated upload is refused
+instead of decoded half grey, which libjpeg would do with only a warning).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shared.errors import BackendMissing, InvalidInput
+
+_MAGIC = (
+    (b"\xff\xd8\xff", "jpeg"),
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"BM", "bmp"),
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one image goes: pixels (height, width), channel order and resize rule."""
+
+    height: int
+    width: int
+    color: str  # rgb, bgr, gray
+    resize: str  # stretch, shorter_side
+    shorter_side: int | None
+    interpolation: str
+    formats: tuple[str, ...]
+    max_pixels: int
+    decoder: str  # auto, pillow, opencv, turbojpeg
+    where: str  # "input 'image'" for messages
+
+
+def sniff(data: bytes) -> str | None:
+    """The image format from the first bytes (None: not an image Ferry decodes)."""
+    for magic, name in _MAGIC:
+        if data.startswith(magic):
+            return name
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def decode(data: bytes, target: Target) -> np.ndarray:
+    """``data`` as uint8 pixels of shape (height, width, channels) for ``target``."""
+    fmt = sniff(data)
+    if fmt is None:
+        head = data[:8].hex(" ") if data else "nothing"
+        raise InvalidInput(
+            f"{target.where}: not a JPEG, PNG, WebP or BMP image (it starts with {head})"
+        )
+    if fmt not in target.formats:
+        raise InvalidInput(
+            f"{target.where}: {fmt.upper()} images are not accepted by this model "
+            f"(it takes {', '.join(f.upper() for f in target.formats)})"
+        )
+    width, height = _declared_size(data, fmt, target)
+    if fmt == "jpeg" and not _jpeg_complete(data):
+        raise InvalidInput(f"{target.where}: the JPEG image is truncated (no end of image)")
+    need_h, need_w = _decoded_size_needed(width, height, target)
+    pixels = None
+    for decoder in _decoders(fmt, target.decoder):
+        try:
+            pixels = decoder(data, fmt, target, (width, height), (need_w, need_h))
+        except InvalidInput:
+            raise
+        except Exception:
+            pixels = None
+        if pixels is not None:
+            break
+    if pixels is None:
+        pixels = _pillow(data, fmt, target, (width, height), (need_w, need_h))
+    return _fit(pixels, target)
+
+
+# ---- checks before decoding -----------------------------------------------------------------
+
+
+def _declared_size(data: bytes, fmt: str, target: Target) -> tuple[int, int]:
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as im:
+                width, height = im.size
+    except Image.DecompressionBombError:
+        width, height = _bomb_size(data)
+    except Exception as exc:
+        raise InvalidInput(f"{target.where}: not a readable {fmt.upper()} image: {exc}") from None
+    if width < 1 or height < 1 or width * height > target.max_pixels:
+        raise InvalidInput(
+            f"{target.where}: the image declares {width}x{height} pixels; this model accepts "
+            f"at most {target.max_pixels:,} pixels per image (preprocess key 'max_pixels')"
+        )
+    return width, height
+
+
+def _bomb_size(data: bytes) -> tuple[int, int]:
+    """Pillow refused to open it for its size: read the size without its check."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    try:
+        Image.MAX_IMAGE_PIXELS = None
+        with Image.open(io.BytesIO(data)) as im:
+            return im.size
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def _jpeg_complete(data: bytes) -> bool:
+    """An end-of-image marker after the last start-of-scan marker.
+
+    Inside entropy-coded data 0xFF is always followed by 0x00 or a restart
+    marker, so FFDA / FFD9 found there are real markers; an embedded EXIF
+    thumbnail's own markers all lie before the main image's last scan.
+    """
+    if data.rstrip(b"\x00")[-2:] == b"\xff\xd9":
+        return True
+    sos = data.rfind(b"\xff\xda")
+    return sos >= 0 and data.find(b"\xff\xd9", sos + 2) >= 0
+
+
+def _decoded_size_needed(width: int, height: int, target: Target) -> tuple[int, int]:
+    """The smallest (height, width) a scaled decode may produce without losing detail."""
+    if target.resize == "shorter_side":
+        side = target.shorter_side or max(target.height, target.width)
+        shorter = min(width, height)
+        factor = side / shorter
+        return max(target.height, round(height * factor)), max(target.width, round(width * factor))
+    return target.height, target.width
+
+
+# ---- decoders -------------------------------------------------------------------------------
+
+_modules: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _module(name: str) -> Any:
+    """Import a decoder once (None when it is not installed or cannot start)."""
+    if name in _modules:
+        return _modules[name]
+    with _lock:
+        if name in _modules:
+            return _modules[name]
+        found: Any = None
+        try:
+            if name == "opencv":
+                import cv2
+
+                cv2.setNumThreads(1)  # the pipeline's pool runs one image per thread
+                found = cv2
+            elif name == "turbojpeg":
+                from turbojpeg import TurboJPEG
+
+                found = TurboJPEG()
+        except Exception:  # not installed, or the shared library is missing
+            found = None
+        _modules[name] = found
+        return found
+
+
+def available_decoders() -> list[str]:
+    """Decoders usable in this process (Pillow is a dependency, so always listed)."""
+    return ["pillow"] + [n for n in ("opencv", "turbojpeg") if _module(n) is not None]
+
+
+def _decoders(fmt: str, choice: str) -> list[Any]:
+    if choice == "pillow":
+        return [_pillow]
+    if choice == "opencv":
+        if _module("opencv") is None:
+            raise BackendMissing("decoder 'opencv' needs opencv-python-headless")
+        return [_opencv]
+    if choice == "turbojpeg":
+        if _module("turbojpeg") is None:
+            raise BackendMissing(
+                "decoder 'turbojpeg' needs PyTurboJPEG<2 and libturbojpeg (apt libturbojpeg0)"
+            )
+        return [_turbojpeg, _pillow] if fmt == "jpeg" else [_pillow]
+    chain = []
+    if fmt == "jpeg" and _module("turbojpeg") is not None:
+        chain.append(_turbojpeg)
+    if _module("opencv") is not None:
+        chain.append(_opencv)
+    chain.append(_pillow)
+    return chain
+
+
+def _turbojpeg(
+    data: bytes, fmt: str, target: Target, size: tuple[int, int], need: tuple[int, int]
+) -> np.ndarray:
+    from turbojpeg import TJPF_BGR, TJPF_GRAY, TJPF_RGB
+
+    tj = _module("turbojpeg")
+    denominator = _reduction(size, need)
+    pixel = {"rgb": TJPF_RGB, "bgr": TJPF_BGR, "gray": TJPF_GRAY}[target.color]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # libjpeg's "corrupt data" warnings are failures here
+        pixels = tj.decode(data, pixel_format=pixel, scaling_factor=(1, denominator))
+    return pixels if pixels.ndim == 3 else pixels[:, :, None]
+
+
+def _opencv(
+    data: bytes, fmt: str, target: Target, size: tuple[int, int], need: tuple[int, int]
+) -> np.ndarray | None:
+    cv2 = _module("opencv")
+    flags = cv2.IMREAD_GRAYSCALE if target.color == "gray" else cv2.IMREAD_COLOR
+    if fmt == "jpeg":
+        reduced = {
+            8: (cv2.IMREAD_REDUCED_GRAYSCALE_8, cv2.IMREAD_REDUCED_COLOR_8),
+            4: (cv2.IMREAD_REDUCED_GRAYSCALE_4, cv2.IMREAD_REDUCED_COLOR_4),
+            2: (cv2.IMREAD_REDUCED_GRAYSCALE_2, cv2.IMREAD_REDUCED_COLOR_2),
+        }.get(_reduction(size, need))
+        if reduced is not None:
+            flags = reduced[0] if target.color == "gray" else reduced[1]
+    pixels = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+    if pixels is None:
+        return None
+    if pixels.ndim == 2:
+        return pixels[:, :, None]
+    if target.color == "rgb":
+        pixels = pixels[:, :, ::-1]
+    return pixels
+
+
+def _reduction(size: tuple[int, int], need: tuple[int, int]) -> int:
+    """The largest JPEG IDCT scale-down (8, 4, 2, else 1) that keeps ``need`` pixels."""
+    (width, height), (need_w, need_h) = size, need
+    for d in (8, 4, 2):
+        if width // d >= need_w and height // d >= need_h:
+            return d
+    return 1
+
+
+def _pillow(
+    data: bytes, fmt: str, target: Target, size: tuple[int, int], need: tuple[int, int]
+) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as im:
+                if fmt == "jpeg":
+                    im.draft("L" if target.color == "gray" else "RGB", need)
+                im = im.convert("L" if target.color == "gray" else "RGB")
+                pixels = np.asarray(im)
+    except Exception as exc:
+        raise InvalidInput(
+            f"{target.where}: cannot decode the {fmt.upper()} image: {exc}"
+        ) from None
+    if pixels.ndim == 2:
+        return pixels[:, :, None]
+    if target.color == "bgr":
+        pixels = pixels[:, :, ::-1]
+    return pixels
+
+
+# ---- resize and crop --------------------------------------------------------------------------
+
+_CV_INTERPOLATION = {"nearest": 0, "bilinear": 1, "bicubic": 2, "area": 3, "lanczos": 4}
+
+
+def _fit(pixels: np.ndarray, target: Target) -> np.ndarray:
+    """Resize (stretch, or shorter side then centre crop) to the target's size."""
+    height, width = pixels.shape[:2]
+    if target.resize == "shorter_side":
+        side = target.shorter_side or max(target.height, target.width)
+        factor = side / min(width, height)
+        new_h = max(target.height, round(height * factor))
+        new_w = max(target.width, round(width * factor))
+        pixels = _resize(pixels, new_h, new_w, target)
+        top = (new_h - target.height) // 2
+        left = (new_w - target.width) // 2
+        pixels = pixels[top : top + target.height, left : left + target.width]
+    else:
+        pixels = _resize(pixels, target.height, target.width, target)
+    return pixels
+
+
+def _resize(pixels: np.ndarray, height: int, width: int, target: Target) -> np.ndarray:
+    if pixels.shape[0] == height and pixels.shape[1] == width:
+        return pixels
+    cv2 = _module("opencv") if target.decoder != "pillow" else None
+    if cv2 is not None:
+        out = cv2.resize(
+            np.ascontiguousarray(pixels),
+            (width, height),
+            interpolation=_CV_INTERPOLATION[target.interpolation],
+        )
+        return out if out.ndim == 3 else out[:, :, None]
+    from PIL import Image
+
+    resample = {
+        "nearest": Image.Resampling.NEAREST,
+        "bilinear": Image.Resampling.BILINEAR,
+        "bicubic": Image.Resampling.BICUBIC,
+        "area": Image.Resampling.BOX,
+        "lanczos": Image.Resampling.LANCZOS,
+    }[target.interpolation]
+    gray = pixels.shape[2] == 1
+    image = Image.fromarray(pixels[:, :, 0] if gray else np.ascontiguousarray(pixels))
+    out = np.asarray(image.resize((width, height), resample))
+    return out[:, :, None] if gray else out

@@ -1,0 +1,76 @@
+"""Post-processing of one output: softmax, top-k with labels, argmax.
+
+Top-k strings follow Triton's classification extension, ``"<score>:<index>"``
+plus ``":<label>"`` when a labels file names the class, so a client that
+reads Triton's classification output reads Ferry's unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from shared.errors import InternalError
+
+
+def softmax(array: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, computed in float64 and returned as float32."""
+    x = array.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x.astype(np.float32)
+
+
+def top_k(array: np.ndarray, k: int, labels: Sequence[str] | None, leading: int) -> np.ndarray:
+    """The k best classes of each item as BYTES "score:index[:label]", best first.
+
+    ``leading`` is the number of axes kept (the batch axis, when there is
+    one); the rest of each item is flattened into the classes.
+    """
+    rows = array.reshape((*array.shape[:leading], -1)) if leading else array.reshape(1, -1)
+    rows = rows.reshape(-1, rows.shape[-1])
+    count = min(k, rows.shape[1])
+    values = rows.astype(np.float64)
+    order = np.argsort(-values, axis=1, kind="stable")[:, :count]
+    is_float = array.dtype.kind == "f" or array.dtype.name == "bfloat16"
+    out = np.empty((rows.shape[0], count), dtype=object)
+    for i in range(rows.shape[0]):
+        for j, index in enumerate(order[i]):
+            value = values[i, index]
+            text = f"{value:f}:{int(index)}" if is_float else f"{int(value)}:{int(index)}"
+            if labels is not None and int(index) < len(labels):
+                text += f":{labels[int(index)]}"
+            out[i, j] = text.encode()
+    return out.reshape((*array.shape[:leading], count))
+
+
+def argmax(array: np.ndarray, labels: Sequence[str] | None, leading: int) -> np.ndarray:
+    """Index of the largest element of each item ([..., 1]); its label as BYTES with labels."""
+    rows = array.reshape((*array.shape[:leading], -1)) if leading else array.reshape(-1)
+    index = np.argmax(rows, axis=-1).astype(np.int64)[..., None]
+    if labels is None:
+        return index
+    out = np.empty(index.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, value in enumerate(index.reshape(-1).tolist()):
+        if value >= len(labels):
+            raise InternalError(f"class {value} has no line in the labels file")
+        flat[i] = labels[value].encode()
+    return out
+
+
+def read_labels(path: str, where: str) -> tuple[str, ...]:
+    """One label per line (Triton's label_filename format); blank trailing lines dropped."""
+    from shared.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(16 * 1024 * 1024 + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ConfigError(f"{where}: cannot read labels file {path}: {reason}") from None
+    if len(text) > 16 * 1024 * 1024:
+        raise ConfigError(f"{where}: labels file {path} is larger than 16 MiB")
+    return tuple(text.rstrip("\n").split("\n")) if text.strip() else ()

@@ -1,0 +1,359 @@
+"""A model with its pre- and post-processing, behind the ordinary Session interface.
+
+Both tiers load models through :func:`wrap`, so the same JPEG sent to the
+agent or to the cloud goes through the same code, and batching, metadata
+and validation see the tensors the client sends (a BYTES image per item)
+and the outputs it gets.  ``run`` is called in the tier's worker thread
+with a whole dynamic batch: images decode in parallel on a pool sized to
+the cores (every decoder releases the GIL), then one vectorised normalise
+turns the batch into the model's tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.datatypes import numpy_dtype
+from shared.errors import ConfigError, InvalidInput
+from shared.pipeline import images
+from shared.pipeline.post import argmax, read_labels, softmax, top_k
+from shared.pipeline.spec import ImageInput, OutputStage
+from shared.runtimes._common import check_inputs, check_outputs
+from shared.runtimes.base import Session, TensorSpec, available_cpus
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def decode_pool() -> ThreadPoolExecutor:
+    """The process's image-decoding pool, one thread per core (made on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(available_cpus(), thread_name_prefix="ferry-decode")
+        return _pool
+
+
+@dataclass(frozen=True)
+class _Image:
+    stage: ImageInput
+    spec: TensorSpec  # the model tensor it feeds
+    target: images.Target
+    layout: str
+    dtype: np.dtype
+    gain: np.ndarray  # scale / std, shaped to broadcast over one item in the layout
+    offset: np.ndarray | None  # -mean / std (None: no mean)
+    batched: bool  # the tensor's first axis is the batch
+
+
+@dataclass(frozen=True)
+class _Output:
+    stage: OutputStage
+    labels: tuple[str, ...] | None
+    leading: int  # axes kept as they are (1 with a batch axis)
+
+
+class PipelineSession:
+    """``inner`` with image inputs decoded before it and outputs post-processed after."""
+
+    def __init__(
+        self,
+        inner: Session,
+        pre: list[_Image],
+        post: list[_Output],
+        inputs: list[TensorSpec],
+        outputs: list[TensorSpec],
+    ) -> None:
+        self.inner = inner
+        self.backend = inner.backend
+        self._pre = pre
+        self._post = {p.stage.name: p for p in post}
+        self.inputs = inputs
+        self.outputs = outputs
+        self._output_names = [s.name for s in outputs]
+        #: output name -> labels, for Triton's classification extension
+        self.labels = {p.stage.name: p.labels for p in post if p.labels is not None}
+        self.labels.update(
+            {p.stage.output: p.labels for p in post if p.labels and not _changes(p.stage)}
+        )
+
+    def run(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        feed = check_inputs(self.inputs, inputs)
+        for image in self._pre:
+            feed[image.spec.name] = self._tensor(image, feed.pop(image.stage.input))
+        wanted = check_outputs(self._output_names, outputs)
+        needed = list(dict.fromkeys(self._source(name) for name in wanted))
+        raw = self.inner.run(feed, needed)
+        result = {}
+        for name in wanted:
+            stage = self._post.get(name)
+            result[name] = raw[name] if stage is None else _apply(stage, raw[stage.stage.output])
+        return result
+
+    def sample_inputs(self, batch: int = 1) -> dict[str, np.ndarray]:
+        """Valid inputs of ``batch`` items (a mid-grey PNG per image): for warm-up runs."""
+        from PIL import Image
+
+        out: dict[str, np.ndarray] = {}
+        for spec in self.inputs:
+            image = next((i for i in self._pre if i.stage.input == spec.name), None)
+            rows = batch if spec.dims and spec.dims[0] == -1 else None
+            shape = tuple(
+                ([rows] if rows else []) + [d if d > 0 else 1 for d in spec.dims[bool(rows) :]]
+            )
+            if image is None:
+                out[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
+                continue
+            buffer = io.BytesIO()
+            Image.new("RGB", (image.target.width, image.target.height), (128, 128, 128)).save(
+                buffer, "PNG" if "png" in image.stage.formats else image.stage.formats[0].upper()
+            )
+            arr = np.empty(shape, dtype=object)
+            arr.fill(buffer.getvalue())
+            out[spec.name] = arr
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _source(self, name: str) -> str:
+        stage = self._post.get(name)
+        return name if stage is None else stage.stage.output
+
+    def _tensor(self, image: _Image, array: np.ndarray) -> np.ndarray:
+        items = array.reshape(-1)
+        blobs = []
+        for i, item in enumerate(items.tolist()):
+            if not isinstance(item, bytes | bytearray):
+                raise InvalidInput(f"{image.target.where} item {i}: expected encoded image bytes")
+            blobs.append(bytes(item))
+        if len(blobs) == 1:
+            decoded = [images.decode(blobs[0], image.target)]
+        else:
+            decoded = list(decode_pool().map(images.decode, blobs, [image.target] * len(blobs)))
+        pixels = np.stack(decoded)  # (n, h, w, c) uint8
+        return _normalise(image, pixels, array.shape[0] if image.batched else None)
+
+
+def _changes(stage: OutputStage) -> bool:
+    return stage.softmax or stage.top_k > 0 or stage.argmax
+
+
+def _apply(stage: _Output, array: np.ndarray) -> np.ndarray:
+    s = stage.stage
+    if s.softmax:
+        array = softmax(array)
+    if s.top_k:
+        return top_k(array, s.top_k, stage.labels, stage.leading)
+    if s.argmax:
+        return argmax(array, stage.labels, stage.leading)
+    return array
+
+
+def _normalise(image: _Image, pixels: np.ndarray, batch: int | None) -> np.ndarray:
+    """(pixels * scale - mean) / std as one multiply-add per element, written in the
+    model's layout: the transpose reads the uint8 pixels, not a float copy."""
+    if image.layout == "NCHW":
+        pixels = pixels.transpose(0, 3, 1, 2)
+    out = np.empty(pixels.shape, dtype=np.float32)
+    np.multiply(pixels, image.gain, out=out)
+    if image.offset is not None:
+        out += image.offset
+    if image.dtype.kind in "iu":
+        info = np.iinfo(image.dtype)
+        np.rint(out, out=out)
+        np.clip(out, info.min, info.max, out=out)
+    if out.dtype != image.dtype:
+        out = out.astype(image.dtype)
+    return out if batch is not None else out[0]
+
+
+# ---- building -----------------------------------------------------------------------------------
+
+
+def wrap(
+    session: Session,
+    preprocess: tuple[ImageInput, ...],
+    postprocess: tuple[OutputStage, ...],
+    model_dir: Path | None,
+    where: str,
+) -> Session:
+    """``session`` with the model's stages (itself when it has none).
+
+    Everything the config left to the model file (the tensor fed, size,
+    layout, datatype) is read from the session's own tensors here, so a
+    mistake is a ConfigError at load time naming ``where`` and the key.
+    """
+    if not preprocess and not postprocess:
+        return session
+    by_name = {s.name: s for s in session.inputs}
+    pre = [_resolve_image(stage, i, session, where) for i, stage in enumerate(preprocess)]
+    fed = {p.spec.name for p in pre}
+    inputs = []
+    for spec in session.inputs:
+        image = next((p for p in pre if p.spec.name == spec.name), None)
+        if image is None:
+            if spec.name in {p.stage.input for p in pre}:
+                raise ConfigError(
+                    f"{where}: key 'preprocess.input': {spec.name!r} is already a model input"
+                )
+            inputs.append(spec)
+            continue
+        dims = (spec.dims[0], 1) if image.batched else (1,)
+        inputs.append(TensorSpec(image.stage.input, "BYTES", dims))
+    assert fed <= set(by_name)
+    post, outputs = _resolve_outputs(postprocess, session, model_dir, where)
+    return PipelineSession(session, pre, post, inputs, outputs)
+
+
+def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) -> _Image:
+    key = f"preprocess[{index}]"
+    tensors = {s.name: s for s in session.inputs}
+    if stage.tensor is None:
+        candidates = [s for s in session.inputs if s.datatype != "BYTES" and len(s.dims) in (3, 4)]
+        if len(candidates) != 1:
+            raise ConfigError(
+                f"{where}: key '{key}.tensor' is required: the model has inputs "
+                f"{sorted(tensors)}; name the one the image feeds"
+            )
+        spec = candidates[0]
+    elif stage.tensor not in tensors:
+        raise ConfigError(
+            f"{where}: key '{key}.tensor': the model has no input {stage.tensor!r}; "
+            f"its inputs are {sorted(tensors)}"
+        )
+    else:
+        spec = tensors[stage.tensor]
+    if spec.datatype in ("BYTES", "BOOL") or len(spec.dims) not in (3, 4):
+        raise ConfigError(
+            f"{where}: key '{key}.tensor': input {spec.name!r} ({spec.datatype} {list(spec.dims)}) "
+            "cannot take an image: it needs 3 dims (H, W, C or C, H, W) or 4 with a batch first"
+        )
+    batched = len(spec.dims) == 4
+    dims = spec.dims[1:] if batched else spec.dims
+    channels = 1 if stage.color == "gray" else 3
+    layout = stage.layout or _guess_layout(dims, channels)
+    h, w, c = (dims[1], dims[2], dims[0]) if layout == "NCHW" else dims
+    if c not in (-1, channels):
+        raise ConfigError(
+            f"{where}: key '{key}.color': {stage.color!r} gives {channels} channel(s) but input "
+            f"{spec.name!r} has {c} in layout {layout} (dims {list(spec.dims)}); set "
+            f"'{key}.layout' if the layout is the other one"
+        )
+    if stage.size is not None:
+        if h not in (-1, stage.size[0]) or w not in (-1, stage.size[1]):
+            raise ConfigError(
+                f"{where}: key '{key}.size': input {spec.name!r} is {h}x{w} "
+                f"(layout {layout}), not {stage.size[0]}x{stage.size[1]}"
+            )
+        h, w = stage.size
+    elif h < 1 or w < 1:
+        raise ConfigError(
+            f"{where}: key '{key}.size' is required: input {spec.name!r} has a dynamic "
+            f"height or width (dims {list(spec.dims)})"
+        )
+    datatype = stage.datatype or spec.datatype
+    if stage.datatype and stage.datatype != spec.datatype:
+        raise ConfigError(
+            f"{where}: key '{key}.datatype': input {spec.name!r} is {spec.datatype}, "
+            f"not {stage.datatype}"
+        )
+    dtype = numpy_dtype(datatype)
+    integer = dtype.kind in "iu"
+    scale = stage.scale if stage.scale is not None else (1.0 if integer else 1.0 / 255.0)
+    std = np.asarray(stage.std or (1.0,), dtype=np.float64)
+    mean = np.asarray(stage.mean or (0.0,), dtype=np.float64)
+    target = images.Target(
+        height=h,
+        width=w,
+        color=stage.color,
+        resize=stage.resize,
+        shorter_side=stage.shorter_side,
+        interpolation=stage.interpolation,
+        formats=stage.formats,
+        max_pixels=stage.max_pixels,
+        decoder=stage.decoder,
+        where=f"input {stage.input!r}",
+    )
+    return _Image(
+        stage=stage,
+        spec=spec,
+        target=target,
+        layout=layout,
+        dtype=dtype,
+        gain=_per_channel(np.float64(scale) / std, channels, layout),
+        offset=_per_channel(-mean / std, channels, layout) if stage.mean else None,
+        batched=batched,
+    )
+
+
+def _per_channel(values: np.ndarray, channels: int, layout: str) -> np.ndarray:
+    full = np.broadcast_to(values, (channels,)).astype(np.float32)
+    return full.reshape(channels, 1, 1) if layout == "NCHW" else full
+
+
+def _guess_layout(dims: tuple[int, ...], channels: int) -> str:
+    """NCHW (PyTorch's) unless the last axis, not the first, holds the channels (TF's)."""
+    return "NHWC" if dims[2] == channels and dims[0] != channels else "NCHW"
+
+
+def _resolve_outputs(
+    postprocess: tuple[OutputStage, ...], session: Session, model_dir: Path | None, where: str
+) -> tuple[list[_Output], list[TensorSpec]]:
+    by_name = {s.name: s for s in session.outputs}
+    outputs = list(session.outputs)
+    post = []
+    for i, stage in enumerate(postprocess):
+        key = f"postprocess[{i}]"
+        spec = by_name.get(stage.output)
+        if spec is None:
+            raise ConfigError(
+                f"{where}: key '{key}.output': the model has no output {stage.output!r}; "
+                f"its outputs are {sorted(by_name)}"
+            )
+        if spec.datatype in ("BYTES", "BOOL") and _changes(stage):
+            raise ConfigError(
+                f"{where}: key '{key}.output': {stage.output!r} is {spec.datatype}; softmax, "
+                "top_k and argmax need a numeric output"
+            )
+        if stage.name != stage.output and stage.name in by_name:
+            raise ConfigError(
+                f"{where}: key '{key}.name': {stage.name!r} is already a model output"
+            )
+        labels = None
+        if stage.labels is not None:
+            if model_dir is None:
+                raise ConfigError(
+                    f"{where}: key '{key}.labels': no model folder to read {stage.labels!r} from"
+                )
+            labels = read_labels(
+                os.fspath(model_dir / stage.labels), f"{where}: key '{key}.labels'"
+            )
+        leading = 1 if spec.dims and spec.dims[0] == -1 else 0
+        item = spec.dims[leading:]
+        if stage.top_k:
+            classes = int(np.prod(item)) if item and all(d > 0 for d in item) else -1
+            k = min(stage.top_k, classes) if classes > 0 else -1
+            new = TensorSpec(stage.name, "BYTES", (*spec.dims[:leading], k))
+        elif stage.argmax:
+            new = TensorSpec(
+                stage.name, "BYTES" if labels is not None else "INT64", (*spec.dims[:leading], 1)
+            )
+        else:
+            new = TensorSpec(stage.name, "FP32" if stage.softmax else spec.datatype, spec.dims)
+        if stage.name == stage.output:
+            outputs[outputs.index(spec)] = new
+        else:
+            outputs.append(new)
+        post.append(_Output(stage, labels, leading))
+    return post, outputs

@@ -1,0 +1,120 @@
+"""Decoding: every format, every decoder, and every bad image refused with a clear 400."""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+import pytest
+
+from shared.errors import InvalidInput
+from shared.pipeline import images
+from shared.pipeline.spec import IMAGE_FORMATS
+from tests.shared.pipeline.conftest import encode, jpeg_declaring, photo, png_declaring
+
+
+def target(**kw: object) -> images.Target:
+    base = dict(
+        height=64,
+        width=64,
+        color="rgb",
+        resize="stretch",
+        shorter_side=None,
+        interpolation="bilinear",
+        formats=IMAGE_FORMATS,
+        max_pixels=40_000_000,
+        decoder="auto",
+        where="input 'image'",
+    )
+    base.update(kw)
+    return images.Target(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "BMP"])
+@pytest.mark.parametrize("decoder", ["auto", *images.available_decoders()])
+def test_every_format_decodes_to_the_target_size_with_every_decoder(fmt: str, decoder: str) -> None:
+    data = encode(photo(), fmt)
+    out = images.decode(data, target(decoder=decoder))
+    assert out.shape == (64, 64, 3) and out.dtype == np.uint8
+    reference = images.decode(data, target(decoder="pillow"))
+    # decoders differ by IDCT rounding and resampling, not by content
+    assert np.abs(out.astype(int) - reference.astype(int)).mean() < 6
+
+
+def test_colour_orders_are_channel_reversals_and_gray_has_one_channel() -> None:
+    data = encode(photo(64, 64), "PNG")
+    rgb = images.decode(data, target())
+    bgr = images.decode(data, target(color="bgr"))
+    gray = images.decode(data, target(color="gray"))
+    assert np.array_equal(rgb[:, :, ::-1], bgr)
+    assert gray.shape == (64, 64, 1)
+
+
+def test_shorter_side_resize_then_centre_crop_keeps_the_aspect_ratio() -> None:
+    pixels = np.zeros((100, 200, 3), np.uint8)
+    pixels[:, 50:150] = 255  # the middle half is white
+    out = images.decode(
+        encode(pixels, "PNG"),
+        target(resize="shorter_side", shorter_side=64, interpolation="nearest"),
+    )
+    # 100x200 -> 64x128, centre 64x64 crop covers columns 32..96 of 128: all white
+    assert out.shape == (64, 64, 3) and out.min() == 255
+
+
+def test_a_truncated_jpeg_is_refused_not_decoded_half_grey(photo_jpeg: bytes) -> None:
+    with pytest.raises(InvalidInput, match="truncated"):
+        images.decode(photo_jpeg[: len(photo_jpeg) * 2 // 3], target())
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP"])
+def test_a_truncated_png_or_webp_is_refused(fmt: str) -> None:
+    data = encode(photo(), fmt)
+    with pytest.raises(InvalidInput):
+        images.decode(data[: len(data) // 2], target())
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"hello world", b"%PDF-1.7\n", b"\x00" * 1000, b"GIF89a" + b"\x00" * 20]
+)
+def test_bytes_that_are_not_an_accepted_image_are_refused_naming_the_input(data: bytes) -> None:
+    with pytest.raises(InvalidInput, match="input 'image'"):
+        images.decode(data, target())
+
+
+def test_a_format_the_model_does_not_accept_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="PNG images are not accepted"):
+        images.decode(encode(photo(), "PNG"), target(formats=("jpeg",)))
+
+
+@pytest.mark.parametrize("make", [png_declaring, jpeg_declaring])
+def test_a_declared_20000_by_20000_image_is_refused_before_any_pixel_is_allocated(make) -> None:
+    data = make(20_000, 20_000)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InvalidInput, match="20000x20000"):
+        images.decode(data, target())
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 100 * 1024  # 20000^2 RGB would be 1.1 GiB
+
+
+def test_a_decompression_bomb_past_pillows_own_limit_is_refused_with_its_size() -> None:
+    data = png_declaring(60_000, 60_000)  # 3.6 Gpx: Pillow itself raises DecompressionBombError
+    with pytest.raises(InvalidInput, match="60000x60000"):
+        images.decode(data, target())
+
+
+def test_max_pixels_is_the_bound_and_names_its_key() -> None:
+    data = encode(photo(100, 100), "PNG")
+    images.decode(data, target(max_pixels=10_000))
+    with pytest.raises(InvalidInput, match="max_pixels"):
+        images.decode(data, target(max_pixels=9_999))
+
+
+def test_a_corrupt_jpeg_body_is_refused_or_decoded_never_a_crash(photo_jpeg: bytes) -> None:
+    data = bytearray(photo_jpeg)
+    middle = len(data) // 2
+    data[middle : middle + 200] = bytes(range(200))
+    try:
+        out = images.decode(bytes(data), target())
+    except InvalidInput:
+        return
+    assert out.shape == (64, 64, 3)
