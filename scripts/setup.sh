@@ -21,4 +21,14 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     exit 1
   fi
 fi
+# libjpeg-turbo for the fastest JPEG decode of image inputs (optional: Ferry falls back
+# to OpenCV or Pillow without it, so a failed install is only reported).
+if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+    { $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q libturbojpeg0; } \
+      >/dev/null 2>&1 || echo "setup: libturbojpeg0 not installed; JPEG decode uses OpenCV" >&2
+  fi
+fi
 .venv/bin/python examples/build_repository.py

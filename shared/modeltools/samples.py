@@ -140,9 +140,7 @@ def orientation_samples(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def orientation_jpegs(
-    n: int, seed: int = 0, quality: int = 85
-) -> tuple[list[bytes], np.ndarray]:
+def orientation_jpegs(n: int, seed: int = 0, quality: int = 85) -> tuple[list[bytes], np.ndarray]:
     """The same pages as :func:`orientation_samples`, as the JPEG files a phone app would
     send (rotated, encoded at ``quality``), and their labels."""
     import io

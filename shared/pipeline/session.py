@@ -78,10 +78,15 @@ class PipelineSession:
         self.inputs = inputs
         self.outputs = outputs
         self._output_names = [s.name for s in outputs]
-        #: output name -> labels, for Triton's classification extension
-        self.labels = {p.stage.name: p.labels for p in post if p.labels is not None}
+        #: output name -> labels, for Triton's classification extension: a labels file
+        #: names the classes of the model output it is given for (and of a softmax of it)
+        self.labels = {p.stage.output: p.labels for p in post if p.labels is not None}
         self.labels.update(
-            {p.stage.output: p.labels for p in post if p.labels and not _changes(p.stage)}
+            {
+                p.stage.name: p.labels
+                for p in post
+                if p.labels is not None and not (p.stage.top_k or p.stage.argmax)
+            }
         )
 
     def run(

@@ -1,0 +1,65 @@
+"""An app sends the agent a JPEG: the same answer locally and in the cloud, and an
+offload carries the encoded bytes, not the 602 KB tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge.agent import Agent
+from edge.config import load_agent_config
+from shared.errors import InvalidInput
+from shared.modeltools.samples import orientation_jpegs
+from tests.edge.conftest import agent_toml
+from tests.support import cloud_server
+
+MODELS = (
+    '[models.pages]\nlocal = "orientation-int8-jpeg"\ncloud = "orientation-jpeg"\nmode = "{mode}"\n'
+)
+
+
+@pytest.fixture(scope="module")
+def cloud(example_repository: Path):
+    proc = cloud_server(example_repository, "--models", "orientation-jpeg").start()
+    yield proc
+    proc.terminate()
+
+
+async def test_a_jpeg_gets_the_same_angle_locally_and_in_the_cloud_and_only_its_bytes_travel(
+    tmp_path: Path, example_repository: Path, cloud
+) -> None:
+    blobs, labels = orientation_jpegs(4, seed=21, quality=80)
+    answers = {}
+    for mode in ("local", "cloud"):
+        cfg = agent_toml(
+            tmp_path, example_repository, http=cloud.http_url, models=MODELS.format(mode=mode)
+        )
+        async with Agent(load_agent_config(cfg)) as agent:
+            rows = []
+            for blob in blobs:
+                response = await agent.infer("pages", {"image": np.array([[blob]], dtype=object)})
+                outputs = {t.name: t.data for t in response.outputs}
+                rows.append(outputs["angle"][0, 0])
+                if mode == "cloud":
+                    p = response.parameters
+                    assert p["where"] == "cloud-http"
+                    # the JPEG and framing, not 3x224x224 float32 (602,112 bytes)
+                    assert len(blob) < p["bytes_sent"] < len(blob) + 4096
+            answers[mode] = rows
+    assert answers["local"] == answers["cloud"]
+    right = sum(
+        a == str((0, 90, 180, 270)[k]).encode()
+        for a, k in zip(answers["local"], labels, strict=True)
+    )
+    assert right >= 3
+
+
+async def test_a_bad_image_sent_to_the_agent_is_an_invalid_input(
+    tmp_path: Path, example_repository: Path
+) -> None:
+    cfg = agent_toml(tmp_path, example_repository, models=MODELS.format(mode="local"))
+    async with Agent(load_agent_config(cfg)) as agent:
+        with pytest.raises(InvalidInput, match="not a JPEG"):
+            await agent.infer("pages", {"image": np.array([[b"text, not pixels"]], dtype=object)})
