@@ -43,7 +43,7 @@ from edge.netem.linkemu import LinkEmulator  # noqa: E402
 from edge.netem.traces import steady  # noqa: E402
 from edge.transports.http import HttpTransport  # noqa: E402
 from shared.messages import InferRequest  # noqa: E402
-from shared.modeltools.samples import orientation_samples  # noqa: E402
+from shared.modeltools.samples import orientation_jpegs  # noqa: E402
 from shared.tensors import Tensor  # noqa: E402
 
 #: (name, seconds, uplink Mbps, downlink Mbps, one-way delay ms, link kind); 0 Mbps = outage
@@ -146,7 +146,9 @@ async def tell_link(api_url: str, transport: str, link: str, signal_dbm: float) 
 async def drive(
     api_url: str, emulators: list[LinkEmulator], rate: float, deadline_ms: float, transport: str
 ) -> list[tuple[str, PhaseStats]]:
-    images, _ = orientation_samples(16, seed=3)
+    # JPEG pages as a phone app sends them (63-142 KB); the model folders' [[preprocess]]
+    # makes the tensor on whichever tier runs the request
+    pages, _ = orientation_jpegs(16, seed=3, quality=70)
     client = HttpTransport(api_url)
     await client.start()
     results: list[tuple[str, PhaseStats]] = []
@@ -168,7 +170,7 @@ async def drive(
 
             async def one(k: int, st: PhaseStats = stats) -> None:
                 request = InferRequest(
-                    inputs=[Tensor.from_array("x", images[k % 16 : k % 16 + 1])],
+                    inputs=[Tensor("image", "BYTES", np.array([[pages[k % 16]]], dtype=object))],
                     parameters={"deadline_ms": deadline_ms},
                 )
                 try:
@@ -219,6 +221,14 @@ def report(results: list[tuple[str, PhaseStats]]) -> int:
         )
         for kind in list(s.error_kinds)[:3]:
             print(f"      error: {kind}")
+    offloaded = sum(sum(w.startswith("cloud") for w in s.where) for _, s in results)
+    if offloaded:
+        per = sum(s.sent for _, s in results) / offloaded
+        print(
+            f"\n  Each offload sent {per / 1e3:.0f} KB: the page's JPEG (the agent forwards the\n"
+            f"  encoded bytes); as a 3x224x224 FP32 tensor it would be 602 KB "
+            f"({602_112 / per:.1f}x more)."
+        )
     print(
         "\n  Measured on this run: where each request ran, fallbacks, errors, latency (the\n"
         "  agent's answer time through the emulated link) and bytes on the wire.\n"
@@ -254,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             "--repository",
             str(args.repository),
             "--models",
-            "orientation",
+            "orientation-jpeg",
             "--http-port",
             "0",
             "--node",
@@ -284,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 f'[links]\n{scheme} = "wifi"\n'
                 f"[policy]\ndeadline_ms = {args.deadline_ms}\nexplore_after_s = 3.0\n"
                 "[policy.weights]\nlatency_s = 1.0\nenergy_j = 0.05\ndata_mb = 0.0\n"
-                '[models.orientation]\nlocal = "orientation-int8"\ncloud = "orientation"\n'
+                '[models.orientation]\nlocal = "orientation-int8-jpeg"\ncloud = "orientation-jpeg"\n'
             )
             agent = await asyncio.to_thread(
                 Proc,
