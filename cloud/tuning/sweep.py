@@ -30,8 +30,9 @@ from cloud.loading import MemoryProbe
 from cloud.tuning.fit import Candidate, Fit, Point, fit_within
 from shared.datatypes import numpy_dtype
 from shared.errors import FerryError
+from shared.pipeline import PipelineSession, open_session, sample_inputs
 from shared.repository import ModelConfig, ModelRepository, complete_config
-from shared.runtimes import MODEL_FILES, Session, installed_backends, load_session
+from shared.runtimes import MODEL_FILES, Session, installed_backends
 
 #: (what runs now, trials finished since the last call) -> None
 Progress = Callable[[str, int], None]
@@ -240,7 +241,13 @@ class _Sweep:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     probe: MemoryProbe = field(default_factory=MemoryProbe)
 
-    def inputs(self, config: ModelConfig, batch: int) -> dict[str, np.ndarray]:
+    def inputs(
+        self, config: ModelConfig, batch: int, session: Session | None = None
+    ) -> dict[str, np.ndarray]:
+        """Random tensors; for a model with image inputs, photo-like images (the
+        pipeline's decode is part of what a served request costs)."""
+        if isinstance(session, PipelineSession):
+            return sample_inputs(session, config, batch)
         return random_inputs(config, batch, self.rng, self.shapes)
 
     def prime(self, backend: str, path: Path) -> ModelConfig:
@@ -248,10 +255,10 @@ class _Sweep:
         (imports, plugins, thread pools) before memory is measured, and finds a model
         this backend cannot run before the sweep starts.  Returns the completed config."""
         options = replace(self.base.runtime.to_options(self.base.instance_group.kind), threads=1)
-        session = load_session(backend, path, options)
+        session = open_session(backend, path, options, self.base)
         try:
             config = complete_config(replace(self.base, backend=backend), session)
-            session.run(self.inputs(config, 1))
+            session.run(self.inputs(config, 1, session))
             return config
         finally:
             session.close()
@@ -260,14 +267,14 @@ class _Sweep:
         options = self.base.runtime.to_options(self.base.instance_group.kind)
         gc.collect()
         before = self.probe.read()
-        session = load_session(target.backend, path, replace(options, threads=threads))
+        session = open_session(target.backend, path, replace(options, threads=threads), self.base)
         try:
-            session.run(self.inputs(config, 1))  # what a dataplane's warm-up does
+            session.run(self.inputs(config, 1, session))  # what a dataplane's warm-up does
             memory = MemoryProbe.growth(before, self.probe.read())
             points = []
             for batch in batch_sizes(config.max_batch_size or 0, self.max_batch):
                 self.progress(f"{config.name} {target.backend} {threads}t b{batch}", 0)
-                inputs = self.inputs(config, batch)
+                inputs = self.inputs(config, batch, session)
                 points.append(_time(session, inputs, batch, self.duration_s, self.min_runs))
             del inputs  # the input array is the client's memory, not the session's
             memory = max(memory, MemoryProbe.growth(before, self.probe.read()))

@@ -18,13 +18,21 @@ from edge.core.scores import confidence
 from edge.evaluation.sim import ComputeProfile
 from shared.datatypes import numpy_dtype
 from shared.errors import ConfigError
+from shared.pipeline import PipelineSession, open_session, sample_inputs
 from shared.repository import ModelRepository, complete_config
-from shared.runtimes import RuntimeOptions, load_session
+from shared.runtimes import RuntimeOptions
 
 
-def _inputs(config, n: int, seed: int) -> list[dict[str, np.ndarray]]:
+def _inputs(config, n: int, seed: int, session=None) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     spec = config.inputs[0]
+    if isinstance(session, PipelineSession):  # image inputs: encoded images, as apps send
+        if len(config.inputs) == 1 and spec.datatype == "BYTES":
+            from shared.modeltools.samples import orientation_jpegs
+
+            pages, _ = orientation_jpegs(n, seed=seed, quality=70)
+            return [{spec.name: np.array([[page]], dtype=object)} for page in pages]
+        return [sample_inputs(session, config)] * n
     if len(config.inputs) == 1 and tuple(spec.dims) == (3, 224, 224):
         from shared.modeltools.samples import orientation_samples
 
@@ -48,9 +56,9 @@ def measure(
     config = repo.read_config(model)
     version = repo.selected_versions(model, config)[-1]
     backend, path = repo.model_file(model, version, config.backend)
-    session = load_session(backend, path, RuntimeOptions(threads=threads or None))
+    session = open_session(backend, path, RuntimeOptions(threads=threads or None), config)
     config = complete_config(config, session)
-    feeds = _inputs(config, min(runs, 64), seed)
+    feeds = _inputs(config, min(runs, 64), seed, session)
     session.run(feeds[0])
     latencies, confidences = [], []
     for i in range(runs):

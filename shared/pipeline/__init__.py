@@ -20,7 +20,12 @@ if TYPE_CHECKING:
 
 
 def open_session(backend: str, path: Path, options: RuntimeOptions, config: ModelConfig) -> Session:
-    """Load ``path`` and put the config's stages around it (model folder: ``path``'s grandparent)."""
+    """Load ``path`` and put the config's stages around it.
+
+    Labels files are read from the folder of the config file (else ``path``'s
+    grandparent, ``<model>/<version>/model.*``), so a converted copy of the
+    model file elsewhere still finds them.
+    """
     session = load_session(backend, path, options)
     if not config.preprocess and not config.postprocess:
         return session
@@ -32,10 +37,11 @@ def open_session(backend: str, path: Path, options: RuntimeOptions, config: Mode
         raise
 
 
-def sample_inputs(session: Session, config: ModelConfig) -> dict:
-    """Valid inputs of one item for a warm-up run: zeros, or a grey image for an image input."""
+def sample_inputs(session: Session, config: ModelConfig, batch: int = 1) -> dict:
+    """Valid inputs for a warm-up or a timing run: zeros, or a photo-like image per item
+    for an image input (BYTES would otherwise hold nothing a decoder accepts)."""
     if isinstance(session, PipelineSession):
-        return session.sample_inputs()
+        return session.sample_inputs(batch)
     from shared.repository import warm_up_inputs
 
     return warm_up_inputs(config)

@@ -105,23 +105,27 @@ class PipelineSession:
         return result
 
     def sample_inputs(self, batch: int = 1) -> dict[str, np.ndarray]:
-        """Valid inputs of ``batch`` items (a mid-grey PNG per image): for warm-up runs."""
+        """Valid inputs of ``batch`` items: a textured image twice the model's size per
+        image input (so decode and resize cost what a photo costs), zeros elsewhere."""
         from PIL import Image
 
+        rng = np.random.default_rng(0)
         out: dict[str, np.ndarray] = {}
         for spec in self.inputs:
             image = next((i for i in self._pre if i.stage.input == spec.name), None)
             rows = batch if spec.dims and spec.dims[0] == -1 else None
-            shape = tuple(
-                ([rows] if rows else []) + [d if d > 0 else 1 for d in spec.dims[bool(rows) :]]
-            )
+            rest = spec.dims[1:] if rows else spec.dims
+            shape = tuple(([rows] if rows else []) + [d if d > 0 else 1 for d in rest])
             if image is None:
                 out[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
                 continue
+            h, w = 2 * image.target.height, 2 * image.target.width
+            y, x = np.mgrid[0:h, 0:w]
+            pixels = np.stack([x * 255 // w, y * 255 // h, (x + y) % 256], -1)
+            pixels = np.clip(pixels + rng.normal(0, 8, pixels.shape), 0, 255).astype(np.uint8)
+            fmt = "jpeg" if "jpeg" in image.stage.formats else image.stage.formats[0]
             buffer = io.BytesIO()
-            Image.new("RGB", (image.target.width, image.target.height), (128, 128, 128)).save(
-                buffer, "PNG" if "png" in image.stage.formats else image.stage.formats[0].upper()
-            )
+            Image.fromarray(pixels).save(buffer, fmt.upper())
             arr = np.empty(shape, dtype=object)
             arr.fill(buffer.getvalue())
             out[spec.name] = arr

@@ -221,3 +221,17 @@ def test_the_real_example_model_is_tuned_on_onnxruntime(
     assert [p["batch"] for p in entry["trials"][0]["points"]] == [1, 2]
     assert entry["sessions"] == 2  # [instance_group] count = 2: a copy's memory is two
     assert profile.memory_bytes == 2 * entry["trials"][0]["memory_bytes"]
+
+
+def test_a_model_with_an_image_input_is_tuned_on_encoded_images(tmp_path: Path) -> None:
+    from tests.shared.pipeline.conftest import write_image_model
+
+    root = tmp_path / "repo"
+    write_image_model(root / "img" / "1" / "model.onnx", ["N", 3, 16, 16])
+    (root / "img" / "config.toml").write_text("max_batch_size = 4\n[[preprocess]]\n")
+    out = tmp_path / "profiles.json"
+    assert _tune(root, out, "--backends", "onnxruntime", "--max-batch", "2") == 0
+    profiles = load_profiles(out)["img"]
+    assert profiles and profiles[0].backend == "onnxruntime"
+    doc = json.loads(out.read_text())
+    assert "error" not in json.dumps(doc["models"]["img"]).lower()
