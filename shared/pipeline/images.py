@@ -2,10 +2,12 @@
 
 Three decoders, picked per image: libjpeg-turbo (PyTurboJPEG, with Debian's
 libturbojpeg) for JPEG, OpenCV for every format, Pillow as the one always
-present.  ``bench/pipeline.py`` measured them on this machine: for a 1024x768
-camera JPEG to 224x224, TurboJPEG's scaled decode took 1.6 ms, OpenCV's
-reduced decode 2.7 ms, Pillow with ``draft`` 5.2 ms; so ``auto`` tries them
-in that order.  A scaled JPEG decode (1/2, 1/4, 1/8 in the IDCT) never goes
+present.  Measured here (2 vCPU): a 1024x768 camera JPEG to 224x224 took
+1.6 ms with TurboJPEG's scaled decode, 2.7 ms with OpenCV's reduced decode,
+5.2 ms with Pillow's ``draft``; the demo's 63-142 KB scanned pages (decode,
+resize to 256, crop 224) 1.4-1.6 ms, 1.3-1.7 ms and 3.2-3.7 ms
+(``bench/pipeline.py``).  So ``auto`` tries them in that order.  Pillow-SIMD
+was left out: PyPI has it as source only, and it replaces Pillow itself.  A scaled JPEG decode (1/2, 1/4, 1/8 in the IDCT) never goes
 below the size the resize needs, so it only saves work.
 
 Every image is checked before any pixel is decoded: its magic bytes (the
