@@ -96,27 +96,77 @@ def format_description(d: dict[str, Any]) -> str:
         lines.append(f"  {title}:")
         for t in d[title]:
             dims = ", ".join("?" if x < 0 else str(x) for x in t["dims"])
-            lines.append(f"    {t['name']:<{width}}  {t['datatype']:<6}[{dims}]")
+            served = f"  (the file's {t['onnx_type']})" if "onnx_type" in t else ""
+            lines.append(f"    {t['name']:<{width}}  {t['datatype']:<6}[{dims}]{served}")
     return "\n".join(lines)
 
 
 def onnx_io(graph: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Inputs (without initializers) and outputs of an ONNX graph as name/datatype/dims."""
+    """Inputs (without initializers) and outputs of an ONNX graph as name/datatype/dims.
+
+    A ``seq(map(key, float))`` output (ZipMap) is described as the tensor the
+    onnxruntime backend serves it as, ``[rows, classes]`` (see
+    :mod:`shared.runtimes.onnxruntime_backend`), with ``onnx_type`` telling
+    what the file holds; other non-tensor types (and non-tensor inputs, which
+    no backend takes) get datatype ``onnx:<type>``.
+    """
     from onnx.helper import tensor_dtype_to_np_dtype
 
     initializers = {init.name for init in graph.initializer}
 
-    def spec(value: Any) -> dict[str, Any]:
+    def tensor_datatype(elem_type: int) -> str:
+        try:
+            return v2_datatype(tensor_dtype_to_np_dtype(elem_type))
+        except (KeyError, InvalidInput, TypeError):
+            return f"onnx:{elem_type}"
+
+    def spec(value: Any, output: bool = False) -> dict[str, Any]:
+        kind = value.type.WhichOneof("value")
+        if kind != "tensor_type":
+            onnx_type = _type_text(value.type)
+            served = _ZIPMAP_SERVED.get(onnx_type) if output else None
+            if served is None:
+                return {"name": value.name, "datatype": f"onnx:{onnx_type}", "dims": []}
+            return {
+                "name": value.name,
+                "datatype": served,
+                "dims": [-1, -1],
+                "onnx_type": onnx_type,
+            }
         tensor_type = value.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
-        try:
-            datatype = v2_datatype(tensor_dtype_to_np_dtype(tensor_type.elem_type))
-        except (KeyError, InvalidInput, TypeError):
-            datatype = f"onnx:{tensor_type.elem_type}"
-        return {"name": value.name, "datatype": datatype, "dims": dims}
+        return {
+            "name": value.name,
+            "datatype": tensor_datatype(tensor_type.elem_type),
+            "dims": dims,
+        }
 
     inputs = [spec(v) for v in graph.input if v.name not in initializers]
-    return inputs, [spec(v) for v in graph.output]
+    return inputs, [spec(v, output=True) for v in graph.output]
+
+
+#: non-tensor output types the onnxruntime backend serves, and as what datatype
+_ZIPMAP_SERVED = {
+    f"seq(map({key},tensor({value})))": datatype
+    for key in ("int64", "string")
+    for value, datatype in (("float", "FP32"), ("double", "FP64"))
+}
+
+_ELEM_NAMES = {1: "float", 6: "int32", 7: "int64", 8: "string", 11: "double"}
+
+
+def _type_text(type_proto: Any) -> str:
+    """An ONNX type in onnxruntime's notation, e.g. ``seq(map(int64,tensor(float)))``."""
+    kind = type_proto.WhichOneof("value")
+    if kind == "tensor_type":
+        elem = type_proto.tensor_type.elem_type
+        return f"tensor({_ELEM_NAMES.get(elem, str(elem))})"
+    if kind == "sequence_type":
+        return f"seq({_type_text(type_proto.sequence_type.elem_type)})"
+    if kind == "map_type":
+        key = type_proto.map_type.key_type
+        return f"map({_ELEM_NAMES.get(key, str(key))},{_type_text(type_proto.map_type.value_type)})"
+    return str(kind)
 
 
 def _describe_onnx(path: Path, files: dict[str, int]) -> dict[str, Any]:

@@ -63,14 +63,20 @@ def _spec(detail: dict[str, Any], kind: str, path: Path) -> TensorSpec:
 
 
 class LiteRtSession:
-    """One ``Interpreter``, resized when a request's dynamic dims change."""
+    """One ``Interpreter``, resized when a request's dynamic dims change.
+
+    A model with dynamic dims (-1 in its shape signature) may not run at the
+    placeholder shape its file stores (pyopen-wakeword's mel front-end
+    stores [1, 1], which its own kernels refuse): it loads unallocated, and
+    every request resizes it to its own shape first.  A shape the kernels
+    refuse fails that request only; the next one resizes again.
+    """
 
     backend = "litert"
 
     def __init__(self, make: Callable[[], Any], path: Path, threads: int) -> None:
         self._make = make
         interpreter = make()
-        self._interpreter = interpreter
         self._lock = threading.Lock()
         self.path = path
         self.threads = threads
@@ -90,8 +96,25 @@ class LiteRtSession:
                 self.quantization[detail["name"]] = (float(scale), int(zero_point))
         self._in_index = {d["name"]: int(d["index"]) for d in in_details}
         self._out_index = {d["name"]: int(d["index"]) for d in out_details}
-        self._shapes = {d["name"]: tuple(int(x) for x in d["shape"]) for d in in_details}
+        self._dynamic = any(-1 in spec.dims for spec in self.inputs)
         self._output_names = [s.name for s in self.outputs]
+        # the input shapes the interpreter is allocated for; None: not allocated
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+        self._interpreter = interpreter
+        self._allocate_stored_shapes(interpreter)
+
+    def _allocate_stored_shapes(self, interpreter: Any) -> None:
+        """Allocate at the file's shapes; a dynamic model may wait for its first request."""
+        try:
+            interpreter.allocate_tensors()
+        except (RuntimeError, ValueError):
+            if not self._dynamic:
+                raise
+            self._shapes = None
+            return
+        self._shapes = {
+            d["name"]: tuple(int(x) for x in d["shape"]) for d in interpreter.get_input_details()
+        }
 
     def run(
         self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
@@ -120,29 +143,21 @@ class LiteRtSession:
         return {n: bytes_array(a, n) if a.dtype.kind in "OSU" else a for n, a in result.items()}
 
     def _resize(self, interpreter: Any, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Resize inputs whose dynamic dims changed; on failure restore the old shapes."""
-        changed = {n: s for n, s in shapes.items() if s != self._shapes[n]}
-        if not changed:
+        """Resize the inputs whose shapes changed and allocate; InvalidInput when the
+        model's kernels refuse the shapes (the interpreter then waits for the next ones)."""
+        current = self._shapes
+        if current == shapes:
             return
-        previous = dict(self._shapes)
+        changed = {n: s for n, s in shapes.items() if current is None or s != current[n]}
+        self._shapes = None  # until allocate_tensors succeeds
         try:
             for name, shape in changed.items():
                 interpreter.resize_tensor_input(self._in_index[name], list(shape), strict=True)
             interpreter.allocate_tensors()
-            self._shapes.update(changed)
         except (RuntimeError, ValueError) as exc:
             shown = {n: list(s) for n, s in changed.items()}
-            try:
-                for name in changed:
-                    interpreter.resize_tensor_input(self._in_index[name], list(previous[name]))
-                interpreter.allocate_tensors()
-            except (RuntimeError, ValueError) as again:
-                self._interpreter = None  # unusable now; later runs say the session is closed
-                raise InternalError(
-                    f"litert cannot run input shapes {shown} ({exc}) nor go back to "
-                    f"the previous ones ({again}); the session is closed"
-                ) from None
             raise InvalidInput(f"litert cannot run input shapes {shown}: {exc}") from None
+        self._shapes = dict(shapes)
 
     def reset(self) -> None:
         """Start a new stream: a fresh interpreter, its variables initialised by the model."""
@@ -150,10 +165,7 @@ class LiteRtSession:
             if self._interpreter is None:
                 raise closed_error(self.backend)
             interpreter = self._make()
-            self._shapes = {
-                d["name"]: tuple(int(x) for x in d["shape"])
-                for d in interpreter.get_input_details()
-            }
+            self._allocate_stored_shapes(interpreter)
             self._interpreter = interpreter
 
     def close(self) -> None:
@@ -172,9 +184,7 @@ def load(path: Path, options: RuntimeOptions) -> LiteRtSession:
     content = path.read_bytes()
 
     def make() -> Any:
-        interpreter = interpreter_class(model_content=content, num_threads=threads)
-        interpreter.allocate_tensors()
-        return interpreter
+        return interpreter_class(model_content=content, num_threads=threads)
 
     try:
         return LiteRtSession(make, path, threads)

@@ -12,6 +12,7 @@ because two concurrent runs only split the same intra-op threads.
 from __future__ import annotations
 
 import ctypes
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,23 +50,63 @@ ORT_TYPES: dict[str, str] = {
 _BF16_ONNX_TYPE = 16  # onnx.TensorProto.BFLOAT16
 
 
+#: ZipMap's output (scikit-learn classifiers' probabilities): one map per row
+_SEQ_MAP = re.compile(r"seq\(map\((int64|string),tensor\((float|double)\)\)\)")
+
+
 def _spec(arg: Any, kind: str, path: Path) -> TensorSpec:
     datatype = ORT_TYPES.get(arg.type)
+    if datatype is None and kind == "output":
+        zipmap = _SEQ_MAP.fullmatch(arg.type)
+        if zipmap:
+            # Served as a [rows, classes] tensor (see OnnxRuntimeSession); the class
+            # count is only known once the model has run.
+            return TensorSpec(arg.name, "FP32" if zipmap[2] == "float" else "FP64", (-1, -1))
     if datatype is None:
         raise ConfigError(
             f"{path}: {kind} {arg.name!r} has type {arg.type}, which Ferry cannot carry; "
-            f"supported: {sorted(ORT_TYPES)}"
+            f"supported: {sorted(ORT_TYPES)} (and seq(map(int64|string, float)) outputs)"
         )
     shape = arg.shape if isinstance(arg.shape, list) else []
     dims = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in shape)
     return TensorSpec(arg.name, datatype, dims)
 
 
+def _rows(value: Any, name: str, datatype: str) -> np.ndarray:
+    """A ZipMap's list of ``{class: probability}`` as ``[rows, classes]``, ascending keys."""
+    keys = sorted(value[0]) if value else []
+    dtype = np.float32 if datatype == "FP32" else np.float64
+    try:
+        return np.array([[row[k] for k in keys] for row in value], dtype=dtype).reshape(
+            len(value), len(keys)
+        )
+    except (KeyError, TypeError, ValueError):
+        raise InternalError(
+            f"output {name!r}: the maps of a row do not share one key set"
+        ) from None
+
+
+def _kernel_refused(message: str) -> bool:
+    """Whether a FAIL from ``run`` is a kernel refusing these inputs (two dims that must
+    agree do not, a sequence too short for a pad): the same request fails again, so it
+    is the caller's.  A failed allocation is the server's, even when a huge input
+    caused it, and ORT says both only in words."""
+    return "while running" in message and "allocate" not in message
+
+
 class OnnxRuntimeSession:
     """One ``InferenceSession``; BYTES tensors travel as object arrays of bytes.
 
     ONNX Runtime's string tensors hold text, so BYTES inputs must be UTF-8;
-    string outputs come back UTF-8 encoded.
+    string outputs come back UTF-8 encoded.  A ``seq(map(key, float))`` output
+    (ZipMap, which scikit-learn converters put after a classifier) has no
+    tensor form in V2: it is served as an FP32 (FP64 for double) tensor of
+    ``[rows, classes]``, one column per key in ascending key order.
+
+    Only datatypes, ranks and fixed dims are checked here: symbolic dim names
+    are the exporter's hints (paddle2onnx names H and W both '?'), so whether
+    two dims must agree is the runtime's call, and its refusal is an
+    :class:`InvalidInput` like Ferry's own.
     """
 
     backend = "onnxruntime"
@@ -77,12 +118,11 @@ class OnnxRuntimeSession:
         self.inputs = [_spec(a, "input", path) for a in session.get_inputs()]
         self.outputs = [_spec(a, "output", path) for a in session.get_outputs()]
         self._output_names = [s.name for s in self.outputs]
-        # symbolic dim name -> [(input, axis)]: inputs sharing a symbol must agree
-        self._symbols: dict[str, list[tuple[str, int]]] = {}
-        for arg in session.get_inputs():
-            for axis, dim in enumerate(arg.shape if isinstance(arg.shape, list) else []):
-                if isinstance(dim, str) and dim:
-                    self._symbols.setdefault(dim, []).append((arg.name, axis))
+        self._maps = {
+            a.name: spec.datatype
+            for a, spec in zip(session.get_outputs(), self.outputs, strict=True)
+            if a.type not in ORT_TYPES
+        }
         self._bytes_inputs = {s.name for s in self.inputs if s.datatype == "BYTES"}
         self._bf16 = any(s.datatype == "BF16" for s in self.inputs + self.outputs)
         if self._bf16 and any(s.datatype == "BYTES" for s in self.inputs + self.outputs):
@@ -92,6 +132,7 @@ class OnnxRuntimeSession:
             )
         state = ort.capi.onnxruntime_pybind11_state
         self._bad_input_errors = (state.InvalidArgument, state.InvalidGraph)
+        self._node_failure = state.Fail
 
     @property
     def session_options(self) -> Any:
@@ -114,7 +155,6 @@ class OnnxRuntimeSession:
             raise closed_error(self.backend)
         feed = check_inputs(self.inputs, inputs)
         names = check_outputs(self._output_names, outputs)
-        self._check_symbols(feed)
         for name in self._bytes_inputs:
             feed[name] = text_array(feed[name], name, self.backend)
         try:
@@ -124,22 +164,21 @@ class OnnxRuntimeSession:
                 result = session.run(names, feed)
         except self._bad_input_errors as exc:
             raise InvalidInput(f"onnxruntime rejected the inputs: {exc}") from None
+        except self._node_failure as exc:
+            if not _kernel_refused(str(exc)):
+                raise InternalError(f"onnxruntime failed: {type(exc).__name__}: {exc}") from None
+            raise InvalidInput(f"onnxruntime cannot run the model on these inputs: {exc}") from None
         except Exception as exc:
             raise InternalError(f"onnxruntime failed: {type(exc).__name__}: {exc}") from None
-        # ORT's outputs are fresh arrays the caller owns; only strings need converting.
-        return {
-            name: bytes_array(array, name) if array.dtype.kind in "OSU" else array
-            for name, array in zip(names, result, strict=True)
-        }
-
-    def _check_symbols(self, feed: dict[str, np.ndarray]) -> None:
-        for symbol, uses in self._symbols.items():
-            sizes = {(name, axis): feed[name].shape[axis] for name, axis in uses}
-            if len(set(sizes.values())) > 1:
-                shown = ", ".join(f"{n}[{a}]={v}" for (n, a), v in sizes.items())
-                raise InvalidInput(
-                    f"dimension {symbol!r} must be the same size everywhere: {shown}"
-                )
+        # ORT's outputs are fresh arrays the caller owns; only strings and maps need converting.
+        out = {}
+        for name, value in zip(names, result, strict=True):
+            if name in self._maps:
+                value = _rows(value, name, self._maps[name])
+            elif value.dtype.kind in "OSU":
+                value = bytes_array(value, name)
+            out[name] = value
+        return out
 
     def _run_ort_values(
         self, session: Any, names: list[str], feed: dict[str, np.ndarray]

@@ -109,3 +109,22 @@ def test_unknown_and_missing_files_raise_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "broken.onnx").write_bytes(b"garbage")
     with pytest.raises(InvalidInput, match="not a readable ONNX"):
         describe(tmp_path / "broken.onnx")
+
+
+def test_a_zipmap_output_is_described_as_the_tensor_ferry_serves(tmp_path: Path) -> None:
+    from tests.shared.runtimes.conftest import _zipmap
+
+    path = _zipmap(tmp_path / "zipmap.onnx", {"classlabels_int64s": [30, 10, 20]})
+    d = describe(path)
+    assert d["outputs"] == [
+        {"name": "label", "datatype": "INT64", "dims": [-1]},
+        {
+            "name": "probs",
+            "datatype": "FP32",
+            "dims": [-1, -1],
+            "onnx_type": "seq(map(int64,tensor(float)))",
+        },
+    ]
+    assert "probs  FP32  [?, ?]  (the file's seq(map(int64,tensor(float))))" in (
+        format_description(d)
+    )

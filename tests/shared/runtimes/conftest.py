@@ -172,6 +172,77 @@ def bf16_onnx(tmp_path: Path) -> Path:
     )
 
 
+@pytest.fixture
+def unnamed_dims_onnx(tmp_path: Path) -> Path:
+    """``total = sum(x, axes=[1, 2])`` for ``x [N, '?', '?']``: paddle2onnx names H and W
+    both '?', which means "unknown", not "equal"."""
+    v = helper.make_tensor_value_info
+    axes = numpy_helper.from_array(np.array([1, 2], np.int64), "axes")
+    return _save(
+        tmp_path / "unnamed.onnx",
+        [helper.make_node("ReduceSum", ["x", "axes"], ["total"], keepdims=0)],
+        [v("x", TensorProto.FLOAT, [None, "?", "?"])],
+        [v("total", TensorProto.FLOAT, [None])],
+        [axes],
+    )
+
+
+@pytest.fixture
+def add_onnx(tmp_path: Path) -> Path:
+    """``y = a + b`` for ``a, b [N, 3]``: the Add kernel needs both N to agree."""
+    v = helper.make_tensor_value_info
+    return _save(
+        tmp_path / "add.onnx",
+        [helper.make_node("Add", ["a", "b"], ["y"])],
+        [v("a", TensorProto.FLOAT, ["N", 3]), v("b", TensorProto.FLOAT, ["N", 3])],
+        [v("y", TensorProto.FLOAT, ["N", 3])],
+    )
+
+
+def _zipmap(path: Path, labels: dict[str, list]) -> Path:
+    """``probs = softmax(x)`` through ai.onnx.ml ZipMap: a seq(map(label, float)) output,
+    as skl2onnx writes after a classifier (``label`` keeps the plain tensor)."""
+    v = helper.make_tensor_value_info
+    count = len(next(iter(labels.values())))
+    key = TensorProto.INT64 if "classlabels_int64s" in labels else TensorProto.STRING
+    probs = helper.make_value_info(
+        "probs",
+        helper.make_sequence_type_proto(
+            helper.make_map_type_proto(key, helper.make_tensor_type_proto(TensorProto.FLOAT, []))
+        ),
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Softmax", ["x"], ["soft"], axis=1),
+            helper.make_node("ArgMax", ["soft"], ["label"], axis=1, keepdims=0),
+            helper.make_node("ZipMap", ["soft"], ["probs"], domain="ai.onnx.ml", **labels),
+        ],
+        "zipmap",
+        [v("x", TensorProto.FLOAT, ["N", count])],
+        [v("label", TensorProto.INT64, ["N"]), probs],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)],
+    )
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture
+def zipmap_onnx(tmp_path: Path) -> Path:
+    """Three classes keyed 30, 10, 20 (in that order in the file)."""
+    return _zipmap(tmp_path / "zipmap.onnx", {"classlabels_int64s": [30, 10, 20]})
+
+
+@pytest.fixture
+def zipmap_strings_onnx(tmp_path: Path) -> Path:
+    """Three classes keyed "cat", "ant", "bee"."""
+    return _zipmap(tmp_path / "zipmap_s.onnx", {"classlabels_strings": ["cat", "ant", "bee"]})
+
+
 # ---- TFLite models written with the flatbuffer schema ai-edge-litert ships ----
 
 
@@ -268,6 +339,29 @@ def strings_tflite(tmp_path: Path) -> Path:
         model.subgraphs = [graph]
 
     return _tflite(tmp_path / "strings.tflite", build)
+
+
+@pytest.fixture
+def pairs_tflite(tmp_path: Path) -> Path:
+    """``pairs = reshape(x, [2, -1])`` for ``x`` of signature ``[-1, -1]`` stored as
+    ``[1, 1]``: like pyopen-wakeword's mel front-end, the stored shape cannot run
+    (one element cannot make two rows), so only a resize makes it usable."""
+
+    def build(s, model) -> None:
+        model.buffers = [_buffer(s), _buffer(s, np.array([2, -1], np.int32).tobytes())]
+        model.operatorCodes = [_opcode(s, s.BuiltinOperator.RESHAPE)]
+        graph = s.SubGraphT()
+        graph.tensors = [
+            _tensor(s, "x", [1, 1], [-1, -1]),
+            _tensor(s, "new_shape", [2], buffer=1, ttype=s.TensorType.INT32),
+            _tensor(s, "pairs", [2, 1], [2, -1]),
+        ]
+        op = s.OperatorT()
+        op.opcodeIndex, op.inputs, op.outputs = 0, [0, 1], [2]
+        graph.operators, graph.inputs, graph.outputs = [op], [0], [2]
+        model.subgraphs = [graph]
+
+    return _tflite(tmp_path / "pairs.tflite", build)
 
 
 @pytest.fixture

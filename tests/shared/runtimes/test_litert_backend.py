@@ -166,3 +166,28 @@ def test_missing_and_corrupt_model_files_are_clear_errors(tmp_path: Path) -> Non
     broken.write_bytes(b"\x00" * 64)
     with pytest.raises(InvalidInput, match=r"broken\.tflite"):
         load(broken, ONE_THREAD)
+
+
+def test_a_dynamic_model_whose_stored_shape_cannot_run_loads_and_resizes(pairs_tflite) -> None:
+    # pyopen-wakeword's mel front-end: signature [-1, -1], stored [1, 1], refused by its kernels
+    session = load(pairs_tflite, ONE_THREAD)
+    assert session.inputs == [TensorSpec("x", "FP32", (-1, -1))]
+    assert session.outputs == [TensorSpec("pairs", "FP32", (2, -1))]
+    x = np.arange(6, dtype=np.float32).reshape(1, 6)
+    np.testing.assert_array_equal(session.run({"x": x})["pairs"], x.reshape(2, 3))
+
+
+def test_shapes_the_kernels_refuse_fail_that_request_only(pairs_tflite) -> None:
+    session = load(pairs_tflite, ONE_THREAD)
+    with pytest.raises(InvalidInput, match=r"cannot run input shapes \{'x': \[1, 3\]\}"):
+        session.run({"x": np.zeros((1, 3), np.float32)})
+    for shape in [(1, 3), (2, 2), (1, 3), (4, 5)]:
+        x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        if x.size % 2:
+            with pytest.raises(InvalidInput):
+                session.run({"x": x})
+        else:
+            np.testing.assert_array_equal(session.run({"x": x})["pairs"], x.reshape(2, -1))
+    session.reset()  # a fresh interpreter at the stored shape: still loads, still resizes
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(session.run({"x": x})["pairs"], x.reshape(2, 4))

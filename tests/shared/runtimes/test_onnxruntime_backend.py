@@ -117,16 +117,57 @@ def test_bad_requests_raise_invalid_input(mlp_onnx, case: str) -> None:
         session.run(inputs, outputs)
 
 
-def test_inputs_sharing_a_symbolic_dim_must_agree(numeric_onnx) -> None:
+def test_dims_sharing_a_symbolic_name_may_differ_when_the_runtime_accepts(
+    unnamed_dims_onnx: Path,
+) -> None:
+    # rapidocr's text-line classifier declares x [?, 3, '?', '?'] and takes 48 x 192 lines
+    session = load(unnamed_dims_onnx, ONE_THREAD)
+    assert session.inputs == [TensorSpec("x", "FP32", (-1, -1, -1))]
+    x = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5)
+    np.testing.assert_allclose(session.run({"x": x})["total"], x.sum(axis=(1, 2)))
+
+
+def test_inputs_sharing_a_batch_name_run_independently_when_no_kernel_ties_them(
+    numeric_onnx,
+) -> None:
     session = load(numeric_onnx.path, ONE_THREAD)
     x = {
-        "h": np.zeros((2, 2), np.float16),
-        "i": np.zeros(3, np.int64),
+        "h": np.ones((2, 2), np.float16),
+        "i": np.arange(3, dtype=np.int64),
         "flag": np.zeros(2, bool),
-        "u8": np.zeros((2, 3), np.uint8),
+        "u8": np.zeros((4, 3), np.uint8),
     }
-    with pytest.raises(InvalidInput, match="'N'"):
-        session.run(x)
+    out = session.run(x)
+    np.testing.assert_array_equal(out["i_plus"], np.arange(3) + 7)
+    assert out["u8_out"].shape == (4, 3)
+
+
+def test_a_kernel_refusing_the_shapes_is_invalid_input_not_internal(add_onnx: Path) -> None:
+    session = load(add_onnx, ONE_THREAD)
+    with pytest.raises(InvalidInput, match="cannot run the model on these inputs"):
+        session.run({"a": np.zeros((2, 3), np.float32), "b": np.zeros((3, 3), np.float32)})
+    y = session.run({"a": np.ones((2, 3), np.float32), "b": np.ones((2, 3), np.float32)})["y"]
+    np.testing.assert_array_equal(y, np.full((2, 3), 2.0, np.float32))
+
+
+@pytest.mark.parametrize(
+    "fixture, keys", [("zipmap_onnx", [30, 10, 20]), ("zipmap_strings_onnx", ["cat", "ant", "bee"])]
+)
+def test_zipmap_output_is_served_as_rows_of_classes_in_ascending_key_order(
+    request: pytest.FixtureRequest, fixture: str, keys: list
+) -> None:
+    session = load(request.getfixturevalue(fixture), ONE_THREAD)
+    assert session.outputs == [
+        TensorSpec("label", "INT64", (-1,)),
+        TensorSpec("probs", "FP32", (-1, -1)),
+    ]
+    x = np.array([[0.0, 1.0, 2.0], [3.0, 0.0, -1.0]], np.float32)
+    out = session.run({"x": x})
+    soft = np.exp(x) / np.exp(x).sum(axis=1, keepdims=True)
+    order = sorted(range(len(keys)), key=lambda i: keys[i])  # file column of each served one
+    assert out["probs"].dtype == np.float32 and out["probs"].shape == (2, 3)
+    np.testing.assert_allclose(out["probs"], soft[:, order], rtol=1e-6)
+    assert list(session.run({"x": x}, ["probs"])) == ["probs"]
 
 
 def test_outputs_stay_valid_after_the_next_run(mlp_onnx) -> None:
