@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cloud_throughput import LeanHttpLoad  # noqa: E402
+from cloud_throughput import LeanHttpLoad, process_cpu_s, self_cpu_s  # noqa: E402
 
 from shared.messages import InferRequest  # noqa: E402
 from shared.modeltools.samples import orientation_jpegs, orientation_samples  # noqa: E402
@@ -164,11 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                         ("tensor-in", "orientation", tensor_inputs),
                         ("JPEG-in", "orientation-jpeg", jpeg_inputs),
                     ):
+                        cpu0, own0 = process_cpu_s(server.proc.pid), self_cpu_s()
                         res = await closed_loop(load, model, inputs, args.clients, args.seconds)
+                        served = max(1, res["throughput"] * args.seconds)
+                        res["server_ms"] = (process_cpu_s(server.proc.pid) - cpu0) * 1e3 / served
+                        res["client_ms"] = (self_cpu_s() - own0) * 1e3 / served
                         print(
                             f"    round {r + 1} {label:<9} c={args.clients}: "
                             f"{res['throughput']:7.1f}/s  p50 {res['p50']:6.1f} ms  "
-                            f"p99 {res['p99']:6.1f} ms  errors {res['errors']}"
+                            f"p99 {res['p99']:6.1f} ms  errors {res['errors']}  CPU/request: "
+                            f"server {res['server_ms']:.2f} ms, load {res['client_ms']:.2f} ms"
                         )
                         if res["throughput"] > best.get(label, {"throughput": -1})["throughput"]:
                             best[label] = res
