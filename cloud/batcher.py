@@ -335,6 +335,10 @@ class DynamicBatcher:
             for p in self._preferred:
                 if p in sizes:
                     return members[: sizes[p]], None
+        if not self._inflight:
+            # Nothing running: waiting could only add latency, never a request (the
+            # ones that arrive meanwhile form the next batch while this one runs).
+            return members, None
         hold_until = min(r.arrival_ns for r in members) + self._delay_ns
         for r in members:  # start early enough to run before any member expires
             if r.deadline_ns is not None:

@@ -450,3 +450,43 @@ async def test_a_held_batch_is_dispatched_before_its_earliest_deadline(linear):
     )
     assert_linear(x, result)
     await batcher.stop()
+
+
+async def test_an_idle_model_dispatches_a_lone_request_at_once_despite_the_delay(linear):
+    # a 20 s delay would be waited out in full by a batcher that holds for company
+    batcher = await started(linear, policy_=policy(max_queue_delay_us=20_000_000))
+    result = await asyncio.wait_for(batcher.infer({"x": xs(1)}), timeout=5)
+    assert result.batch_size == 1
+    await batcher.stop()
+
+
+async def test_requests_arriving_during_a_run_form_the_next_batch(linear):
+    gated = GatedSession(linear)
+    batcher = await started(gated, policy_=policy(max_queue_delay_us=20_000_000))
+    first = await hold_first(batcher, gated, {"x": xs(1)})
+    rest = [asyncio.create_task(batcher.infer({"x": xs(1)})) for _ in range(3)]
+    await until(lambda: batcher.queue_depth == 3)
+    gated.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(first, *rest), timeout=5)
+    assert [r.batch_size for r in results] == [1, 3, 3, 3]
+    assert [len(x) for x in gated.seen] == [1, 3]
+    await batcher.stop()
+
+
+async def test_every_request_gets_one_answer_under_dispatch_at_idle(linear):
+    batcher = await started(
+        linear, policy_=policy(max_queue_delay_us=500, preferred_batch_sizes=[4])
+    )
+    answers = 0
+
+    async def client(n: int) -> None:
+        nonlocal answers
+        for _ in range(n):
+            x = xs(1)
+            result = await batcher.infer({"x": x})
+            np.testing.assert_allclose(result.outputs["y"], x @ W + B, rtol=1e-5, atol=1e-5)
+            answers += 1
+
+    await asyncio.wait_for(asyncio.gather(*(client(25) for _ in range(8))), timeout=30)
+    assert answers == 200
+    await batcher.stop()
