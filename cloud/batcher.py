@@ -6,6 +6,11 @@ worker thread (runtimes release the GIL), so no inference ever runs on the
 loop.  Per request the cost is one future and one deque append; per batch it
 is one executor hand-off and one completion callback.
 
+``max_queue_delay_us`` and preferred sizes are upper bounds, as in Triton,
+but a model with no batch running dispatches what is queued at once: waiting
+then adds latency and no company.  Batches form from the requests that
+arrive while the previous one runs (TF Serving's and Clipper's behaviour).
+
 Invariants:
 - ``_depth`` counts queued requests that are still live (not dispatched,
   expired, cancelled or failed); dead entries are dropped lazily from the
