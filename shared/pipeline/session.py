@@ -205,22 +205,21 @@ def wrap(
     """
     if not preprocess and not postprocess:
         return session
-    by_name = {s.name: s for s in session.inputs}
     pre = [_resolve_image(stage, i, session, where) for i, stage in enumerate(preprocess)]
-    fed = {p.spec.name for p in pre}
+    client_names = {p.stage.input: i for i, p in enumerate(pre)}
     inputs = []
     for spec in session.inputs:
         image = next((p for p in pre if p.spec.name == spec.name), None)
         if image is None:
-            if spec.name in {p.stage.input for p in pre}:
+            if spec.name in client_names:
                 raise ConfigError(
-                    f"{where}: key 'preprocess.input': {spec.name!r} is already a model input"
+                    f"{where}: key 'preprocess[{client_names[spec.name]}].input': "
+                    f"{spec.name!r} is already a model input"
                 )
             inputs.append(spec)
             continue
         dims = (spec.dims[0], 1) if image.batched else (1,)
         inputs.append(TensorSpec(image.stage.input, "BYTES", dims))
-    assert fed <= set(by_name)
     post, outputs = _resolve_outputs(postprocess, session, model_dir, where)
     return PipelineSession(session, pre, post, inputs, outputs)
 
