@@ -2,9 +2,11 @@
 
 Requests wait in one FIFO per priority level; a single scheduler task on the
 event loop forms batches whenever a session is idle and hands each batch to a
-worker thread (runtimes release the GIL), so no inference ever runs on the
-loop.  Per request the cost is one future and one deque append; per batch it
-is one executor hand-off and one completion callback.
+worker thread (runtimes release the GIL), so no inference of any cost runs on
+the loop: only a lone request on an idle model whose recent runs all took
+under ``inline_us`` runs in place (:mod:`shared.runtimes.inline`).  Per
+request the cost is one future and one deque append; per batch it is one
+executor hand-off and one completion callback.
 
 ``max_queue_delay_us`` and preferred sizes are upper bounds, as in Triton,
 but a model with no batch running dispatches what is queued at once: waiting
@@ -49,6 +51,7 @@ from shared.errors import (
     Overloaded,
 )
 from shared.runtimes.base import Session
+from shared.runtimes.inline import InlineGate, input_bytes
 
 if TYPE_CHECKING:
     from shared.repository.config import DynamicBatching
@@ -81,6 +84,7 @@ class DynamicBatcher:
         stats: ModelStats,
         executor: concurrent.futures.Executor | None = None,
         default_max_queue: int = 0,
+        inline_us: float = 0.0,
     ) -> None:
         if not sessions:
             raise ConfigError(f"model {model!r} version {version}: no sessions to run batches on")
@@ -104,6 +108,9 @@ class DynamicBatcher:
         self._default_level = dpl if 1 <= dpl <= self._levels else self._levels
         self._timeout_ns = int(policy.default_timeout_us) * 1000 if policy else 0
 
+        # A lone request on an idle model that runs in under ``inline_us`` runs on the
+        # loop: the hand-off to a worker and back would cost more than the run.
+        self._gate = InlineGate(inline_us)
         self._own_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=len(self._sessions), thread_name_prefix=f"ferry-{model}-v{version}"
@@ -360,6 +367,21 @@ class DynamicBatcher:
         index = self._idle.pop()
         self._inflight += 1
         assert self._loop is not None
+        nbytes = sum(input_bytes(r.inputs) for r in members)
+        done = partial(self._finish, index, members, now, nbytes)
+        if (
+            len(members) == 1
+            and not self._depth
+            and self._inflight == 1
+            and self._gate.allows(nbytes)
+        ):
+            fut = self._loop.create_future()
+            try:
+                fut.set_result(execute(self._sessions[index], members, self._stats, self._name()))
+            except Exception as exc:
+                fut.set_exception(exc)
+            done(fut)
+            return
         # A refused submission (executor shut down) comes back through _finish as an error.
         try:
             fut = self._loop.run_in_executor(
@@ -368,9 +390,11 @@ class DynamicBatcher:
         except Exception as exc:
             fut = self._loop.create_future()
             fut.set_exception(exc)
-        fut.add_done_callback(partial(self._finish, index, members, now))
+        fut.add_done_callback(done)
 
-    def _finish(self, index: int, members: list[_Request], dispatched: int, fut) -> None:
+    def _finish(
+        self, index: int, members: list[_Request], dispatched: int, nbytes: int, fut
+    ) -> None:
         """Completion callback on the loop: deliver each request's outcome."""
         self._inflight -= 1
         self._idle.append(index)
@@ -383,6 +407,8 @@ class DynamicBatcher:
             msg = f"{self._name()}: batch worker failed: {exc!r}"
             outcomes = [(InternalError(msg), 0, r.n, 0, 0) for r in members]
         end = time.monotonic_ns()
+        if outcomes and not isinstance(outcomes[0][0], FerryError):
+            self._gate.record(outcomes[0][1], nbytes)
         self._batch_ns = 0.8 * (self._batch_ns or end - dispatched) + 0.2 * (end - dispatched)
         ok = request_sum = queue_sum = compute_sum = input_sum = output_sum = items = 0
         for req, (result, compute_ns, batch_size, input_ns, output_ns) in zip(

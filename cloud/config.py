@@ -67,6 +67,8 @@ DEFAULT_MAX_QUEUE_SIZE = 1024
 DEFAULT_MAX_INFLIGHT_MQTT = 1024
 #: bytes of requests received and not yet answered, HTTP and MQTT together
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+#: about what a worker thread's hand-off and wake-up cost here (docs/performance.md)
+DEFAULT_INLINE_RUN_US = 100.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class CloudConfig:
     idempotency_ttl_s: float = 600.0
     idempotency_max_entries: int = 4096
     idempotency_max_bytes: int = 64 << 20
+    #: a lone request on an idle model whose recent runs took under this runs on the
+    #: event loop instead of a worker thread (shared.runtimes.inline); 0: never
+    inline_run_us: float = DEFAULT_INLINE_RUN_US
     fleet: FleetConfig | None = None  # set: follow the controller's placement
 
 
@@ -116,6 +121,7 @@ _SCHEMA: dict[str, Any] = {
     "idempotency_ttl_s": NUMBER,
     "idempotency_max_entries": int,
     "idempotency_max_bytes": int,
+    "inline_run_us": NUMBER,
     "fleet": {
         "follow": bool,
         "memory_bytes": int,
@@ -255,6 +261,12 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
     ttl = float(data.get("idempotency_ttl_s", 600.0))
     if not ttl >= 0:  # also NaN
         raise ConfigError(f"{source}: key 'idempotency_ttl_s': expected a number >= 0, got {ttl}")
+    inline_us = float(data.get("inline_run_us", DEFAULT_INLINE_RUN_US))
+    if not 0 <= inline_us <= 10_000:
+        raise ConfigError(
+            f"{source}: key 'inline_run_us': expected a number of microseconds from 0 to "
+            f"10000, got {inline_us}"
+        )
     models = data.get("models")
     if models is not None and not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f"{source}: key 'models': expected a list of model names")
@@ -273,6 +285,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         max_inflight_bytes=node_limits.get("max_inflight_bytes", DEFAULT_MAX_INFLIGHT_BYTES),
         strict_readiness=data.get("strict_readiness", True),
         idempotency_ttl_s=ttl,
+        inline_run_us=inline_us,
         idempotency_max_bytes=_non_negative(
             data.get("idempotency_max_bytes", 64 << 20), source, "idempotency_max_bytes"
         ),

@@ -89,6 +89,7 @@ class DataPlane:
         idempotency_max_bytes: int = 64 << 20,
         cores: int | None = None,
         max_elements: int = Limits.max_elements,
+        inline_run_us: float = 0.0,
     ) -> None:
         self.repository = repository
         self.node = node
@@ -98,6 +99,7 @@ class DataPlane:
         self.idempotency_max_entries = idempotency_max_entries
         self.cores = cores or available_cpus()
         self.max_elements = max_elements
+        self.inline_run_us = inline_run_us
         self._models: dict[str, dict[int, LoadedModel]] = {}
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -240,6 +242,7 @@ class DataPlane:
             policy=vconfig.dynamic_batching,
             stats=stats,
             default_max_queue=self.default_max_queue,
+            inline_us=self.inline_run_us,
         )
         log.info(
             "model %s version %s: %d session(s) x %d thread(s), ~%d KiB",

@@ -53,6 +53,7 @@ class CloudServer:
             idempotency_max_entries=config.idempotency_max_entries,
             idempotency_max_bytes=config.idempotency_max_bytes,
             max_elements=config.limits.max_elements,
+            inline_run_us=config.inline_run_us,
         )
         self.gpu = GpuMonitor()
         self.cpu = CpuMonitor()

@@ -119,6 +119,7 @@ class Agent:
             config.local_threads,
             config.local_slowdown,
             config.local_latency_ms / 1000.0,
+            inline_us=config.local_inline_us,
         )
         self.store = DeferredStore(
             config.state_dir / "deferred.db",

@@ -56,6 +56,9 @@ class AgentConfig:
     links: dict[str, str] = field(default_factory=lambda: {"mqtt": "wifi", "http": "wifi"})
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     local_threads: int = 0
+    #: a local model whose recent runs took under this runs on the event loop when
+    #: nothing waits for it (shared.runtimes.inline); 0: always on its worker thread
+    local_inline_us: float = 100.0
     probe_interval_s: float = 5.0
     store: StoreConfig = field(default_factory=StoreConfig)
     # Demos and tests on a fast machine can emulate a slower device: every
@@ -78,6 +81,7 @@ RESTART_KEYS = (
     "api_tokens_file",
     "cloud",
     "local_threads",
+    "local_inline_us",
 )
 
 _NUM = NUMBER
@@ -86,6 +90,7 @@ _SCHEMA: dict[str, Any] = {
     "state_dir": str,
     "device": str,
     "local_threads": int,
+    "local_inline_us": _NUM,
     "probe_interval_s": _NUM,
     "api": {"host": str, "port": int, "enabled": bool, "tokens_file": str},
     "cloud": {
@@ -319,6 +324,9 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         links=links,
         policy=_policy(data, source),
         local_threads=int(_range(source, "local_threads", data.get("local_threads", 0), 0, 1024)),
+        local_inline_us=float(
+            _range(source, "local_inline_us", data.get("local_inline_us", 100.0), 0, 10_000)
+        ),
         probe_interval_s=float(
             _range(source, "probe_interval_s", data.get("probe_interval_s", 5.0), 0, low_open=True)
         ),

@@ -2,7 +2,9 @@
 
 Each model gets one session and one worker thread (runtimes release the
 GIL), so a long local inference never blocks the agent's event loop and two
-local models do not spin on the same cores at once.
+local models do not spin on the same cores at once.  A model whose recent
+runs all took under ``inline_us`` runs in place when nothing else waits for
+it: the hand-off would cost more than the run (:mod:`shared.runtimes.inline`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from shared.errors import ModelNotFound, Overloaded
 from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
 from shared.runtimes import RuntimeOptions, Session
+from shared.runtimes.inline import InlineGate, input_bytes
 
 
 @dataclass
@@ -27,6 +30,7 @@ class LocalModel:
     config: ModelConfig
     session: Session
     executor: ThreadPoolExecutor
+    gate: InlineGate
 
     def run_sync(
         self, inputs: dict[str, np.ndarray], outputs: list[str] | None
@@ -44,8 +48,10 @@ class LocalModels:
         slowdown: float = 1.0,
         latency_floor_s: float = 0.0,
         max_backlog: int = 256,
+        inline_us: float = 0.0,
     ) -> None:
         self.repository = repository
+        self.inline_us = inline_us
         self.max_backlog = max_backlog
         self.threads = threads
         self.slowdown = slowdown
@@ -95,6 +101,7 @@ class LocalModels:
             complete_config(config, session),
             session,
             ThreadPoolExecutor(1, thread_name_prefix=f"local-{name}"),
+            InlineGate(self.inline_us),
         )
         self._models[name] = model
         return model
@@ -114,9 +121,14 @@ class LocalModels:
             )
         self._backlog[name] = waiting + 1
         try:
-            result, seconds = await loop.run_in_executor(
-                model.executor, model.run_sync, inputs, outputs
-            )
+            nbytes = input_bytes(inputs)
+            if not waiting and model.gate.allows(nbytes):
+                result, seconds = model.run_sync(inputs, outputs)
+            else:
+                result, seconds = await loop.run_in_executor(
+                    model.executor, model.run_sync, inputs, outputs
+                )
+            model.gate.record(int(seconds * 1e9), nbytes)
             # Device emulation (AgentConfig.local_slowdown and local_latency_ms):
             # the emulated device runs one request at a time, as the real one would.
             emulated = max(seconds * self.slowdown, self.latency_floor_s)

@@ -490,3 +490,79 @@ async def test_every_request_gets_one_answer_under_dispatch_at_idle(linear):
     await asyncio.wait_for(asyncio.gather(*(client(25) for _ in range(8))), timeout=30)
     assert answers == 200
     await batcher.stop()
+
+
+class ThreadRecordingSession:
+    """A real session that notes which thread each run happened on."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.backend = inner.backend
+        self.inputs = inner.inputs
+        self.outputs = inner.outputs
+        self.threads: list[int] = []
+        self.sizes: list[int] = []
+
+    def run(self, inputs, outputs=None):
+        self.threads.append(threading.get_ident())
+        self.sizes.append(len(next(iter(inputs.values()))))
+        return self.inner.run(inputs, outputs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def inline_batcher(session, inline_us: float) -> DynamicBatcher:
+    batcher = DynamicBatcher(
+        model="m",
+        version=1,
+        sessions=[session],
+        max_batch_size=8,
+        policy=policy(),
+        stats=ModelStats("m", 1),
+        inline_us=inline_us,
+    )
+    await batcher.start()
+    return batcher
+
+
+async def test_a_tiny_model_runs_lone_requests_on_the_loop_once_it_has_warmed_up(linear):
+    from shared.runtimes.inline import WARMUP_RUNS
+
+    recorded = ThreadRecordingSession(linear)
+    # a budget no run of this model reaches, so the test never depends on the clock
+    batcher = await inline_batcher(recorded, inline_us=1e9)
+    loop_thread = threading.get_ident()
+    for _ in range(WARMUP_RUNS + 4):
+        x = xs(1)
+        assert_linear(x, await batcher.infer({"x": x}))
+    assert loop_thread not in recorded.threads[:WARMUP_RUNS]
+    assert recorded.threads[WARMUP_RUNS:] == [loop_thread] * 4
+    await batcher.stop()
+
+
+async def test_a_burst_still_batches_on_the_worker_when_the_gate_is_open(linear):
+    from shared.runtimes.inline import WARMUP_RUNS
+
+    recorded = ThreadRecordingSession(linear)
+    batcher = await inline_batcher(recorded, inline_us=1e9)
+    for _ in range(WARMUP_RUNS):
+        await batcher.infer({"x": xs(1)})
+    inputs = [xs(1) for _ in range(5)]
+    results = await asyncio.wait_for(
+        asyncio.gather(*(batcher.infer({"x": x}) for x in inputs)), timeout=10
+    )
+    for x, result in zip(inputs, results, strict=True):
+        assert_linear(x, result)
+    assert recorded.sizes[WARMUP_RUNS:] == [5]  # one batch of all five
+    assert recorded.threads[-1] != threading.get_ident()
+    await batcher.stop()
+
+
+async def test_without_an_inline_budget_no_run_happens_on_the_loop(linear):
+    recorded = ThreadRecordingSession(linear)
+    batcher = await inline_batcher(recorded, inline_us=0)
+    for _ in range(20):
+        await batcher.infer({"x": xs(1)})
+    assert threading.get_ident() not in recorded.threads
+    await batcher.stop()

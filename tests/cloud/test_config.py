@@ -27,6 +27,8 @@ def test_command_line_overrides_the_file(tmp_path: Path):
         ('repository = "r"\n[http]\nenabled = false\n', "nothing would serve"),
         ("[http]\nport = 1\n", "'repository' is required"),
         ("repository = \n", "not valid TOML"),
+        ('repository = "r"\ninline_run_us = -5\n', "'inline_run_us'"),
+        ('repository = "r"\ninline_run_us = 1e9\n', "'inline_run_us'"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str):

@@ -238,7 +238,7 @@ def test_message_expiry_becomes_a_deadline_error_reply(broker, tmp_path):
     raw = RawClient(broker)
     try:
         sent = [
-            raw.publish("slow", np.full((1, 4), i + 1, np.float32), expiry=1) for i in range(25)
+            raw.publish("slow", np.full((1, 4), i + 1, np.float32), expiry=1) for i in range(60)
         ]
         raw.wait_replies(sent)
     finally:
@@ -253,7 +253,8 @@ def test_message_expiry_becomes_a_deadline_error_reply(broker, tmp_path):
         else:
             np.testing.assert_allclose(result.outputs[0].data, np.full((1, 4), i + 1))
             kinds.append("ok")
-    assert kinds[0] == "ok" and "deadline" in kinds  # 25 x ~100 ms cannot all fit in 1 s
+    # 60 runs of 40-100 ms (by the machine) cannot all fit in the 1 s expiry
+    assert kinds[0] == "ok" and "deadline" in kinds
 
 
 def test_flood_beyond_the_in_flight_cap_gets_overloaded_replies_with_a_retry_hint(broker, tmp_path):

@@ -46,6 +46,7 @@ def test_the_shipped_example_agent_config_parses():
         ('repository = "r"\n[api]\nport = 99999\n', "key 'api.port'"),
         ('repository = "r"\nprobe_interval_s = 0\n', "key 'probe_interval_s'"),
         ('repository = "r"\nlocal_threads = -3\n', "key 'local_threads'"),
+        ('repository = "r"\nlocal_inline_us = -1\n', "key 'local_inline_us'"),
         ('repository = "r"\n[policy]\ndata_cap_mb_per_day = -5\n', "data_cap_mb_per_day"),
         ('repository = "r"\n[policy]\nbattery_floor_percent = 400\n', "battery_floor_percent"),
         ('repository = "r"\n[policy]\ndeadline_ms = -1\n', "key 'policy.deadline_ms'"),
@@ -92,7 +93,9 @@ async def test_a_bad_edit_is_ignored_and_a_good_one_swapped_in(tmp_path, edge_re
 
 def test_profile_paths_resolve_against_the_config_folder(tmp_path: Path):
     (tmp_path / "my-link.toml").write_text(
-        (ROOT / "devices" / "links" / "lte.toml").read_text().replace('name = "lte"', 'name = "mine"')
+        (ROOT / "devices" / "links" / "lte.toml")
+        .read_text()
+        .replace('name = "lte"', 'name = "mine"')
     )
     path = tmp_path / "agent.toml"
     path.write_text('repository = "r"\n[links]\nhttp = "my-link.toml"\n')
@@ -113,7 +116,10 @@ async def test_a_reload_applies_device_emulation_and_quantile_live(tmp_path, edg
         path.write_text(
             path.read_text()
             .replace('device = "raspberry-pi-4b"', 'device = "jetson-orin-nano"')
-            .replace("[policy]\n", "[emulation]\nlocal_latency_ms = 50\n[policy]\ndeadline_quantile = 0.9\n")
+            .replace(
+                "[policy]\n",
+                "[emulation]\nlocal_latency_ms = 50\n[policy]\ndeadline_quantile = 0.9\n",
+            )
         )
         os.utime(path, (3, 3))
         await agent._watch_config()
@@ -149,7 +155,11 @@ async def test_requests_in_flight_across_a_reload_that_remaps_the_model_are_all_
         flights = [asyncio.create_task(agent.infer("lin", {"x": x})) for _ in range(5)]
         await asyncio.sleep(0.05)
         # The model loses its local variant while those requests wait for the device.
-        path.write_text(path.read_text().replace('local = "lin-local"\nmode = "local"\n', 'local = "soft-local"\n'))
+        path.write_text(
+            path.read_text().replace(
+                'local = "lin-local"\nmode = "local"\n', 'local = "soft-local"\n'
+            )
+        )
         os.utime(path, (4, 4))
         await agent._watch_config()
         assert agent.dataplane.policy.model_policy("lin").local_model == "soft-local"

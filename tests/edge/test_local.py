@@ -27,3 +27,36 @@ async def test_requests_past_the_local_backlog_are_refused_not_queued(tmp_path):
     assert local.backlog("lin") == 0
     await local.run("lin", x)  # room again
     local.close()
+
+
+async def test_a_tiny_local_model_runs_on_the_loop_once_warmed_and_never_behind_a_backlog(
+    tmp_path,
+):
+    import threading
+
+    from shared.runtimes.inline import WARMUP_RUNS
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx", seed=1)
+    local = LocalModels(ModelRepository(tmp_path), inline_us=1e9)
+    model = await asyncio.to_thread(local.load, "lin")
+    threads: list[int] = []
+    inner = model.session.run
+
+    def recording_run(inputs, outputs=None):
+        threads.append(threading.get_ident())
+        return inner(inputs, outputs)
+
+    model.session.run = recording_run  # type: ignore[method-assign]
+    x = {"x": np.ones((1, 4), np.float32)}
+    for _ in range(WARMUP_RUNS + 2):
+        out, _ = await local.run("lin", x)
+        assert out["y"].shape == (1, 3)
+    loop = threading.get_ident()
+    assert loop not in threads[:WARMUP_RUNS]
+    assert threads[WARMUP_RUNS:] == [loop, loop]
+    # a larger input than any seen goes to the worker; one behind it goes there too
+    threads.clear()
+    big = {"x": np.ones((64, 4), np.float32)}
+    await asyncio.gather(local.run("lin", big), local.run("lin", x))
+    assert len(threads) == 2 and loop not in threads
+    local.close()

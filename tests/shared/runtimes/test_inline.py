@@ -1,0 +1,60 @@
+"""InlineGate: when a model has earned running on the caller's thread."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared.runtimes.inline import WARMUP_RUNS, WINDOW, InlineGate, input_bytes
+
+
+def warmed(budget_us: float = 100.0, run_ns: int = 20_000, nbytes: int = 1024) -> InlineGate:
+    gate = InlineGate(budget_us)
+    for _ in range(WARMUP_RUNS):
+        gate.record(run_ns, nbytes)
+    return gate
+
+
+def test_the_gate_stays_shut_until_the_model_has_run_enough_times():
+    gate = InlineGate(100.0)
+    for _ in range(WARMUP_RUNS - 1):
+        gate.record(20_000, 1024)
+        assert not gate.allows(1024)
+    gate.record(20_000, 1024)
+    assert gate.allows(1024)
+
+
+def test_a_zero_budget_never_opens():
+    gate = warmed(budget_us=0.0)
+    assert not gate.allows(0)
+
+
+def test_one_slow_run_shuts_the_gate_for_a_whole_window():
+    gate = warmed()
+    gate.record(500_000, 1024)  # 0.5 ms: over the 100 us budget
+    for _ in range(WINDOW - 1):
+        assert not gate.allows(1024)
+        gate.record(20_000, 1024)
+    gate.record(20_000, 1024)  # the slow run leaves the window
+    assert gate.allows(1024)
+
+
+def test_an_input_larger_than_any_recent_one_goes_to_a_worker():
+    gate = warmed(nbytes=1024)
+    assert gate.allows(1024)
+    assert gate.allows(10)
+    assert not gate.allows(1025)
+
+
+def test_the_largest_input_is_forgotten_when_it_leaves_the_window():
+    gate = warmed(nbytes=64)
+    gate.record(20_000, 4096)
+    assert gate.allows(4096)
+    for _ in range(WINDOW):
+        gate.record(20_000, 64)
+    assert not gate.allows(4096)
+    assert gate.allows(64)
+
+
+def test_input_bytes_counts_every_array():
+    inputs = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(5, np.int64)}
+    assert input_bytes(inputs) == 24 + 40
