@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ml_dtypes import bfloat16
 
+from shared.datatypes import bf16_dtype
 from shared.errors import BackendMissing, ConfigError, InternalError, InvalidInput, ModelNotFound
 from shared.runtimes._common import (
     bytes_array,
@@ -187,7 +187,7 @@ class OnnxRuntimeSession:
         ort_value = self._ort.OrtValue
         values = {}
         for name, array in feed.items():
-            if array.dtype == np.dtype(bfloat16):
+            if array.dtype.name == "bfloat16":
                 values[name] = ort_value.ortvalue_from_numpy_with_onnx_type(
                     array.view(np.uint16), _BF16_ONNX_TYPE
                 )
@@ -201,7 +201,7 @@ class OnnxRuntimeSession:
                 words = np.empty(count, dtype=np.uint16)
                 if count:
                     ctypes.memmove(words.ctypes.data, value.data_ptr(), 2 * count)
-                out.append(words.view(bfloat16).reshape(shape))
+                out.append(words.view(bf16_dtype()).reshape(shape))
             else:
                 out.append(value.numpy())
         return out

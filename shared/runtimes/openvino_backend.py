@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ml_dtypes import bfloat16
 
+from shared.datatypes import bf16_dtype
 from shared.errors import BackendMissing, ConfigError, InternalError, InvalidInput, ModelNotFound
 from shared.runtimes._common import check_inputs, check_outputs, closed_error
 from shared.runtimes.base import RuntimeOptions, TensorSpec
@@ -146,7 +146,7 @@ class OpenVinoSession:
             array = values[index]
             if self.outputs[index].datatype == "BF16":
                 # the Python API hands bf16 back as float16 holding bf16 bits
-                array = array.view(np.uint16).view(bfloat16)
+                array = array.view(np.uint16).view(bf16_dtype())
             out[name] = array
         return out
 
