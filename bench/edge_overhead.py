@@ -4,7 +4,8 @@
 
 (a) p50 of the raw runtime call for the example int8 model vs the agent's
     local path through the Python API and through the local HTTP API
-    (target: Python API <= 1.05x);
+    (target: Python API <= 1.03x, the median of paired ratios; pairs alternate
+    which goes first, as either order favours the second call here);
 (b) the decision time of a cost-mode request with two transports (mqtt and
     http over LTE, estimators trained, the per-request context built by the
     agent's own entry, EdgeCore.begin().start(); the slower of a warm and a
@@ -14,8 +15,12 @@
     aiohttp echo of the same bytes (target: <= 1.5x).  The bare echo peer runs
     in its own process, as the cloud node does, so both sides pay the same
     process hops and only Ferry's own work differs;
-(d) the agent's RSS after start with the ONNX Runtime int8 variant loaded,
-    and its start-up time to the first local answer.
+(d) the agent process's RSS after its first answer beside a bare process
+    holding the same runtime and model (same options, one run), for the ONNX
+    Runtime int8 variant and, where the dev extra is installed, a LiteRT model
+    (the int8 wake-word spotter in the pymicro-wakeword wheel) (target: the
+    agent's extra <= 15 MiB), and the agent's start-up time (process start
+    to first local answer over its HTTP API; target <= 0.5 s).
 
 Exit status 1 when a target is missed (each line says which).
 """
@@ -74,13 +79,20 @@ async def local_paths(repo: Path, folder: Path, repeat: int) -> dict[str, float]
             await agent.infer("orientation", {"x": x})
         # Interleaved, one raw call then one agent call, so machine drift hits both alike.
         raw, api = [], []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            session.run({"x": x})
-            raw.append(time.perf_counter() - t)
+
+        async def agent_call() -> None:
             t = time.perf_counter()
             await agent.infer("orientation", {"x": x})
             api.append(time.perf_counter() - t)
+
+        for i in range(repeat):
+            if i % 2:
+                await agent_call()
+            t = time.perf_counter()
+            session.run({"x": x})
+            raw.append(time.perf_counter() - t)
+            if not i % 2:
+                await agent_call()
     finally:
         await agent.stop()
         session.close()
@@ -97,6 +109,7 @@ async def local_paths(repo: Path, folder: Path, repeat: int) -> dict[str, float]
         )
         first_answer_s = time.monotonic() - started
         rss = _rss(proc.proc.pid)
+        bare_rss = _bare_rss("onnxruntime", model_file, {"x": ([1, 3, 224, 224], "float32")})
         for _ in range(5):
             await client.infer(
                 "orientation", InferRequest(inputs=[Tensor("x", "FP32", x)]), time.monotonic() + 30
@@ -120,8 +133,72 @@ async def local_paths(repo: Path, folder: Path, repeat: int) -> dict[str, float]
         "http": p50_ms(http),
         "raw_s": raw,
         "rss_mb": rss / 2**20,
+        "bare_rss_mb": bare_rss / 2**20,
         "first_answer_s": first_answer_s,
     }
+
+
+_BARE_RSS = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from shared.runtimes import RuntimeOptions, load_session
+session = load_session(sys.argv[1], Path(sys.argv[2]), RuntimeOptions(threads=1))
+session.run({k: np.zeros(s, d) for k, (s, d) in json.loads(sys.argv[3]).items()})
+print([l for l in open("/proc/self/status") if l.startswith("VmRSS:")][0].split()[1])
+"""
+
+
+def _bare_rss(backend: str, model: Path, inputs: dict) -> int:
+    """RSS of a process holding only the runtime and the model (one run done)."""
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _BARE_RSS, backend, str(model), json.dumps(inputs)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip().splitlines()[-1]) * 1024
+
+
+async def litert_rss(folder: Path) -> dict[str, float] | None:
+    """The agent process with a LiteRT model beside the bare interpreter (dev extra)."""
+    import importlib.resources
+    import importlib.util
+    import shutil
+
+    if not importlib.util.find_spec("pymicro_wakeword") or not (
+        importlib.util.find_spec("ai_edge_litert") or importlib.util.find_spec("tflite_runtime")
+    ):
+        return None
+    model = importlib.resources.files("pymicro_wakeword") / "models" / "hey_mycroft.tflite"
+    repo = folder / "repo"
+    (repo / "kws" / "1").mkdir(parents=True)
+    shutil.copy(str(model), repo / "kws" / "1" / "model.tflite")
+    cfg = agent_toml(folder, repo, '[models.kws]\nlocal = "kws"\nmode = "local"\n')
+    proc = edge_agent(cfg).start()
+    client = HttpTransport(proc.http_url)
+    await client.start()
+    try:
+        x = np.zeros((1, 3, 40), np.int8)
+        await client.infer(
+            "kws",
+            InferRequest(inputs=[Tensor("serving_default_input_audio:0", "INT8", x)]),
+            time.monotonic() + 30,
+        )
+        rss = _rss(proc.proc.pid)
+    finally:
+        await client.close()
+        proc.terminate()
+    bare = _bare_rss(
+        "litert",
+        repo / "kws" / "1" / "model.tflite",
+        {"serving_default_input_audio:0": ([1, 3, 40], "int8")},
+    )
+    return {"rss_mb": rss / 2**20, "bare_rss_mb": bare / 2**20}
 
 
 def _rss(pid: int) -> int:
@@ -163,9 +240,7 @@ def _serve_paho_echo(port: int) -> None:
         client_id="bare-echo-responder",
         protocol=mqtt.MQTTv5,
     )
-    c.on_socket_open = lambda c, u, sock: sock.setsockopt(
-        socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
-    )
+    c.on_socket_open = lambda c, u, sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def on_request(c, u, m) -> None:
         props = Properties(PacketTypes.PUBLISH)
@@ -319,14 +394,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  raw runtime call     {local['raw']:8.2f} ms   1.00x")
         print(
             f"  agent Python API     {local['api']:8.2f} ms   {local['api'] / local['raw']:.3f}x  "
-            f"(paired: {local['api_paired']:.3f}x; target <= 1.05x)"
+            f"(paired: {local['api_paired']:.3f}x; target <= 1.03x)"
         )
         print(
             f"  agent local HTTP API {local['http']:8.2f} ms   {local['http'] / local['raw']:.3f}x"
         )
         missed = []
-        if local["api_paired"] > 1.05:
-            missed.append("(a) Python API local path > 1.05x the raw call")
+        if local["api_paired"] > 1.03:
+            missed.append("(a) Python API local path > 1.03x the raw call")
         decision = decision_time(local["raw_s"])
         verdict = "meets" if decision["median_us"] <= 20.0 else "MISSES"
         if verdict == "MISSES":
@@ -364,10 +439,30 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if ratio > 1.5:
                     missed.append(f"(c) {scheme} {label} round trip > 1.5x the bare echo")
+        (tmp / "litert").mkdir()
+        lite = asyncio.run(litert_rss(tmp / "litert"))
+        print("\n(d) agent process after its first answer vs the runtime and model alone (RSS)")
+        rows = [("ONNX Runtime, orientation-int8", local["rss_mb"], local["bare_rss_mb"])]
+        if lite is not None:
+            rows.append(("LiteRT, hey_mycroft int8", lite["rss_mb"], lite["bare_rss_mb"]))
+        else:
+            print("  LiteRT row skipped: pymicro-wakeword or ai-edge-litert not installed")
+        for label, agent_mb, bare_mb in rows:
+            extra = agent_mb - bare_mb
+            verdict = "meets" if extra <= 15 else "MISSES"
+            print(
+                f"  {label:<32} agent {agent_mb:6.1f} MiB, bare {bare_mb:6.1f} MiB, "
+                f"extra {extra:5.1f} MiB ({verdict} <= 15 MiB)"
+            )
+            if extra > 15:
+                missed.append(f"(d) {label}: agent RSS {extra:.1f} MiB over the bare runtime")
+        start_verdict = "meets" if local["first_answer_s"] <= 0.5 else "MISSES"
         print(
-            f"\n(d) agent process: RSS after start {local['rss_mb']:.0f} MiB with the ONNX Runtime int8 variant; "
-            f"start-up to first local answer {local['first_answer_s']:.2f} s"
+            f"  start-up to first local answer (process start, HTTP API): "
+            f"{local['first_answer_s']:.2f} s ({start_verdict} <= 0.5 s)"
         )
+        if local["first_answer_s"] > 0.5:
+            missed.append("(d) start-up to first local answer > 0.5 s")
     for line in missed:
         print(f"MISSED: {line}")
     return 1 if missed else 0
