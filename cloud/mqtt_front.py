@@ -1,19 +1,22 @@
 """The cloud node's MQTT v5 front: shared subscriptions in, replies out.
 
-paho-mqtt runs its network loop in its own thread; each message is handed to
-the asyncio loop with ``call_soon_threadsafe`` and answered from there on the
-request's Response Topic with its Correlation Data.  Message Expiry becomes
-the request's deadline.  paho reconnects by itself; ``on_connect``
+The MQTT client (:mod:`shared.aio.mqtt`) reads the broker's socket on the
+event loop and hands each message to :meth:`MqttFront._on_message` there, so
+a request costs no thread hop on its way in or out.  Each is answered on its
+Response Topic with its Correlation Data; Message Expiry becomes the
+request's deadline.  The client reconnects by itself and ``_after_connect``
 re-subscribes, so a broker restart needs nothing from the operator.
 
 Backpressure: at most ``max_inflight`` requests, and at most the node's byte
-budget (shared with the HTTP front), may be received and not yet answered.  The count is taken on paho's thread, before the message is handed
-to the loop or decoded, so a flood costs one "overloaded" error reply per
-message (with ``retry_after_ms``) instead of unbounded memory.
+budget (shared with the HTTP front), may be received and not yet answered.
+Both are checked before a request is decoded, so a flood costs one
+"overloaded" error reply per message (with ``retry_after_ms``) instead of
+unbounded memory; a message longer than the body limit is never held whole
+(the client keeps its head) and is answered "payload too large".
 
-Invariants: only the event loop touches ``_subscribed`` and ``_tasks``;
-every received request gets exactly one reply (a result or a typed error),
-also while the node shuts down ("unavailable").
+Invariants: only the event loop touches this object; every received request
+gets exactly one reply (a result or a typed error), also while the node
+shuts down ("unavailable").
 """
 
 from __future__ import annotations
@@ -21,34 +24,36 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from cloud.admission import ByteBudget
 from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
-from shared.errors import FerryError, InternalError, InvalidInput, Overloaded, ShuttingDown
+from shared.aio.mqtt import MqttClient
+from shared.errors import (
+    FerryError,
+    InternalError,
+    InvalidInput,
+    Overloaded,
+    PayloadTooLarge,
+    ShuttingDown,
+)
 from shared.mqtt import (
     PREFIX,
     BrokerAddress,
     model_from_topic,
-    nodelay,
     reply_principal,
     shared_request_topic,
     status_topic,
 )
+from shared.mqtt.codec import Publish, PublishProperties, Will, topic_matches
 from shared.tensors import Limits
 from shared.tls import client_tls_context
 
 log = logging.getLogger(__name__)
-
 
 
 def new_client(
@@ -59,26 +64,22 @@ def new_client(
     insecure: bool = False,
     cert_file: Path | None = None,
     key_file: Path | None = None,
-) -> mqtt.Client:
-    """A paho MQTT v5 client for the cloud tier (node, controller, ``fleet``): the
-    broker's credentials and TLS, Nagle off."""
-    client = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id=client_id,
-        protocol=mqtt.MQTTv5,
+    **options: Any,
+) -> MqttClient:
+    """An MQTT v5 client for the cloud tier (node, controller, ``fleet``) with the
+    broker's credentials and TLS; ``options`` go to :class:`MqttClient`."""
+    tls = (
+        client_tls_context(ca_file, insecure=insecure, cert_file=cert_file, key_file=key_file)
+        if broker.tls
+        else None
     )
-    if broker.username:
-        client.username_pw_set(broker.username, broker.password)
-    if broker.tls:
-        client.tls_set_context(
-            client_tls_context(ca_file, insecure=insecure, cert_file=cert_file, key_file=key_file)
-        )
-    client.on_socket_open = nodelay
-    return client
+    return MqttClient(broker, client_id, tls_context=tls, **options)
 
 
-#: replies above this are handed to paho from a worker thread (it copies them whole)
-_PUBLISH_WORKER_BYTES = 1 << 20
+def offline_will(node: str) -> Will:
+    return Will(status_topic(node), json.dumps({"node": node, "state": "offline"}).encode())
+
+
 #: user property a node puts on a request it forwards (such a request is not forwarded again)
 FORWARDED = "ferry-forwarded-by"
 _REQUEST_HEAD = f"{PREFIX}/models/"
@@ -103,14 +104,11 @@ class MqttFront:
         self.node = node
         self.client_id = config.client_id or f"ferry-cloud-{node}"
         self.max_inflight = max_inflight
-        self._slots = threading.BoundedSemaphore(max_inflight) if max_inflight else None
         self.budget = budget or ByteBudget(0)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._client: mqtt.Client | None = None
+        self._client: MqttClient | None = None
         self._subscribed: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._status_task: asyncio.Task[None] | None = None
-        self._connected = asyncio.Event()
         self._accepting = True  # False once intake stopped: late requests get "unavailable"
         self._closed = False
         #: topic filter -> callable(topic, payload, properties) run on the loop (fleet
@@ -118,42 +116,33 @@ class MqttFront:
         self._handlers: dict[str, Any] = {}
         #: loaded models whose request topic is withheld (being moved away)
         self._withheld: set[str] = set()
-        self._unsub_waiters: dict[int, asyncio.Future[None]] = {}
         self._per_model: dict[str, int] = {}  # requests being handled, per model
-        self.received = 0  # requests paho handed over (paho's thread writes it)
+        self.inflight = 0  # requests received and not yet answered
+        self.received = 0  # requests the broker delivered
         self.replies_sent = 0
         self.refused = 0
 
     # ---- lifecycle --------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> None:
-        self._loop = asyncio.get_running_loop()
         broker = self.config.broker
-        client = new_client(
+        self._client = new_client(
             broker,
             self.client_id,
             ca_file=self.config.ca_file,
             insecure=self.config.tls_insecure,
             cert_file=self.config.cert_file,
             key_file=self.config.key_file,
+            keepalive_s=self.config.keepalive_s,
+            will=offline_will(self.node),
+            # a request over the body limit is answered from its head, never held whole
+            max_packet_bytes=self.limits.max_body_bytes + 64 * 1024,
+            reconnect_min_s=0.5,
+            on_message=self._on_message,
+            on_connect=self._after_connect,
+            on_disconnect=self._on_disconnect,
         )
-        client.on_connect = self._on_connect
-        client.on_disconnect = self._on_disconnect
-        client.on_message = self._on_message
-        client.on_unsubscribe = self._on_unsubscribe
-        client.reconnect_delay_set(min_delay=1, max_delay=5)
-        client.will_set(
-            status_topic(self.node),
-            json.dumps({"node": self.node, "state": "offline"}),
-            qos=1,
-            retain=True,
-        )
-        self._client = client
         self.dataplane.on_models_changed.append(self._models_changed)
-        client.connect_async(broker.host, broker.port, keepalive=self.config.keepalive_s)
-        client.loop_start()
-        try:
-            await asyncio.wait_for(self._connected.wait(), wait_s)
-        except TimeoutError:
+        if not await self._client.start(wait_s):
             log.warning(
                 "MQTT broker %s:%s not reachable yet; retrying in the background",
                 broker.host,
@@ -167,9 +156,8 @@ class MqttFront:
         if self._models_changed in self.dataplane.on_models_changed:
             self.dataplane.on_models_changed.remove(self._models_changed)
         client = self._client
-        if client is not None:
-            for topic in sorted(self._subscribed):
-                client.unsubscribe(topic)
+        if client is not None and client.connected and self._subscribed:
+            client.unsubscribe(*sorted(self._subscribed))
         self._subscribed.clear()
 
     async def drain(self, deadline: float) -> None:
@@ -183,7 +171,7 @@ class MqttFront:
                 )
                 return
             await asyncio.wait(list(self._tasks), timeout=remaining)
-            await asyncio.sleep(0)  # let messages already handed over spawn their tasks
+            await asyncio.sleep(0)  # let messages already received spawn their tasks
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Publish the offline status (waiting at most ``timeout_s``) and leave the broker."""
@@ -192,15 +180,14 @@ class MqttFront:
             self._status_task.cancel()
         client = self._client
         if client is not None:
-            info = client.publish(
-                status_topic(self.node),
-                json.dumps({"node": self.node, "state": "offline"}),
-                qos=1,
-                retain=True,
-            )
-            await asyncio.to_thread(wait_published, info, timeout_s)
-            client.disconnect()
-            await asyncio.to_thread(client.loop_stop)
+            offline = json.dumps({"node": self.node, "state": "offline"}).encode()
+            acked = client.publish(status_topic(self.node), offline, retain=True)
+            if acked is not None:
+                try:
+                    await asyncio.wait_for(acked, timeout_s)
+                except (TimeoutError, FerryError):
+                    pass
+            await client.close()
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop taking requests, answer those in flight, then leave the broker."""
@@ -210,39 +197,34 @@ class MqttFront:
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set()
+        return self._client is not None and self._client.connected
 
-    # ---- paho callbacks (network thread) ------------------------------------------
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if reason.is_failure:
-            log.warning("MQTT connect refused: %s", reason)
-            return
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._after_connect)
-
-    def _on_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._connected.clear)
+    def _on_disconnect(self, error: Exception | None) -> None:
         if self._accepting:
-            log.warning("MQTT disconnected (%s); paho reconnects", reason)
+            log.warning("MQTT disconnected (%s); reconnecting", error or "broker closed")
 
-    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+    # ---- intake (on the loop, straight from the socket) -------------------------------
+    def _on_message(self, message: Publish) -> None:
         received = time.monotonic()
-        if self._closed or self._loop is None:
+        if self._closed:
             return
         if not message.topic.startswith(_REQUEST_HEAD):
             self._route(message)
             return
         self.received += 1
-        if self._slots is not None and not self._slots.acquire(blocking=False):
+        if message.truncated:
+            self._refuse(
+                message,
+                PayloadTooLarge(
+                    f"request of {message.truncated} bytes exceeds the limit of "
+                    f"{self.limits.max_body_bytes}"
+                ),
+            )
+            return
+        if self.max_inflight and self.inflight >= self.max_inflight:
             model = model_from_topic(message.topic)
             hint = self.dataplane.retry_hint(model) or _DEFAULT_RETRY_S
             self._refuse(
-                client,
                 message,
                 Overloaded(
                     f"node {self.node}: {self.max_inflight} MQTT requests in flight",
@@ -252,61 +234,42 @@ class MqttFront:
             return
         size = len(message.payload)
         if not self.budget.try_take(size):
-            if self._slots is not None:
-                self._slots.release()
-            self._refuse(client, message, self.budget.overloaded(size))
+            self._refuse(message, self.budget.overloaded(size))
             return
-        try:
-            self._loop.call_soon_threadsafe(self._spawn, message, received, size)
-        except RuntimeError:  # the loop is closed: the node is gone
-            self.budget.give(size)
-            if self._slots is not None:
-                self._slots.release()
+        self.inflight += 1
+        task = asyncio.create_task(self._handle(message, received))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._task_done(t, size))
 
-    def _route(self, message: mqtt.MQTTMessage) -> None:
+    def _route(self, message: Publish) -> None:
         """A fleet message: hand it to the handler of the first filter that matches."""
         for pattern, handler in list(self._handlers.items()):
-            if mqtt.topic_matches_sub(pattern, message.topic):
+            if topic_matches(pattern, message.topic):
                 try:
-                    self._loop.call_soon_threadsafe(  # type: ignore[union-attr]
-                        handler, message.topic, message.payload, message.properties
-                    )
-                except RuntimeError:  # the loop is closed
-                    pass
+                    handler(message.topic, message.payload, message.properties)
+                except Exception:
+                    log.exception("fleet handler for %s failed", message.topic)
                 return
 
-    def _on_unsubscribe(
-        self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any
-    ) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._unsubscribed, mid)
-
-    def _unsubscribed(self, mid: int) -> None:
-        waiter = self._unsub_waiters.pop(mid, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _refuse(self, client: mqtt.Client, message: mqtt.MQTTMessage, error: FerryError) -> None:
-        """Answer without decoding the tensors (on paho's thread: publish is thread-safe)."""
+    def _refuse(self, message: Publish, error: FerryError) -> None:
+        """Answer without decoding the tensors."""
         self.refused += 1
-        response_topic = getattr(message.properties, "ResponseTopic", None)
-        if not response_topic:
+        props = message.properties
+        if not props.response_topic:
             return
         request_id = envelope.peek_request_id(message.payload) or ""
-        out = Properties(PacketTypes.PUBLISH)
-        correlation = getattr(message.properties, "CorrelationData", None)
-        if correlation is not None:
-            out.CorrelationData = correlation
-        client.publish(
-            response_topic, envelope.encode_error_reply(request_id, error), qos=1, properties=out
-        )
+        self._reply(props, envelope.encode_error_reply(request_id, error))
+
+    def _reply(self, props: PublishProperties, payload: bytes) -> None:
+        if self._client is not None and props.response_topic:
+            out = PublishProperties(correlation_data=props.correlation_data)
+            self._client.publish(props.response_topic, payload, properties=out)
 
     # ---- on the event loop ----------------------------------------------------------
     def _after_connect(self) -> None:
-        self._connected.set()
         self._subscribed.clear()  # a new connection starts with no subscriptions
-        for pattern in sorted(self._handlers):
-            self._client.subscribe(pattern, qos=1)  # type: ignore[union-attr]
+        if self._handlers:
+            self._client.subscribe(*sorted(self._handlers))  # type: ignore[union-attr]
         self._sync_subscriptions()
         self._publish_status()
 
@@ -315,8 +278,8 @@ class MqttFront:
         """Deliver messages on ``pattern`` to ``handler(topic, payload, properties)`` on
         the loop; subscribed now and after every reconnect."""
         self._handlers[pattern] = handler
-        if self._client is not None and self._connected.is_set():
-            self._client.subscribe(pattern, qos=1)
+        if self.connected:
+            self._client.subscribe(pattern)  # type: ignore[union-attr]
 
     def publish(
         self,
@@ -324,10 +287,12 @@ class MqttFront:
         payload: bytes,
         *,
         retain: bool = False,
-        properties: Properties | None = None,
-    ) -> mqtt.MQTTMessageInfo:
-        assert self._client is not None
-        return self._client.publish(topic, payload, qos=1, retain=retain, properties=properties)
+        properties: PublishProperties | None = None,
+    ) -> asyncio.Future[Any] | None:
+        """QoS 1; None when the broker is not connected (the message is dropped)."""
+        if self._client is None:
+            return None
+        return self._client.publish(topic, payload, retain=retain, properties=properties)
 
     @property
     def username(self) -> str | None:
@@ -335,7 +300,7 @@ class MqttFront:
 
     def publish_status(self) -> None:
         """Publish the node's status now (after a placement step, say)."""
-        if self._connected.is_set():
+        if self.connected:
             self._publish_status()
 
     async def withhold(self, name: str, timeout_s: float = 5.0) -> None:
@@ -347,17 +312,13 @@ class MqttFront:
         client = self._client
         if client is not None and topic in self._subscribed:
             self._subscribed.discard(topic)
-            assert self._loop is not None
-            waiter: asyncio.Future[None] = self._loop.create_future()
-            rc, mid = client.unsubscribe(topic)
-            if rc == mqtt.MQTT_ERR_SUCCESS:
-                self._unsub_waiters[mid] = waiter
+            if client.connected:
                 try:
-                    await asyncio.wait_for(waiter, timeout_s)
+                    await asyncio.wait_for(client.unsubscribe(topic), timeout_s)
                 except TimeoutError:
                     log.warning("no UNSUBACK for %s within %.1f s", topic, timeout_s)
-                finally:
-                    self._unsub_waiters.pop(mid, None)
+                except FerryError:
+                    pass  # the connection dropped: the subscription went with it
         deadline = time.monotonic() + timeout_s
         while self._per_model.get(name, 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -365,40 +326,37 @@ class MqttFront:
     def release(self, name: str) -> None:
         """Take ``name``'s requests again once it is loaded (undoes :meth:`withhold`)."""
         self._withheld.discard(name)
-        if self._connected.is_set():
+        if self.connected:
             self._sync_subscriptions()
 
     def _models_changed(self) -> None:
-        if self._connected.is_set():
+        if self.connected:
             self._sync_subscriptions()
             self._publish_status()
 
     def _sync_subscriptions(self) -> None:
-        if self._client is None or not self._accepting:
+        client = self._client
+        if client is None or not self._accepting or not client.connected:
             return
         wanted = {
             shared_request_topic(name)
             for name in self.dataplane.loaded_names()
             if name not in self._withheld
         }
-        for topic in sorted(wanted - self._subscribed):
-            self._client.subscribe(topic, qos=1)
-        for topic in sorted(self._subscribed - wanted):
-            self._client.unsubscribe(topic)
+        added = sorted(wanted - self._subscribed)
+        if added:
+            client.subscribe(*added)
+        dropped = sorted(self._subscribed - wanted)
+        if dropped:
+            client.unsubscribe(*dropped)
         self._subscribed = wanted
-
-    def _spawn(self, message: mqtt.MQTTMessage, received: float, size: int) -> None:
-        task = asyncio.create_task(self._handle(message, received))
-        self._tasks.add(task)
-        task.add_done_callback(lambda t: self._task_done(t, size))
 
     def _task_done(self, task: asyncio.Task[None], size: int) -> None:
         self._tasks.discard(task)
         self.budget.give(size)
-        if self._slots is not None:
-            self._slots.release()
+        self.inflight -= 1
 
-    async def _handle(self, message: mqtt.MQTTMessage, received: float) -> None:
+    async def _handle(self, message: Publish, received: float) -> None:
         model = model_from_topic(message.topic)
         key = model or ""
         self._per_model[key] = self._per_model.get(key, 0) + 1
@@ -411,11 +369,10 @@ class MqttFront:
             else:
                 del self._per_model[key]
 
-    async def _answer(self, message: mqtt.MQTTMessage, received: float, model: str | None) -> None:
+    async def _answer(self, message: Publish, received: float, model: str | None) -> None:
         props = message.properties
-        response_topic = getattr(props, "ResponseTopic", None)
-        correlation = getattr(props, "CorrelationData", None)
-        expiry = getattr(props, "MessageExpiryInterval", None)
+        response_topic = props.response_topic
+        expiry = props.message_expiry
         deadline = received + expiry if expiry else None
         payload = message.payload
         request_id = None
@@ -424,7 +381,7 @@ class MqttFront:
                 raise ShuttingDown(f"node {self.node} is shutting down")
             if model is None:
                 raise InvalidInput(f"not a request topic: {message.topic!r}")
-            forwarded = any(k == FORWARDED for k, _ in getattr(props, "UserProperty", None) or ())
+            forwarded = props.user_property(FORWARDED) is not None
             if not forwarded:  # an unknown model is refused before decoding
                 self.dataplane.check_servable(model, None)
             if envelope.decode_needs_worker(payload):  # big or BYTES: off the loop
@@ -458,34 +415,17 @@ class MqttFront:
                 "request %s on %s has no Response Topic; no reply sent", request_id, message.topic
             )
             return
-        out = Properties(PacketTypes.PUBLISH)
-        if correlation is not None:
-            out.CorrelationData = correlation
-        assert self._client is not None
-        if len(reply) > _PUBLISH_WORKER_BYTES:
-            # paho copies the payload into its packet as it publishes: a worker does it
-            await asyncio.to_thread(
-                self._client.publish, response_topic, reply, qos=1, properties=out
-            )
-        else:
-            self._client.publish(response_topic, reply, qos=1, properties=out)
+        self._reply(props, reply)
         self.replies_sent += 1
 
     def _publish_status(self) -> None:
         if self._client is None:
             return
-        status = self.dataplane.status()
-        self._client.publish(status_topic(self.node), json.dumps(status), qos=1, retain=True)
+        status = json.dumps(self.dataplane.status()).encode()
+        self._client.publish(status_topic(self.node), status, retain=True)
 
     async def _status_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.status_interval_s)
-            if self._connected.is_set():
+            if self.connected:
                 self._publish_status()
-
-
-def wait_published(info: mqtt.MQTTMessageInfo, timeout: float) -> None:
-    try:
-        info.wait_for_publish(timeout)
-    except (RuntimeError, ValueError):
-        pass

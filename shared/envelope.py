@@ -113,7 +113,10 @@ def decode_needs_worker(payload: bytes | memoryview) -> bool:
     size = len(payload)
     if size > 1 << 20:
         return True
-    return size > WORKER_BYTES and bytes(payload).find(b"BYTES") >= 0
+    if size <= WORKER_BYTES:
+        return False
+    searchable = bytes(payload) if isinstance(payload, memoryview) else payload
+    return searchable.find(b"BYTES") >= 0
 
 
 def encode_needs_worker(response: InferResponse) -> bool:

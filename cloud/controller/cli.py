@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,8 +45,6 @@ def run_fleet_command(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    import asyncio
-
     from cloud.controller.alerts import AlertSettings
     from cloud.controller.catalogue import read_catalogue
     from cloud.controller.core import ControllerCore, ControllerSettings
@@ -78,8 +76,6 @@ def _controller(args: argparse.Namespace) -> int:
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    import paho.mqtt.client as mqtt
-
     from cloud.controller.service import ALERTS_TOPIC
     from cloud.controller.table import fleet_document, render_fleet
     from cloud.fleet.follower import STATUS_PATTERN
@@ -91,48 +87,40 @@ def _fleet(args: argparse.Namespace) -> int:
     broker = parse_broker_url(args.broker)
     view = FleetView()
     alerts: list[Any] = []
-    lock = threading.Lock()
-    connected = threading.Event()
 
-    def on_connect(client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
-        if not reason.is_failure:
-            client.subscribe([(STATUS_PATTERN, 1), (PLACEMENT_TOPIC, 1), (ALERTS_TOPIC, 1)])
-            connected.set()
-
-    def on_message(client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+    def on_message(message: Any) -> None:
         try:
             document = decode_document(message.payload)
         except ConfigError:
             return
-        with lock:
-            if message.topic == PLACEMENT_TOPIC:
-                view.on_placement(document)
-            elif message.topic == ALERTS_TOPIC:
-                alerts[:] = document if isinstance(document, list) else []
-            else:
-                node = node_from_status_topic(message.topic)
-                if node:
-                    view.on_status(node, document)
+        if message.topic == PLACEMENT_TOPIC:
+            view.on_placement(document)
+        elif message.topic == ALERTS_TOPIC:
+            alerts[:] = document if isinstance(document, list) else []
+        else:
+            node = node_from_status_topic(message.topic)
+            if node:
+                view.on_status(node, document)
 
-    client = new_client(broker, f"ferry-fleet-{time.monotonic_ns() % 10**9}")
-    client.on_connect = on_connect
-    client.on_message = on_message
-    try:
-        client.connect(broker.host, broker.port, keepalive=10)
-    except OSError as exc:
-        raise EndpointUnavailable(f"broker {broker.host}:{broker.port}: {exc}") from None
-    client.loop_start()
-    try:
-        if not connected.wait(5.0):
-            raise EndpointUnavailable(
-                f"broker {broker.host}:{broker.port} did not accept the connection"
-            )
-        time.sleep(args.wait_s)
-    finally:
-        client.disconnect()
-        client.loop_stop()
-    with lock:
-        document = fleet_document(view, list(alerts))
+    async def watch() -> None:
+        client = new_client(
+            broker,
+            f"ferry-fleet-{time.monotonic_ns() % 10**9}",
+            keepalive_s=10,
+            on_message=on_message,
+        )
+        client.on_connect = lambda: client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC, ALERTS_TOPIC)
+        try:
+            if not await client.start(5.0):
+                raise EndpointUnavailable(
+                    f"broker {broker.host}:{broker.port} did not accept the connection"
+                )
+            await asyncio.sleep(args.wait_s)
+        finally:
+            await client.close()
+
+    asyncio.run(watch())
+    document = fleet_document(view, list(alerts))
     if args.json:
         print(json.dumps(document, indent=2))
     else:

@@ -25,18 +25,18 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import paho.mqtt.client as mqtt
 from aiohttp import web
 
 from cloud.controller.core import ControllerCore
 from cloud.controller.metrics import render_controller_metrics
 from cloud.fleet.follower import STATUS_PATTERN
 from cloud.fleet.view import decode_document
-from cloud.mqtt_front import new_client, wait_published
-from shared.errors import ConfigError
+from cloud.mqtt_front import new_client
+from shared.aio.mqtt import MqttClient
+from shared.errors import ConfigError, FerryError
 from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, node_from_status_topic
+from shared.mqtt.codec import Publish, Will
 
 log = logging.getLogger(__name__)
 
@@ -57,26 +57,24 @@ class ControllerService:
     def __init__(self, core: ControllerCore, options: ControllerOptions) -> None:
         self.core = core
         self.options = options
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._client: mqtt.Client | None = None
-        self._connected = asyncio.Event()
+        self._client: MqttClient | None = None
         self._published_once = False
         self._alerts_key = ""
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self.core.started = time.monotonic()
-        broker = self.options.broker
-        client = new_client(broker, self.options.client_id)
-        client.on_connect = self._on_connect
-        client.on_message = self._on_message
-        client.reconnect_delay_set(min_delay=1, max_delay=5)
-        client.will_set(CONTROLLER_TOPIC, json.dumps({"state": "offline"}), qos=1, retain=True)
-        self._client = client
-        client.connect_async(broker.host, broker.port, keepalive=15)
-        client.loop_start()
+        self._client = new_client(
+            self.options.broker,
+            self.options.client_id,
+            keepalive_s=15,
+            reconnect_min_s=0.5,
+            will=Will(CONTROLLER_TOPIC, json.dumps({"state": "offline"}).encode()),
+            on_connect=self._on_connect,
+            on_message=self._on_message,
+        )
+        await self._client.start(wait_s=0)
         if self.options.http_port is not None:
             app = web.Application()
             app.router.add_get("/metrics", self._metrics)
@@ -97,8 +95,12 @@ class ControllerService:
             except TimeoutError:
                 pass
 
+    @property
+    def connected(self) -> bool:
+        return self._client is not None and self._client.connected
+
     def tick(self, now: float) -> None:
-        if not self._connected.is_set():
+        if not self.connected:
             return
         step = self.core.step(now)
         if step is not None:
@@ -121,36 +123,31 @@ class ControllerService:
 
     def _publish(self, topic: str, payload: bytes) -> None:
         assert self._client is not None
-        self._client.publish(topic, payload, qos=1, retain=True)
+        self._client.publish(topic, payload, retain=True)
 
     async def close(self) -> None:
         client = self._client
         if client is not None:
-            info = client.publish(
-                CONTROLLER_TOPIC, json.dumps({"state": "offline"}), qos=1, retain=True
+            acked = client.publish(
+                CONTROLLER_TOPIC, json.dumps({"state": "offline"}).encode(), retain=True
             )
-            await asyncio.to_thread(wait_published, info, 2.0)
-            client.disconnect()
-            await asyncio.to_thread(client.loop_stop)
+            if acked is not None:
+                try:
+                    await asyncio.wait_for(acked, 2.0)
+                except (TimeoutError, FerryError):
+                    pass
+            await client.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
-    # ---- paho thread -> loop --------------------------------------------------------------
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if reason.is_failure:
-            log.warning("MQTT connect refused: %s", reason)
-            return
-        client.subscribe(STATUS_PATTERN, qos=1)
-        client.subscribe(PLACEMENT_TOPIC, qos=1)
-        client.publish(CONTROLLER_TOPIC, json.dumps({"state": "online"}), qos=1, retain=True)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._connected.set)
+    # ---- broker events (on the loop) ---------------------------------------------------------
+    def _on_connect(self) -> None:
+        assert self._client is not None
+        self._client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC)
+        self._client.publish(CONTROLLER_TOPIC, json.dumps({"state": "online"}).encode(), retain=True)
 
-    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._handle, message.topic, message.payload)
+    def _on_message(self, message: Publish) -> None:
+        self._handle(message.topic, message.payload)
 
     def _handle(self, topic: str, payload: bytes) -> None:
         try:
@@ -179,7 +176,7 @@ class ControllerService:
         return web.json_response(fleet_document(self.core.view, self.core.alerts()))
 
     async def _live(self, request: web.Request) -> web.Response:
-        return web.json_response({"live": True, "broker": self._connected.is_set()})
+        return web.json_response({"live": True, "broker": self.connected})
 
 
 

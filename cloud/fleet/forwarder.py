@@ -25,9 +25,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-
 from cloud.classification import requested_classes, top_k
 from cloud.fleet.view import FleetView
 from cloud.mqtt_front import FORWARDED, MqttFront
@@ -35,6 +32,7 @@ from shared import envelope
 from shared.errors import DeadlineExceeded, FerryError, ModelNotReady
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import reply_topic, request_topic
+from shared.mqtt.codec import PublishProperties
 from shared.repository import ModelConfig
 from shared.tensors import Limits, Tensor
 
@@ -50,7 +48,7 @@ _PACK_WORKER_BYTES = 1 << 20
 class _Pending:
     model: str
     payload: bytes
-    properties: Properties
+    properties: PublishProperties
     future: asyncio.Future[InferResponse]
     sent_at: float = field(default_factory=time.monotonic)
     resends: int = 0
@@ -138,11 +136,12 @@ class Forwarder:
         else:
             payload = envelope.encode_request(request)
         correlation = uuid.uuid4().bytes
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = self.reply_topic
-        props.CorrelationData = correlation
-        props.MessageExpiryInterval = max(1, math.ceil(until - now))
-        props.UserProperty = [(FORWARDED, self.node)]
+        props = PublishProperties(
+            response_topic=self.reply_topic,
+            correlation_data=correlation,
+            message_expiry=max(1, math.ceil(until - now)),
+            user_properties=[(FORWARDED, self.node)],
+        )
         future: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
         self._pending[correlation] = _Pending(name, payload, props, future)
         self.forwarded += 1
@@ -167,9 +166,9 @@ class Forwarder:
         return response
 
     # ---- replies and failures ------------------------------------------------------------
-    def _on_reply(self, topic: str, payload: bytes, properties: Any) -> None:
-        correlation = getattr(properties, "CorrelationData", None)
-        pending = self._pending.get(bytes(correlation)) if correlation else None
+    def _on_reply(self, topic: str, payload: bytes, properties: PublishProperties) -> None:
+        correlation = properties.correlation_data
+        pending = self._pending.get(correlation) if correlation else None
         if pending is None or pending.future.done():
             return  # late duplicate, or the caller gave up
         try:

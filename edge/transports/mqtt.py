@@ -1,4 +1,7 @@
-"""MQTT v5 request/response client (paho-mqtt), as the edge agent uses it.
+"""MQTT v5 request/response client, as the edge agent uses it.
+
+The socket is read on the event loop (:mod:`shared.aio.mqtt`): a reply
+resolves its request's future straight from the read, with no thread hop.
 
 Requests carry a Response Topic (``ferry/v1/replies/{client_id}``), their id
 as Correlation Data and the deadline as Message Expiry.  The client also
@@ -23,12 +26,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-
 from edge.transports.base import TransferResult
 from shared import envelope
+from shared.aio.mqtt import MqttClient
 from shared.errors import (
     DeadlineExceeded,
     EndpointUnavailable,
@@ -37,10 +37,12 @@ from shared.errors import (
     InvalidInput,
 )
 from shared.messages import InferRequest, InferResponse
-from shared.mqtt import PREFIX, BrokerAddress, nodelay, reply_topic, request_topic
+from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
+from shared.mqtt.codec import Publish, PublishProperties
 from shared.tensors import DEFAULT_LIMITS, Limits
 
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
+_NODES = f"{PREFIX}/nodes/"
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class MqttTransport:
         self._pending: dict[bytes, _Pending] = {}
         self._probes: dict[bytes, asyncio.Future[float]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._client: mqtt.Client | None = None
+        self._client: MqttClient | None = None
         self._ready = asyncio.Event()
         self.republished = 0
         self.nodes: dict[str, frozenset[str]] = {}  # live node -> models it hosts
@@ -93,24 +95,23 @@ class MqttTransport:
 
     async def start(self, wait_s: float = 5.0) -> None:
         self._loop = asyncio.get_running_loop()
-        client = mqtt.Client(
-            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-            client_id=self.client_id,
-            protocol=mqtt.MQTTv5,
-        )
-        if self.broker.username:
-            client.username_pw_set(self.broker.username, self.broker.password)
+        tls = None
         if self.broker.tls:
-            client.tls_set_context(self.tls_context or ssl.create_default_context())
-        client.on_socket_open = nodelay
-        client.on_connect = self._on_connect
-        client.on_subscribe = self._on_subscribe
-        client.on_disconnect = self._on_disconnect
-        client.on_message = self._on_message
-        client.reconnect_delay_set(min_delay=1, max_delay=4)
-        self._client = client
-        client.connect_async(self.broker.host, self.broker.port, keepalive=self.keepalive_s)
-        client.loop_start()
+            tls = self.tls_context or ssl.create_default_context()
+        self._client = MqttClient(
+            self.broker,
+            self.client_id,
+            tls_context=tls,
+            keepalive_s=self.keepalive_s,
+            # a reply is at most the body limit (the envelope around it is small)
+            max_packet_bytes=self.limits.max_body_bytes + 64 * 1024,
+            reconnect_min_s=0.25,
+            reconnect_max_s=4.0,
+            on_message=self._on_message,
+            on_connect=self._on_connect,
+            on_disconnect=self._on_disconnect,
+        )
+        await self._client.start(wait_s=0)
         try:
             await asyncio.wait_for(self._ready.wait(), wait_s)
         except TimeoutError:
@@ -122,9 +123,9 @@ class MqttTransport:
                 pending.future.set_exception(EndpointUnavailable("MQTT transport closed"))
         self._pending.clear()
         if self._client is not None:
-            self._client.disconnect()
-            await asyncio.to_thread(self._client.loop_stop)
+            await self._client.close()
             self._client = None
+        self._ready.clear()
 
     async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
         if self._client is None or self._loop is None:
@@ -170,10 +171,9 @@ class MqttTransport:
         future: asyncio.Future[float] = self._loop.create_future()
         self._probes[correlation] = future
         started = time.monotonic()
-        props = Properties(PacketTypes.PUBLISH)
-        props.CorrelationData = correlation
+        props = PublishProperties(correlation_data=correlation)
         try:
-            self._client.publish(self.reply_topic, b"", qos=1, properties=props)
+            self._client.publish(self.reply_topic, b"", properties=props)
             await asyncio.wait_for(future, max(deadline - started, 0.001))
         except TimeoutError:
             raise DeadlineExceeded("MQTT probe timed out") from None
@@ -183,48 +183,35 @@ class MqttTransport:
 
     def _publish(self, correlation: bytes, pending: _Pending) -> None:
         assert self._client is not None
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = self.reply_topic
-        props.CorrelationData = correlation
         # Message Expiry is a 4-byte count of seconds.
         expiry = math.ceil(pending.deadline - time.monotonic())
-        props.MessageExpiryInterval = min(max(1, expiry), 2**32 - 1)
-        self._client.publish(pending.topic, pending.payload, qos=1, properties=props)
+        props = PublishProperties(
+            response_topic=self.reply_topic,
+            correlation_data=correlation,
+            message_expiry=min(max(1, expiry), 2**32 - 1),
+        )
+        self._client.publish(pending.topic, pending.payload, properties=props)
 
-    # ---- paho callbacks (network thread) ----------------------------------------
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if reason.is_failure:
-            log.warning("MQTT connect refused: %s", reason)
+    # ---- broker events (on the loop, straight from the socket) ---------------------------
+    def _on_connect(self) -> None:
+        assert self._client is not None
+        subscribed = self._client.subscribe(self.reply_topic, NODE_STATUS_TOPICS)
+        subscribed.add_done_callback(self._after_subscribe)
+
+    def _on_disconnect(self, error: Exception | None) -> None:
+        self._ready.clear()
+
+    def _on_message(self, message: Publish) -> None:
+        if message.topic.startswith(_NODES):
+            self._node_status(message.topic, message.payload)
             return
-        client.subscribe([(self.reply_topic, 1), (NODE_STATUS_TOPICS, 1)])
+        correlation = message.properties.correlation_data
+        if correlation is not None:
+            self._resolve(correlation, message.payload)
 
-    def _on_subscribe(
-        self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any
-    ) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._after_subscribe)
-
-    def _on_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._ready.clear)
-
-    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        if self._loop is None:
-            return
-        if message.topic.startswith(f"{PREFIX}/nodes/"):
-            self._loop.call_soon_threadsafe(self._node_status, message.topic, message.payload)
-            return
-        correlation = getattr(message.properties, "CorrelationData", None)
-        if correlation is None:
-            return
-        self._loop.call_soon_threadsafe(self._resolve, bytes(correlation), message.payload)
-
-    # ---- event loop -------------------------------------------------------------
-    def _after_subscribe(self) -> None:
+    def _after_subscribe(self, done: asyncio.Future[Any]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # the connection dropped before the SUBACK: the next one subscribes
         was_ready = self._ready.is_set()
         self._ready.set()
         if was_ready:

@@ -1,4 +1,4 @@
-"""MQTT naming and settings both tiers agree on (no sockets here).
+"""MQTT naming and broker addresses both tiers agree on (no sockets here).
 
 Topics follow DESIGN.md section 2.  Cloud nodes subscribe to a model's request
 topic through the shared subscription group ``ferry`` so the broker spreads
@@ -7,9 +7,7 @@ requests over every node that hosts the model.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from shared.errors import ConfigError
@@ -17,16 +15,6 @@ from shared.errors import ConfigError
 PREFIX = "ferry/v1"
 SHARE_GROUP = "ferry"
 PLACEMENT_TOPIC = f"{PREFIX}/placement"
-
-
-def nodelay(client: Any, userdata: Any, sock: Any) -> None:
-    """paho's ``on_socket_open``: Nagle off on the client's socket (a 1 KB round trip
-    drops from 88 ms to 0.69 ms, DESIGN.md section 2).  Touches only the socket
-    paho hands over; shared/ still opens none."""
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):  # pragma: no cover - non-TCP transports
-        pass
 
 
 def request_topic(model: str) -> str:

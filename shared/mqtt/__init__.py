@@ -1,0 +1,33 @@
+"""MQTT for both tiers: topic names and broker addresses (:mod:`shared.mqtt.topics`),
+the MQTT v5 packet codec and framer (sans-IO), and the asyncio client
+(:mod:`shared.aio.mqtt`, imported only by the code that connects)."""
+
+from shared.mqtt.topics import (
+    PLACEMENT_TOPIC,
+    PREFIX,
+    SHARE_GROUP,
+    BrokerAddress,
+    model_from_topic,
+    node_from_status_topic,
+    parse_broker_url,
+    reply_principal,
+    reply_topic,
+    request_topic,
+    shared_request_topic,
+    status_topic,
+)
+
+__all__ = [
+    "PLACEMENT_TOPIC",
+    "PREFIX",
+    "SHARE_GROUP",
+    "BrokerAddress",
+    "model_from_topic",
+    "node_from_status_topic",
+    "parse_broker_url",
+    "reply_principal",
+    "reply_topic",
+    "request_topic",
+    "shared_request_topic",
+    "status_topic",
+]
