@@ -21,9 +21,7 @@ import signal
 import sys
 import time
 
-from aiohttp import web
-
-from cloud.admission import ByteBudget, ConnectionGuard, GuardedSite, default_max_connections
+from cloud.admission import ByteBudget, default_max_connections
 from cloud.config import CloudConfig
 from cloud.cpu import CpuMonitor
 from cloud.dataplane import DataPlane
@@ -32,6 +30,7 @@ from cloud.gpu import GpuMonitor
 from cloud.http_front import HttpFront
 from cloud.metrics import make_registry, render_metrics
 from cloud.mqtt_front import MqttFront
+from shared.aio.http_server import HttpServer, ServerOptions
 from shared.errors import FerryError
 from shared.repository import ModelRepository
 from shared.repository.capacity import available_memory
@@ -58,12 +57,10 @@ class CloudServer:
         self.gpu = GpuMonitor()
         self.cpu = CpuMonitor()
         self.budget = ByteBudget(config.max_inflight_bytes)
-        self.guard: ConnectionGuard | None = None
+        self.http: HttpServer | None = None
         self.mqtt: MqttFront | None = None
         self.follower: PlacementFollower | None = None
         self._memory_for_models: int | None = None
-        self._runner: web.AppRunner | None = None
-        self._site: GuardedSite | None = None
         self.http_port: int | None = None
 
     async def start(self) -> None:
@@ -88,11 +85,6 @@ class CloudServer:
         if cfg.http is not None:
             registry = make_registry(self.dataplane.all_stats, self.gpu, self.cpu)
             tokens = load_tokens(cfg.http.tokens_file) if cfg.http.tokens_file else None
-            self.guard = ConnectionGuard(
-                max_connections=cfg.http.max_connections or default_max_connections(),
-                header_timeout_s=cfg.http.header_timeout_s,
-                idle_timeout_s=cfg.http.idle_timeout_s,
-            )
             front = HttpFront(
                 self.dataplane,
                 limits=cfg.limits,
@@ -100,19 +92,18 @@ class CloudServer:
                 open_metrics=cfg.http.open_metrics,
                 metrics=lambda: render_metrics(registry),
                 budget=self.budget,
-                guard=self.guard,
-                body_timeout_s=cfg.http.body_timeout_s,
             )
-            self._runner = web.AppRunner(
-                front.build_app(),
-                access_log=None,
-                shutdown_timeout=cfg.shutdown_grace_s,
-                keepalive_timeout=cfg.http.idle_timeout_s,
+            self.http = HttpServer(
+                front,
+                ServerOptions(
+                    max_body_bytes=cfg.limits.max_body_bytes,
+                    header_timeout_s=cfg.http.header_timeout_s,
+                    body_timeout_s=cfg.http.body_timeout_s,
+                    idle_timeout_s=cfg.http.idle_timeout_s,
+                    max_connections=cfg.http.max_connections or default_max_connections(),
+                ),
             )
-            await self._runner.setup()
-            self._site = GuardedSite(self._runner, cfg.http.host, cfg.http.port, self.guard)
-            await self._site.start()
-            self.http_port = self._site.port
+            self.http_port = await self.http.start(cfg.http.host, cfg.http.port)
         if cfg.mqtt is not None:
             self.mqtt = MqttFront(
                 self.dataplane,
@@ -162,18 +153,19 @@ class CloudServer:
 
         # 1. intake off everywhere before anything waits
         self.dataplane.begin_shutdown()
-        if self._site is not None:
-            await self._site.stop()  # closes the listening socket; connections stay
+        if self.http is not None:
+            self.http.stop_listening()  # new connections refused; open ones stay
         if self.follower is not None:
             await self.follower.stop()
         if self.mqtt is not None:
             self.mqtt.stop_intake()
         # 2. drain both fronts at once. Kept-alive connections linger (answers carry
         #    Connection: close; a request already on its way gets 503, not a reset),
-        #    then aiohttp's cleanup closes idle ones and waits for running handlers.
+        #    then idle ones are closed and running handlers awaited.
         drains = []
-        if self._runner is not None:
-            drains.append(self._drain_http(deadline))
+        if self.http is not None:
+            assert self.config.http is not None
+            drains.append(self.http.drain(deadline, linger_s=self.config.http.shutdown_linger_s))
         if self.mqtt is not None:
             drains.append(self.mqtt.drain(deadline))
         await asyncio.gather(*drains)
@@ -184,22 +176,12 @@ class CloudServer:
             log.warning("shutdown grace over: runtimes left busy at exit")
         if self.mqtt is not None:
             await self.mqtt.close(timeout_s=min(2.0, left()))
+        await self._close_http()
         self.gpu.close()
 
-    async def _drain_http(self, deadline: float) -> None:
-        assert self._runner is not None and self.config.http is not None
-        linger_until = min(deadline, time.monotonic() + self.config.http.shutdown_linger_s)
-        guard = self.guard
-        while guard is not None and time.monotonic() < linger_until:
-            if guard.open_connections == 0:
-                break
-            await asyncio.sleep(0.02)
-        try:
-            await asyncio.wait_for(
-                self._runner.cleanup(), timeout=max(0.001, deadline - time.monotonic())
-            )
-        except TimeoutError:
-            log.warning("shutdown grace over: HTTP requests still running at exit")
+    async def _close_http(self) -> None:
+        if self.http is not None:
+            await self.http.close()
 
 
 async def serve(config: CloudConfig) -> int:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from shared.errors import FerryError
@@ -42,11 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(config_path: Path, api_port: int | None) -> int:
     from dataclasses import replace
 
-    from aiohttp import web
-
     from edge.agent import Agent
     from edge.config import load_agent_config
-    from edge.http_front import LocalApi
+    from edge.http_front import start_local_api
     from shared.tokens import load_tokens
 
     config = load_agent_config(config_path)
@@ -59,21 +58,19 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await agent.start()
-    runner = None
+    server = None
     parts = [
         f"local={','.join(agent.local.names()) or '-'}",
         f"transports={','.join(agent.transports) or '-'}",
     ]
     if config.api_port is not None:
-        runner = web.AppRunner(LocalApi(agent, tokens=tokens).build_app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, config.api_host, config.api_port)
-        await site.start()
-        parts.append(f"http=http://{config.api_host}:{runner.addresses[0][1]}")
+        server = await start_local_api(agent, config.api_host, config.api_port, tokens=tokens)
+        parts.append(f"http=http://{config.api_host}:{server.port}")
     print("ferry-edge ready " + " ".join(parts), flush=True)
     await stop.wait()
-    if runner is not None:
-        await runner.cleanup()
+    if server is not None:
+        await server.drain(time.monotonic() + 5.0)
+        await server.close()
     await agent.stop()
     print("ferry-edge stopped", flush=True)
     return 0

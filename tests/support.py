@@ -53,8 +53,9 @@ def mosquitto_binary() -> str:
 class Broker:
     """A Mosquitto process with the project's config on a free loopback port."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, cpus: set[int] | None = None) -> None:
         self.workdir = workdir
+        self.cpus = cpus
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +74,10 @@ class Broker:
     def start(self) -> None:
         log = open(self.workdir / "mosquitto.log", "ab")
         self.proc = subprocess.Popen(
-            [mosquitto_binary(), "-c", str(self.conf)], stdout=log, stderr=subprocess.STDOUT
+            [mosquitto_binary(), "-c", str(self.conf)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
         wait_port(self.port)
 
@@ -97,10 +101,15 @@ class ServerProcess:
     """A ``ferry-cloud`` (or ``ferry-edge``) process; reads its ready line."""
 
     def __init__(
-        self, args: list[str], ready_prefix: str, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        ready_prefix: str,
+        env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
         self.args = args
         self.ready_prefix = ready_prefix
+        self.cpus = cpus  # CPU affinity of the process (benchmarks pin it), None: any
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
         self.ready_line = ""
@@ -115,6 +124,7 @@ class ServerProcess:
             env=self.env,
             cwd=ROOT,
             start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
         ready = threading.Event()
 
@@ -164,10 +174,11 @@ class ServerProcess:
         return "".join(self.lines)
 
 
-def cloud_server(repository: Path, *extra: str) -> ServerProcess:
+def cloud_server(repository: Path, *extra: str, cpus: set[int] | None = None) -> ServerProcess:
     return ServerProcess(
         ["-m", "cloud.cli", "serve", "--repository", str(repository), "--http-port", "0", *extra],
         "ferry-cloud ready",
+        cpus=cpus,
     )
 
 

@@ -26,15 +26,22 @@ import signal
 import time
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from cloud.controller.core import ControllerCore
 from cloud.controller.metrics import render_controller_metrics
 from cloud.fleet.follower import STATUS_PATTERN
 from cloud.fleet.view import decode_document
 from cloud.mqtt_front import new_client
+from shared.aio.http_server import (
+    HttpServer,
+    Request,
+    Response,
+    Router,
+    http_error_response,
+    json_response,
+)
 from shared.aio.mqtt import MqttClient
 from shared.errors import ConfigError, FerryError
+from shared.http.wire import HttpError
 from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, node_from_status_topic
 from shared.mqtt.codec import Publish, Will
 
@@ -60,7 +67,11 @@ class ControllerService:
         self._client: MqttClient | None = None
         self._published_once = False
         self._alerts_key = ""
-        self._runner: web.AppRunner | None = None
+        self._http: HttpServer | None = None
+        self._router = Router()
+        self._router.add("GET", "/metrics", self._metrics)
+        self._router.add("GET", "/fleet", self._fleet)
+        self._router.add("GET", "/v2/health/live", self._live)
         self.http_port: int | None = None
 
     async def start(self) -> None:
@@ -76,16 +87,8 @@ class ControllerService:
         )
         await self._client.start(wait_s=0)
         if self.options.http_port is not None:
-            app = web.Application()
-            app.router.add_get("/metrics", self._metrics)
-            app.router.add_get("/fleet", self._fleet)
-            app.router.add_get("/v2/health/live", self._live)
-            self._runner = web.AppRunner(app, access_log=None)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, self.options.http_host, self.options.http_port)
-            await site.start()
-            sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
-            self.http_port = sockets[0].getsockname()[1] if sockets else None
+            self._http = HttpServer(self)
+            self.http_port = await self._http.start(self.options.http_host, self.options.http_port)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -137,8 +140,8 @@ class ControllerService:
                 except (TimeoutError, FerryError):
                     pass
             await client.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._http is not None:
+            await self._http.close()
 
     # ---- broker events (on the loop) ---------------------------------------------------------
     def _on_connect(self) -> None:
@@ -163,21 +166,31 @@ class ControllerService:
         if node:
             self.core.on_status(node, document)
 
-    # ---- HTTP ----------------------------------------------------------------------------
-    async def _metrics(self, request: web.Request) -> web.Response:
-        body, content_type = render_controller_metrics(self.core)
-        response = web.Response(body=body)
-        response.headers["Content-Type"] = content_type
-        return response
+    # ---- HTTP (an HttpApp: /metrics, /fleet, /v2/health/live) -------------------------------
+    def admit(self, request: Request) -> Response | None:
+        try:
+            request.route, request.params = self._router.resolve(request.method, request.path)
+        except HttpError as exc:
+            return http_error_response(exc)
+        return None
 
-    async def _fleet(self, request: web.Request) -> web.Response:
+    async def handle(self, request: Request) -> Response:
+        return await request.route(request)
+
+    def finished(self, request: Request) -> None:
+        return None
+
+    async def _metrics(self, request: Request) -> Response:
+        body, content_type = render_controller_metrics(self.core)
+        return Response(200, body, content_type=content_type)
+
+    async def _fleet(self, request: Request) -> Response:
         from cloud.controller.table import fleet_document
 
-        return web.json_response(fleet_document(self.core.view, self.core.alerts()))
+        return json_response(fleet_document(self.core.view, self.core.alerts()))
 
-    async def _live(self, request: web.Request) -> web.Response:
-        return web.json_response({"live": True, "broker": self.connected})
-
+    async def _live(self, request: Request) -> Response:
+        return json_response({"live": True, "broker": self.connected})
 
 
 async def run_controller(core: ControllerCore, options: ControllerOptions) -> int:

@@ -1,16 +1,20 @@
-"""HTTP client for the cloud tier's V2 API (aiohttp, binary tensors)."""
+"""HTTP client for the cloud tier's V2 API (binary tensors, keep-alive connections).
+
+It runs on :mod:`shared.aio.http_client` rather than aiohttp's client: an
+offload is one request on a kept-alive connection, written as a head plus
+the tensors, and on a device aiohttp's import alone cost ~13 MiB.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 import time
-from typing import Any
-
-import aiohttp
 
 from edge.transports.base import TransferResult
 from shared import v2
+from shared.aio.http_client import ClientResponse, HttpClient
 from shared.errors import (
     DeadlineExceeded,
     EndpointUnavailable,
@@ -37,61 +41,58 @@ class HttpTransport:
         self.token = token
         self.limits = limits
         self.tls_context = tls_context
-        self._session: aiohttp.ClientSession | None = None
+        self._client: HttpClient | None = None
 
     @property
     def connected(self) -> bool:
-        return self._session is not None and not self._session.closed
+        return self._client is not None and not self._client.closed
 
     async def start(self) -> None:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        connector = aiohttp.TCPConnector(
-            limit=64, force_close=False, ssl=self.tls_context if self.tls_context else True
+        headers = [("Authorization", f"Bearer {self.token}")] if self.token else []
+        self._client = HttpClient(
+            self.base_url,
+            tls_context=self.tls_context,
+            headers=headers,
+            max_body=self.limits.max_body_bytes + (1 << 20),
         )
-        self._session = aiohttp.ClientSession(headers=headers, connector=connector)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def _call(
+        self, method: str, path: str, deadline: float, what: str, body: list | None = None,
+        headers: list[tuple[str, str]] | None = None,
+    ) -> ClientResponse:  # fmt: skip
+        if self._client is None:
+            raise EndpointUnavailable("HTTP transport not started")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"deadline passed before {what} was sent")
+        try:
+            async with asyncio.timeout(remaining):
+                return await self._client.request(method, path, body, headers or ())
+        except TimeoutError:
+            raise DeadlineExceeded(f"no reply to {what} within the deadline") from None
+        except OSError as exc:
+            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
 
     async def probe(self, deadline: float) -> float:
         """Round trip of ``GET /v2/health/live``: a light RTT sample."""
-        if self._session is None:
-            raise EndpointUnavailable("HTTP transport not started")
         started = time.monotonic()
-        try:
-            async with self._session.get(
-                f"{self.base_url}/v2/health/live",
-                timeout=aiohttp.ClientTimeout(total=max(deadline - started, 0.001)),
-            ) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    raise EndpointUnavailable(f"cloud endpoint answered HTTP {resp.status}")
-        except TimeoutError:
-            raise DeadlineExceeded("HTTP probe timed out") from None
-        except aiohttp.ClientError as exc:
-            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+        resp = await self._call("GET", "/v2/health/live", deadline, "the HTTP probe")
+        if resp.status != 200:
+            raise EndpointUnavailable(f"cloud endpoint answered HTTP {resp.status}")
         return time.monotonic() - started
 
     async def get_json(self, path: str, deadline: float) -> dict:
         """GET a JSON document of the cloud's V2 API (metadata, config) for the local API."""
-        if self._session is None:
-            raise EndpointUnavailable("HTTP transport not started")
+        resp = await self._call("GET", path, deadline, f"GET {path}")
+        if resp.status != 200:
+            raise _http_error(resp.status, bytes(resp.body))
         try:
-            async with self._session.get(
-                f"{self.base_url}{path}",
-                timeout=aiohttp.ClientTimeout(total=max(deadline - time.monotonic(), 0.001)),
-            ) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    raise _http_error(resp.status, payload)
-        except TimeoutError:
-            raise DeadlineExceeded(f"no reply to GET {path} within the deadline") from None
-        except aiohttp.ClientError as exc:
-            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
-        try:
-            doc = json.loads(payload)
+            doc = json.loads(resp.body)
         except ValueError:
             raise InternalError(f"GET {path}: the cloud answered invalid JSON") from None
         if not isinstance(doc, dict):
@@ -99,41 +100,26 @@ class HttpTransport:
         return doc
 
     async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
-        if self._session is None:
-            raise EndpointUnavailable("HTTP transport not started")
         chunks, header_length = v2.encode_request(request)
-        body = v2.join(chunks)
-        headers = {"Content-Type": v2.BINARY_CONTENT_TYPE}
+        headers = [("Content-Type", v2.BINARY_CONTENT_TYPE)]
         if header_length is not None:
-            headers[v2.HEADER_LENGTH] = str(header_length)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded("deadline passed before the request was sent")
-        url = f"{self.base_url}/v2/models/{model}/infer"
+            headers.append((v2.HEADER_LENGTH, str(header_length)))
+        sent = sum(len(c) for c in chunks)
         started = time.monotonic()
-        try:
-            async with self._session.post(
-                url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=remaining)
-            ) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    raise _http_error(resp.status, payload)
-                response = _decode_reply(payload, resp.headers, self.limits)
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"no HTTP reply from model {model!r} within the deadline"
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
-        return TransferResult(response, len(body), len(payload), started, time.monotonic())
+        resp = await self._call(
+            "POST", f"/v2/models/{model}/infer", deadline, f"model {model!r}", chunks, headers
+        )
+        if resp.status != 200:
+            raise _http_error(resp.status, bytes(resp.body))
+        response = _decode_reply(resp, self.limits)
+        return TransferResult(response, sent, len(resp.body), started, time.monotonic())
 
 
-def _decode_reply(payload: bytes, headers: Any, limits: Limits) -> InferResponse:
+def _decode_reply(resp: ClientResponse, limits: Limits) -> InferResponse:
     """A 200 reply's tensors; a malformed one is the cloud's fault, not the caller's input."""
     try:
-        return v2.decode_response(
-            payload, v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(payload)), limits
-        )
+        header_length = v2.parse_header_length(resp.header(v2.HEADER_LENGTH), len(resp.body))
+        return v2.decode_response(resp.body, header_length, limits)
     except FerryError as exc:
         raise InternalError(f"the cloud's reply is malformed: {exc.message}") from None
 

@@ -1,6 +1,6 @@
 """What a node lets in: the byte budget over HTTP and MQTT, the connection cap, and
-reaping of connections that stall mid-header or sit idle (rules with a fake clock,
-then a real node over real sockets)."""
+reaping of connections that stall mid-header or sit idle, on a real node over real
+sockets (the server's own rules: tests/shared/http/test_server.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud.admission import ByteBudget, ConnectionGuard
+from cloud.admission import ByteBudget
 from shared import envelope
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import Tensor
@@ -19,76 +19,7 @@ from tests.cloud.conftest import http_call, infer_body
 from tests.support import cloud_server, mqtt_request
 
 
-# ---- the rules, without sockets ---------------------------------------------------------
-class _Transport:
-    def __init__(self) -> None:
-        self.closed = False
-        self.written = b""
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _guard(clock: _Clock, cap: int = 0) -> ConnectionGuard:
-    return ConnectionGuard(
-        max_connections=cap, header_timeout_s=5, idle_timeout_s=30, clock=clock
-    )
-
-
-def test_a_connection_that_stops_mid_header_is_closed_after_the_header_timeout():
-    clock = _Clock()
-    guard = _guard(clock)
-    t = _Transport()
-    assert guard._opened(t)
-    guard._data(t)  # half a header, then nothing
-    clock.now += 4.9
-    assert guard.reap() == 0
-    clock.now += 0.2
-    assert guard.reap() == 1 and t.closed and guard.reaped_header == 1
-    assert guard.open_connections == 0
-
-
-def test_an_idle_kept_alive_connection_is_closed_but_a_running_request_never_is():
-    clock = _Clock()
-    guard = _guard(clock)
-    idle, busy = _Transport(), _Transport()
-    guard._opened(idle)
-    guard._opened(busy)
-    guard._data(busy)
-    guard.begin_request(busy)  # headers complete: the handler runs for a long time
-    clock.now += 31
-    assert guard.reap() == 1 and idle.closed and not busy.closed
-    guard.end_request(busy)
-    clock.now += 29
-    assert guard.reap() == 0
-    clock.now += 2
-    assert guard.reap() == 1 and busy.closed and guard.reaped_idle == 2
-
-
-def test_connections_past_the_cap_get_503_and_are_closed():
-    guard = _guard(_Clock(), cap=2)
-    kept = [_Transport(), _Transport()]
-    assert all(guard._opened(t) for t in kept)
-    extra = _Transport()
-    assert not guard._opened(extra)
-    assert extra.closed and extra.written.startswith(b"HTTP/1.1 503")
-    assert b"Retry-After" in extra.written and guard.refused == 1
-
-
+# ---- the budget, without sockets ------------------------------------------------------
 def test_the_byte_budget_admits_one_request_of_any_size_but_bounds_the_sum():
     budget = ByteBudget(100)
     assert budget.try_take(500)  # alone: bounded by the body limit, not the budget

@@ -280,18 +280,13 @@ async def test_the_link_endpoint_takes_a_signal_reading_and_refuses_a_bad_one(
     tmp_path, edge_repos, cloud
 ):
     import aiohttp
-    from aiohttp import web
 
-    from edge.http_front import LocalApi
+    from edge.http_front import start_local_api
 
     cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN)
     async with Agent(load_agent_config(cfg)) as agent:
-        runner = web.AppRunner(LocalApi(agent).build_app())
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        url = f"http://127.0.0.1:{port}/v2/agent/link"
+        server = await start_local_api(agent, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}/v2/agent/link"
         try:
             async with aiohttp.ClientSession() as s:
                 ok = await s.post(
@@ -308,7 +303,7 @@ async def test_the_link_endpoint_takes_a_signal_reading_and_refuses_a_bad_one(
                     r = await s.post(url, json=bad)
                     assert r.status == 400 and "signal" in (await r.json())["error"]
         finally:
-            await runner.cleanup()
+            await server.close()
 
 
 async def test_the_python_api_answers_metadata_config_readiness_and_index_as_the_http_api(

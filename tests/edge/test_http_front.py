@@ -20,9 +20,9 @@ def test_tritons_timeout_in_microseconds_becomes_the_deadline():
 
 
 async def test_the_local_api_takes_an_optional_token_and_keeps_health_open(tmp_path):
-    from aiohttp.test_utils import TestClient, TestServer
+    import aiohttp
 
-    from edge.http_front import LocalApi
+    from edge.http_front import start_local_api
     from shared.tokens import parse_tokens
 
     class _Agent:
@@ -32,7 +32,9 @@ async def test_the_local_api_takes_an_optional_token_and_keeps_health_open(tmp_p
             return {"ok": True}
 
     tokens = parse_tokens("app infer\nops admin\n", "tokens.txt")
-    async with TestClient(TestServer(LocalApi(_Agent(), tokens=tokens).build_app())) as client:
+    server = await start_local_api(_Agent(), "127.0.0.1", 0, tokens=tokens)
+    base = f"http://127.0.0.1:{server.port}"
+    async with aiohttp.ClientSession(base) as client:
         assert (await client.get("/v2/health/live")).status == 200
         assert (await client.get("/v2/agent/status")).status == 401
         ok = await client.get("/v2/agent/status", headers={"Authorization": "Bearer app"})
@@ -41,3 +43,4 @@ async def test_the_local_api_takes_an_optional_token_and_keeps_health_open(tmp_p
             "/v2/agent/link", json={}, headers={"Authorization": "Bearer app"}
         )
         assert link.status == 403 and (await link.json())["code"] == "permission_denied"
+    await server.close()

@@ -22,6 +22,7 @@ HEAVY = (
     "onnxruntime",
     "openvino",
     "shared.aio.mqtt",
+    "shared.aio.http_client",
     "paho",
     "aiohttp",
     "ai_edge_litert",
@@ -29,6 +30,7 @@ HEAVY = (
     "onnx",
 )
 MQTT = "shared.aio.mqtt"
+HTTP = "shared.aio.http_client"
 
 PROBE = f"""
 HEAVY = {HEAVY!r}
@@ -80,10 +82,10 @@ def test_a_litert_only_agent_imports_neither_onnx_runtime_nor_openvino(tmp_path)
     config = agent_config(tmp_path, '[models.kws]\nlocal = "kws"\nmode = "local"\n')
     mods = imported(config, "kws", {"serving_default_input_audio:0": [[1, 3, 40], "int8"]})
     assert "ai_edge_litert" in mods
-    assert not mods & {"onnxruntime", "openvino", "onnx", MQTT, "paho", "aiohttp", "ml_dtypes"}
+    assert not mods & {"onnxruntime", "openvino", "onnx", MQTT, HTTP, "paho", "aiohttp", "ml_dtypes"}
 
 
-def test_an_onnx_agent_with_an_http_cloud_imports_no_mqtt_client_and_no_openvino(tmp_path):
+def test_an_onnx_agent_with_an_http_cloud_imports_neither_mqtt_nor_aiohttp_nor_openvino(tmp_path):
     write_linear_model(tmp_path / "repo" / "lin" / "1" / "model.onnx")
     config = agent_config(
         tmp_path,
@@ -91,8 +93,8 @@ def test_an_onnx_agent_with_an_http_cloud_imports_no_mqtt_client_and_no_openvino
         '[models.lin]\nlocal = "lin"\ncloud = "lin"\nmode = "local"\n',
     )
     mods = imported(config, "lin", {"x": [[1, 4], "float32"]})
-    assert {"onnxruntime", "aiohttp"} <= mods
-    assert not mods & {MQTT, "paho", "openvino", "ai_edge_litert", "onnx"}
+    assert {"onnxruntime", HTTP} <= mods
+    assert not mods & {MQTT, "paho", "aiohttp", "openvino", "ai_edge_litert", "onnx"}
 
 
 def test_an_mqtt_only_agent_imports_no_http_client(tmp_path):
@@ -103,11 +105,11 @@ def test_an_mqtt_only_agent_imports_no_http_client(tmp_path):
     (tmp_path / "repo").mkdir()
     mods = imported(config)
     assert MQTT in mods
-    assert not mods & {"paho", "aiohttp", "onnxruntime", "openvino", "ai_edge_litert"}
+    assert not mods & {HTTP, "paho", "aiohttp", "onnxruntime", "openvino", "ai_edge_litert"}
 
 
 @pytest.mark.parametrize(
-    "module, needs", [("edge.agent", []), ("edge.cli", []), ("edge.http_front", ["aiohttp"])]
+    "module, needs", [("edge.agent", []), ("edge.cli", []), ("edge.http_front", [])]
 )
 def test_importing_the_agent_loads_no_runtime(module, needs):
     code = f"import sys, {module}; print([m for m in {HEAVY!r} if m in sys.modules])"

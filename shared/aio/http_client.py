@@ -1,0 +1,215 @@
+"""A small keep-alive HTTP/1.1 client: what the agent needs to reach a V2 server.
+
+One request at a time per connection, a pool of idle connections per
+client, TLS through ``ssl``, and nothing else (no redirects, cookies or
+proxies: a V2 endpoint needs none).  Bodies go out as the caller's buffers
+(a head plus the tensors, no join) and the answer's body is read by the
+kernel into one buffer of its declared length (:mod:`shared.http.wire`).
+
+A kept-alive connection can be closed by the server just as a request is
+sent on it; such a request, which got no byte of an answer, is sent once
+more on a fresh connection.  Ferry's offloads carry an idempotency key, so
+a server that did run it answers the second copy from its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from shared.errors import EndpointUnavailable, InternalError
+from shared.http.wire import Head, HttpError, ResponseParser, request_head
+
+#: an idle pooled connection is dropped after this (servers close theirs at 60-75 s)
+IDLE_S = 15.0
+
+
+class ClientResponse:
+    __slots__ = ("body", "head")
+
+    def __init__(self, head: Head, body: bytearray) -> None:
+        self.head = head
+        self.body = body
+
+    @property
+    def status(self) -> int:
+        return self.head.status
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self.head.headers.get(name.lower(), default)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    def __init__(self, max_body: int) -> None:
+        self.parser = ResponseParser(max_body=max_body)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[ClientResponse] | None = None
+        self.head: Head | None = None
+        self.closed = False
+        self.got_bytes = False
+        self.idle_since = time.monotonic()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.parser.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.buffer_updated(nbytes)
+        except HttpError as exc:
+            self._fail(InternalError(f"unreadable HTTP answer: {exc.message}"))
+            return
+        self._deliver()
+
+    def eof_received(self) -> bool:
+        self.parser.end_of_stream()
+        self._deliver()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(ConnectionResetError("the server closed the connection"))
+
+    def _deliver(self) -> None:
+        events = self.parser.events
+        while events:
+            item = events.popleft()
+            if isinstance(item, Head):
+                self.head = item
+            elif self.waiter is not None and not self.waiter.done():
+                assert self.head is not None
+                self.waiter.set_result(ClientResponse(self.head, item))
+
+    def _fail(self, exc: Exception) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+        self.closed = True
+
+
+class HttpClient:
+    """Requests to one base URL (``http://host:port`` or ``https://...``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        tls_context: ssl.SSLContext | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+        max_idle: int = 16,
+        max_body: int = 64 * 1024 * 1024,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.authority = parts.netloc.rpartition("@")[2]
+        self.tls = (tls_context or ssl.create_default_context()) if parts.scheme == "https" else None
+        self.headers = list(headers)
+        self.max_idle = max_idle
+        self.max_body = max_body
+        self._idle: list[_Connection] = []
+        self._all: set[_Connection] = set()
+        self.closed = False
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> ClientResponse:
+        """Send one request and read its whole answer (any status); the caller bounds the
+        time with ``asyncio.timeout``.  Raises OSError when the server cannot be reached."""
+        if self.closed:
+            raise EndpointUnavailable("HTTP client closed")
+        chunks = [] if body is None else list(body) if isinstance(body, (list, tuple)) else [body]
+        size = sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
+        head = request_head(
+            method,
+            self.prefix + path,
+            self.authority,
+            [*self.headers, *headers],
+            size if (chunks or method in ("POST", "PUT")) else None,
+        )
+        for attempt in (0, 1):
+            conn, reused = await self._connection()
+            try:
+                return await self._exchange(conn, method, head, chunks, size)
+            except ConnectionResetError:
+                if not reused or conn.got_bytes or attempt:
+                    raise
+                # a kept-alive connection the server had just closed: once more, afresh
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _exchange(
+        self, conn: _Connection, method: str, head: bytes, chunks: list[Any], size: int
+    ) -> ClientResponse:
+        loop = asyncio.get_running_loop()
+        conn.waiter = loop.create_future()
+        conn.got_bytes = False
+        conn.head = None
+        conn.parser.expect_no_body = method == "HEAD"
+        conn.parser.resume()
+        assert conn.transport is not None
+        if size < 64 * 1024:
+            conn.transport.write(head + b"".join(chunks))
+        else:
+            conn.transport.write(head)
+            for chunk in chunks:
+                conn.transport.write(chunk)
+        try:
+            response = await conn.waiter
+        except BaseException:
+            self._drop(conn)  # cancelled or failed halfway: the stream is unusable
+            raise
+        conn.waiter = None
+        if conn.closed or not response.head.keep_alive or len(self._idle) >= self.max_idle:
+            self._drop(conn)
+        else:
+            conn.idle_since = time.monotonic()
+            self._idle.append(conn)
+        return response
+
+    async def _connection(self) -> tuple[_Connection, bool]:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < IDLE_S:
+                return conn, True
+            self._drop(conn)
+        loop = asyncio.get_running_loop()
+        conn = _Connection(self.max_body)
+        await loop.create_connection(
+            lambda: conn,
+            self.host,
+            self.port,
+            ssl=self.tls,
+            server_hostname=self.host if self.tls else None,
+        )
+        self._all.add(conn)
+        return conn, False
+
+    def _drop(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        if conn.transport is not None:
+            conn.transport.close()
+        conn.closed = True
+
+    async def close(self) -> None:
+        self.closed = True
+        for conn in list(self._all):
+            self._drop(conn)
+        self._idle.clear()
+        await asyncio.sleep(0)  # let the transports finish closing

@@ -1,0 +1,538 @@
+"""The HTTP/1.1 server both tiers' fronts run on: asyncio over :mod:`shared.http.wire`.
+
+Why not aiohttp's server: per request it builds a request object, a stream
+reader, a middleware chain and a response object, and joins the body; on a
+602 KB tensor that was 0.3-0.4 ms of Python and three copies for a few
+microseconds of work, and importing it costs an agent ~13 MiB.  Here a
+connection is one ``asyncio.BufferedProtocol``: the head is parsed from a
+scratch buffer, the body is read by the kernel straight into one buffer of
+its declared length, and the answer goes out as a head plus the caller's
+buffers.
+
+What an application provides (:class:`HttpApp`):
+
+- ``admit(request)``, called with the head before the body is read: a
+  :class:`Response` refuses the request (an unknown model, a missing token, a
+  body the byte budget cannot take), and its body is then read and dropped
+  (or the connection closed) instead of being stored;
+- ``handle(request)``, the coroutine that answers it;
+- ``finished(request)``, called once the answer is written or the
+  connection is gone, to give back what ``admit`` took.
+
+The server owns the rest of the connection's life: keep-alive, ``Expect:
+100-continue``, a cap on connections (503 and close past it), header, body
+and idle timeouts (one reaper for all connections), pipelined requests
+answered in order, and a graceful stop (listening socket closed, answers
+carry ``Connection: close``, idle connections closed, running handlers
+awaited until a deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import unquote
+
+from shared.errors import FerryError
+from shared.http.wire import CONTINUE, Head, HttpError, RequestParser, response_head
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+_JOIN_BELOW = 64 * 1024  # answers smaller than this leave in one write (one syscall)
+_PAUSE_ABOVE = 1 << 20  # pipelined bytes buffered before reading pauses
+
+
+class Request:
+    """One request: its head, its body (a bytearray) once read, and routing results."""
+
+    __slots__ = ("body", "head", "method", "params", "path", "query", "remote", "route", "state")
+
+    def __init__(self, head: Head, remote: str | None) -> None:
+        self.head = head
+        self.method = head.method
+        target = head.target
+        if target.startswith(("http://", "https://")):  # absolute form (via a proxy)
+            slash = target.find("/", target.find("//") + 2)
+            target = target[slash:] if slash >= 0 else "/"
+        path, _, self.query = target.partition("?")
+        self.path = path
+        self.remote = remote
+        self.body: bytearray = bytearray()
+        self.route: Any = None
+        self.params: dict[str, str] = {}
+        self.state: dict[str, Any] = {}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.head.headers
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self.head.headers.get(name, default)
+
+    @property
+    def content_length(self) -> int | None:
+        raw = self.head.headers.get("content-length")
+        return int(raw) if raw is not None else None  # the parser checked it is digits
+
+    @property
+    def has_body(self) -> bool:
+        return bool(self.content_length) or "transfer-encoding" in self.head.headers
+
+
+class Response:
+    """An answer: ``body`` is one buffer or a sequence of them (written in order, no join)."""
+
+    __slots__ = ("body", "close", "headers", "status")
+
+    def __init__(
+        self,
+        status: int = 200,
+        body: Any = b"",
+        *,
+        content_type: str | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+        close: bool = False,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.headers = list(headers)
+        if content_type is not None:
+            self.headers.insert(0, ("Content-Type", content_type))
+        self.close = close
+
+
+def json_response(data: Any, status: int = 200, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(status, json.dumps(data).encode(), content_type=JSON, headers=headers)
+
+
+def error_response(status: int, message: str, code: str) -> Response:
+    return json_response({"error": message, "code": code}, status)
+
+
+def ferry_error_response(exc: FerryError) -> Response:
+    """A Ferry error as both tiers answer it: its status, ``Retry-After``, a JSON body."""
+    status, headers, body = exc.http_error()
+    return Response(status, body.encode(), content_type=JSON, headers=list(headers.items()))
+
+
+def http_error_response(exc: HttpError) -> Response:
+    return error_response(exc.status, exc.message, _CODES.get(exc.status, "invalid_argument"))
+
+
+class HttpApp(Protocol):
+    def admit(self, request: Request) -> Response | None: ...
+
+    def handle(self, request: Request) -> Awaitable[Response]: ...
+
+    def finished(self, request: Request) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_head_bytes: int = 64 * 1024
+    max_header_fields: int = 100
+    #: a connection that sends part of a request head and stops is closed after this
+    header_timeout_s: float = 10.0
+    #: a request body not fully received in this long gets 504 and is closed
+    body_timeout_s: float = 60.0
+    #: a kept-alive connection with no request for this long is closed
+    idle_timeout_s: float = 75.0
+    #: open connections before new ones get 503 and are closed (0: no cap)
+    max_connections: int = 0
+    #: how long the body of a refused request is read and dropped before closing instead
+    linger_s: float = 5.0
+
+
+_IDLE, _HEAD, _BODY, _HANDLING, _LINGER = range(5)
+_CODES = {400: "invalid_argument", 404: "not_found", 405: "invalid_argument",
+          408: "deadline_exceeded", 413: "payload_too_large", 431: "invalid_argument",
+          501: "invalid_argument", 504: "deadline_exceeded", 505: "invalid_argument"}  # fmt: skip
+
+
+class _Connection(asyncio.BufferedProtocol):
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        o = server.options
+        self.parser = RequestParser(
+            max_head=o.max_head_bytes, max_fields=o.max_header_fields, max_body=o.max_body_bytes
+        )
+        self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None
+        self.request: Request | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.state = _IDLE
+        self.since = time.monotonic()
+        self.closing = False
+        self.paused_reading = False
+        self.failure: tuple[int, str] | None = None  # a bad request behind a running one
+        #: answered and closing: what the client still sends is read and dropped first, so
+        #: it sees the answer instead of a reset (a lingering close)
+        self.discarding = False
+        self._write_ok = asyncio.Event()
+        self._write_ok.set()
+
+    # ---- asyncio.BufferedProtocol ----------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.remote = peer[0] if isinstance(peer, tuple) and peer else None
+        if not self.server._opened(self):
+            body = b'{"error": "too many connections", "code": "overloaded"}'
+            head = response_head(
+                503, [("Content-Type", JSON), ("Retry-After", "1")], len(body), close=True
+            )
+            transport.write(head + body)  # type: ignore[attr-defined]
+            self.closing = True
+            transport.close()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.discarding and not self.parser.skipping:
+            return self.parser._view
+        return self.parser.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closing:
+            return
+        if self.discarding:
+            if self.parser.skipping:
+                self.parser.buffer_updated(nbytes)
+                if not self.parser.skipping:
+                    self._end()  # the refused body is read: the answer is safe to leave
+            return
+        if self.state == _IDLE:
+            self.state, self.since = _HEAD, time.monotonic()
+        try:
+            self.parser.buffer_updated(nbytes)
+            self._events()
+        except HttpError as exc:
+            self._fail(exc.status, exc.message)
+
+    def eof_received(self) -> bool:
+        self.parser.end_of_stream()
+        if self.task is None:  # nothing to answer: close our side too
+            return False
+        return True  # half-closed: the answer still goes out, then we close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self._write_ok.set()
+        self.server._closed(self)
+        if self.task is None and self.request is not None:
+            self._finish(self.request)
+
+    def pause_writing(self) -> None:
+        self._write_ok.clear()
+
+    def resume_writing(self) -> None:
+        self._write_ok.set()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _events(self) -> None:
+        events = self.parser.events
+        while events and not self.closing:
+            item = events.popleft()
+            if isinstance(item, Head):
+                self._head(item)
+                continue
+            request = self.request
+            assert request is not None
+            request.body = item
+            self.state, self.since = _HANDLING, time.monotonic()
+            self.task = asyncio.get_running_loop().create_task(self._run(request))
+        if (
+            self.parser.paused
+            and self.parser.buffered > _PAUSE_ABOVE
+            and not self.paused_reading
+            and self.transport is not None
+        ):
+            self.paused_reading = True
+            self.transport.pause_reading()  # a pipelining client waits its turn
+
+    def _head(self, head: Head) -> None:
+        request = Request(head, self.remote)
+        self.request = request
+        self.state, self.since = _BODY, time.monotonic()
+        try:
+            refusal = self.server.app.admit(request)
+        except Exception:
+            log.exception("admitting %s %s failed", head.method, head.target)
+            refusal = error_response(500, "internal server error", "internal")
+        if refusal is not None:
+            self._refuse(request, refusal)
+            return
+        if (
+            head.headers.get("expect", "").lower() == "100-continue"
+            and head.version == "1.1"
+            and not self.parser.events  # the body is still to come
+            and request.has_body
+        ):
+            self._write([CONTINUE])
+
+    def _refuse(self, request: Request, response: Response) -> None:
+        """Answer from the head; the body is dropped as it arrives, or the connection ends."""
+        events = self.parser.events
+        read_already = bool(events) and isinstance(events[0], bytearray)
+        if read_already:
+            events.popleft()
+            kept = True
+        else:
+            kept = self.parser.skip_body()
+        response.close = not kept or not request.head.keep_alive or self.server.closing
+        self._send(response)
+        self._finish(request)
+        if read_already and not response.close:
+            self.parser.resume()  # the next request may be buffered behind it already
+        if not response.close:
+            state = _LINGER if self.parser.skipping else _IDLE  # dropping the refused body
+            self.state, self.since = state, time.monotonic()
+        elif kept and not self.parser.skipping:
+            self._end()
+        else:  # drop what is still on its way (until it ends, or linger_s), then close
+            self.discarding = True
+            self.state, self.since = _LINGER, time.monotonic()
+
+    async def _run(self, request: Request) -> None:
+        try:
+            try:
+                response = await self.server.app.handle(request)
+            except Exception:
+                log.exception("unhandled error on %s %s", request.method, request.path)
+                response = error_response(500, "internal server error", "internal")
+            if self.closing:
+                return
+            if self.server.closing or not request.head.keep_alive or self.parser.eof:
+                response.close = True
+            self._send(response, head_only=request.method == "HEAD")
+            if isinstance(response.body, (list, tuple)) and not self._write_ok.is_set():
+                await self._write_ok.wait()  # a big answer: let it drain before the next
+        finally:
+            self.task = None
+            self._finish(request)
+        if self.closing:
+            return
+        if self.failure is not None:
+            self._fail(*self.failure)
+            return
+        if response.close:
+            self._end()
+            return
+        self.state, self.since = _IDLE, time.monotonic()
+        if self.paused_reading and self.transport is not None:
+            self.paused_reading = False
+            self.transport.resume_reading()
+        try:
+            self.parser.resume()  # a pipelined request may be waiting
+            self._events()
+        except HttpError as exc:
+            self._fail(exc.status, exc.message)
+
+    def _finish(self, request: Request) -> None:
+        if self.request is request:
+            self.request = None
+        if not request.state.get("_finished"):
+            request.state["_finished"] = True
+            try:
+                self.server.app.finished(request)
+            except Exception:
+                log.exception("finishing %s %s failed", request.method, request.path)
+
+    # ---- writing -------------------------------------------------------------------------------
+    def _send(self, response: Response, *, head_only: bool = False) -> None:
+        body = response.body
+        chunks = list(body) if isinstance(body, (list, tuple)) else [body]
+        size = sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
+        head = response_head(response.status, response.headers, size, close=response.close)
+        if head_only:
+            self._write([head])
+        elif size < _JOIN_BELOW:
+            self._write([head + b"".join(chunks)])
+        else:
+            self._write([head, *chunks])
+
+    def _write(self, chunks: list[Any]) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            for chunk in chunks:
+                transport.write(chunk)
+
+    def _fail(self, status: int, message: str) -> None:
+        """A request that cannot be read: answer why, then close (the stream is lost)."""
+        if self.task is not None:
+            self.failure = (status, message)  # answered after the request being handled
+            self.parser.paused = True
+            return
+        self.failure = None
+        body = json.dumps({"error": message, "code": _CODES.get(status, "internal")}).encode()
+        self._send(Response(status, body, content_type=JSON, close=True))
+        if self.request is not None:
+            self._finish(self.request)
+        self._end()
+
+    def _end(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # ---- timeouts (the server's reaper) ----------------------------------------------------------
+    def expired(self, now: float, options: ServerOptions) -> bool:
+        age = now - self.since
+        if self.state == _IDLE:
+            if age > options.idle_timeout_s or (self.server.closing and not self.parser.buffered):
+                self._end()
+                return True
+        elif self.state == _HEAD:
+            if age > options.header_timeout_s:
+                self._end()
+                return True
+        elif self.state == _BODY:
+            if age > options.body_timeout_s:
+                self._fail(504, f"request body not received within {options.body_timeout_s:g} s")
+                return True
+        elif self.state == _LINGER and age > options.linger_s:
+            self._end()
+            return True
+        return False
+
+
+class HttpServer:
+    """Serves an :class:`HttpApp` on one listening socket (see the module docstring)."""
+
+    def __init__(self, app: HttpApp, options: ServerOptions | None = None) -> None:
+        self.app = app
+        self.options = options or ServerOptions()
+        self._server: asyncio.Server | None = None
+        self._connections: set[_Connection] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self.closing = False
+        self.refused = 0
+        self.reaped = 0
+
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True
+        )
+        self._reaper = asyncio.create_task(self._reap_forever())
+        return self.port
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None and self._server.sockets
+        return self._server.sockets[0].getsockname()[1]
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
+    @property
+    def active_requests(self) -> int:
+        return sum(1 for c in self._connections if c.task is not None)
+
+    def stop_listening(self) -> None:
+        """New connections are refused; open ones stay, and their answers say close."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+
+    async def drain(self, deadline: float, linger_s: float = 0.0) -> None:
+        """Let connections that carry a request finish until ``deadline``; idle ones get
+        ``linger_s`` (a request already on its way is answered, with close)."""
+        self.stop_listening()
+        linger_until = min(deadline, time.monotonic() + linger_s)
+        while self._connections and time.monotonic() < deadline:
+            now = time.monotonic()
+            busy = [c for c in self._connections if c.task is not None or c.state in (_HEAD, _BODY)]
+            if not busy and now >= linger_until:
+                break
+            await asyncio.sleep(0.01)
+        for conn in list(self._connections):
+            conn._end()
+        tasks = [c.task for c in self._connections if c.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.001, deadline - time.monotonic()))
+
+    async def close(self) -> None:
+        self.stop_listening()
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for conn in list(self._connections):
+            conn._end()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    # ---- connections -----------------------------------------------------------------------------
+    def _opened(self, conn: _Connection) -> bool:
+        cap = self.options.max_connections
+        if self.closing or (cap and len(self._connections) >= cap):
+            self.refused += 1
+            return False
+        self._connections.add(conn)
+        return True
+
+    def _closed(self, conn: _Connection) -> None:
+        self._connections.discard(conn)
+
+    def reap(self, now: float | None = None) -> int:
+        """Close connections past their header, body or idle timeout; returns how many."""
+        now = time.monotonic() if now is None else now
+        reaped = sum(1 for c in list(self._connections) if c.expired(now, self.options))
+        self.reaped += reaped
+        return reaped
+
+    async def _reap_forever(self) -> None:
+        o = self.options
+        period = max(0.05, min(o.header_timeout_s, o.idle_timeout_s, o.body_timeout_s) / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.reap()
+
+
+# ---- routing ------------------------------------------------------------------------------------
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Router:
+    """Paths like ``/v2/models/{model}/versions/{version}/infer`` to handlers, by method.
+
+    Segments are percent-decoded after the split, so ``%2F`` stays inside its
+    segment (and the name's own validation refuses it).
+    """
+
+    def __init__(self) -> None:
+        self._routes: dict[int, list[tuple[tuple[str, ...], dict[str, Any]]]] = {}
+
+    def add(self, method: str, pattern: str, handler: Any) -> None:
+        parts = tuple(pattern.strip("/").split("/"))
+        bucket = self._routes.setdefault(len(parts), [])
+        for existing, methods in bucket:
+            if existing == parts:
+                methods[method] = handler
+                return
+        bucket.append((parts, {method: handler}))
+
+    def resolve(self, method: str, path: str) -> tuple[Any, dict[str, str]]:
+        """The handler and the path's parameters; HttpError 404 or 405 when none fits."""
+        segments = path.strip("/").split("/")
+        for parts, methods in self._routes.get(len(segments), ()):
+            params: dict[str, str] = {}
+            for part, seg in zip(parts, segments, strict=True):
+                if part[0] == "{":
+                    value = unquote(seg) if "%" in seg else seg
+                    if not value:
+                        break
+                    params[part[1:-1]] = value
+                elif part != seg:
+                    break
+            else:
+                handler = methods.get(method) or (methods.get("GET") if method == "HEAD" else None)
+                if handler is None:
+                    raise HttpError(405, f"{method} is not allowed on {path}")
+                return handler, params
+        raise HttpError(404, f"no route for {path}")

@@ -1,0 +1,42 @@
+"""V2 inference bodies over :mod:`shared.aio.http_server`, as both tiers' fronts serve them.
+
+Big JSON and BYTES bodies are decoded (and their answers encoded) in a worker
+thread, so one request cannot stall the loop; fixed-size binary tensors are
+views of the body the kernel wrote, and their answers leave as a head plus
+the output arrays, never joined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared import v2
+from shared.aio.http_server import JSON, Request, Response
+from shared.messages import InferRequest, InferResponse
+from shared.tensors import Limits
+
+
+async def decode_infer(request: Request, limits: Limits) -> InferRequest:
+    body = request.body
+    header_length = v2.parse_header_length(request.header(_HEADER_LENGTH), len(body))
+    if v2.decode_needs_worker(body, header_length):
+        return await asyncio.to_thread(v2.decode_request, body, header_length, limits)
+    return v2.decode_request(body, header_length, limits)
+
+
+async def encode_infer(response: InferResponse, decoded: InferRequest) -> Response:
+    if v2.encode_needs_worker(response, decoded):
+        chunks, header_length = await asyncio.to_thread(v2.encode_response, response, decoded)
+    else:
+        chunks, header_length = v2.encode_response(response, decoded)
+    if header_length is None:
+        return Response(200, chunks[0], content_type=JSON)
+    return Response(
+        200,
+        chunks,
+        content_type=v2.BINARY_CONTENT_TYPE,
+        headers=[(v2.HEADER_LENGTH, str(header_length))],
+    )
+
+
+_HEADER_LENGTH = v2.HEADER_LENGTH.lower()

@@ -1,0 +1,478 @@
+"""HTTP/1.1 messages on the wire, without I/O (RFC 9110 / 9112).
+
+:class:`RequestParser` is a server's side of a connection and
+:class:`ResponseParser` a client's.  Both are shaped like an
+``asyncio.BufferedProtocol`` (``get_buffer`` / ``buffer_updated``) for the
+same reason as :mod:`shared.mqtt.framing`: once a head says how long its
+body is, the body gets one buffer of exactly that size and the kernel writes
+straight into it (a 602 KB tensor crosses the socket into the array it will
+be read from, with no joins).  Everything a peer can get wrong ends in
+:class:`HttpError` with the status to answer and a message that says what was
+wrong; nothing a peer sends can make a parser hold more than its limits.
+
+Strict where laxness has burned servers: a request with both Content-Length
+and Transfer-Encoding, a Content-Length that is not plain digits, an
+obsolete folded header line or a control character in a header is refused
+(request smuggling lives in those gaps).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+_SCRATCH = 256 * 1024
+#: bodies at least this long get a buffer of their own
+LARGE_BODY = 16 * 1024
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_BAD_VALUE = bytes(c for c in range(32) if c != 9) + b"\x7f"
+_BAD_TARGET = bytes(range(33)) + b"\x7f"
+
+REASONS = {
+    100: "Continue",
+    200: "OK",
+    204: "No Content",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Content Too Large",
+    415: "Unsupported Media Type",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+    505: "HTTP Version Not Supported",
+}
+
+
+class HttpError(Exception):
+    """A message that cannot be read; ``status`` is what a server answers it with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Head:
+    """A request's or a response's start line and headers (names lower-case)."""
+
+    __slots__ = ("headers", "method", "reason", "status", "target", "version")
+
+    def __init__(self) -> None:
+        self.method = ""
+        self.target = ""
+        self.status = 0
+        self.reason = ""
+        self.version = "1.1"
+        self.headers: dict[str, str] = {}
+
+    @property
+    def keep_alive(self) -> bool:
+        connection = self.headers.get("connection", "").lower()
+        if self.version == "1.0":
+            return "keep-alive" in connection
+        return "close" not in connection
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name, default)
+
+
+def _parse_fields(lines: list[bytes], head: Head, max_fields: int) -> None:
+    if len(lines) > max_fields:
+        raise HttpError(431, f"more than {max_fields} header fields")
+    headers = head.headers
+    for line in lines:
+        name, sep, value = line.partition(b":")
+        if not sep or not name:
+            raise HttpError(400, "a header line without a name and a colon")
+        if name[0] in (32, 9):
+            raise HttpError(400, "obsolete line folding in the header")
+        if not _TOKEN.issuperset(name):
+            raise HttpError(400, f"header name {name[:40]!r} is not a token")
+        value = value.strip(b" \t")
+        if value.translate(None, _BAD_VALUE) != value:
+            raise HttpError(400, f"header {name[:40].decode()!r} holds a control character")
+        key = name.decode("ascii").lower()
+        text = value.decode("latin-1")
+        if key in headers:
+            if key in ("content-length", "host", "transfer-encoding"):
+                if key != "content-length" or headers[key] != text:
+                    raise HttpError(400, f"header {key!r} given twice")
+                continue
+            headers[key] = f"{headers[key]}, {text}"
+        else:
+            headers[key] = text
+
+
+def _content_length(head: Head) -> int | None:
+    raw = head.headers.get("content-length")
+    if raw is None:
+        return None
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
+        raise HttpError(400, f"Content-Length {raw[:40]!r} is not a plain number")
+    return int(raw)
+
+
+class _Reader:
+    """The part both parsers share: a head, then a body of known length, chunked, or to EOF."""
+
+    def __init__(self, *, max_head: int, max_fields: int, max_body: int) -> None:
+        self.max_head = max_head
+        self.max_fields = max_fields
+        self.max_body = max_body
+        self.events: deque[Head | bytearray] = deque()
+        self._scratch = bytearray(_SCRATCH)
+        self._view = memoryview(self._scratch)
+        self._buf = bytearray()  # bytes read and not yet consumed (heads, small bodies)
+        self._body: bytearray | None = None  # a fixed-length body being filled
+        self._filled = 0
+        self._handed: memoryview | None = None
+        self._chunked: bytearray | None = None  # the body of a chunked message so far
+        self._chunk_left = -1  # -1: a chunk-size line is next; -2: the trailer section
+        self._to_eof: bytearray | None = None
+        self._skip_left = 0  # bytes of a refused body still to be read and dropped
+        self.paused = False  # the owner handles a message: the next one waits in the buffer
+        self.eof = False
+
+    # ---- BufferedProtocol ----------------------------------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._skip_left:
+            return self._view[: min(self._skip_left, _SCRATCH)]
+        if self._body is not None and not self.paused:
+            self._handed = memoryview(self._body)[self._filled :]
+            return self._handed
+        return self._view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._skip_left:
+            self._skip_left -= nbytes  # get_buffer never hands out more than is left
+            if not self._skip_left:
+                self._advance()  # the refused body is gone: on to the next message
+            return
+        if self._handed is not None:
+            self._handed.release()  # the body may be handed on (and resized) in place
+            self._handed = None
+            self._filled += nbytes
+            if self._filled == len(self._body):  # type: ignore[arg-type]
+                body, self._body = self._body, None
+                self.events.append(body)  # type: ignore[arg-type]
+                self._message_done()
+            return
+        self._buf += self._view[:nbytes]
+        self._advance()
+
+    def feed(self, data: bytes) -> None:
+        """Take ``data`` as if it had been read into the buffers (tests, other shells)."""
+        view = memoryview(data)
+        while view:
+            target = self.get_buffer()
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            self.buffer_updated(n)
+            view = view[n:]
+
+    def skip_body(self) -> bool:
+        """Drop the body of the message being read (it was refused from its head) and go
+        on to the next message; False when that cannot be done (a chunked body)."""
+        if self._chunked is not None or self._to_eof is not None:
+            return False
+        if self._body is None:
+            return True  # no body, or it was read already
+        left = len(self._body) - self._filled
+        self._body = None
+        take = min(left, len(self._buf))
+        del self._buf[:take]
+        self._skip_left = left - take
+        self.paused = False
+        if not self._skip_left:
+            self._advance()
+        return True
+
+    def resume(self) -> None:
+        """The owner is done with the last message: read the next one (already buffered?)."""
+        self.paused = False
+        self._advance()
+
+    @property
+    def skipping(self) -> bool:
+        """A refused body is still being read and dropped."""
+        return self._skip_left > 0
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    @property
+    def idle(self) -> bool:
+        """No message is partly read."""
+        return (
+            not self._buf
+            and self._body is None
+            and self._chunked is None
+            and self._to_eof is None
+        )
+
+    # ---- parsing ------------------------------------------------------------------------------
+    def _advance(self) -> None:
+        while not self.paused:
+            if self._to_eof is not None:
+                self._to_eof += self._buf
+                self._buf.clear()
+                if len(self._to_eof) > self.max_body:
+                    raise HttpError(413, f"body longer than {self.max_body} bytes")
+                return
+            if self._chunked is not None:
+                if not self._advance_chunked():
+                    return
+                continue
+            if self._body is not None:
+                take = min(len(self._buf), len(self._body) - self._filled)
+                self._body[self._filled : self._filled + take] = self._buf[:take]
+                del self._buf[:take]
+                self._filled += take
+                if self._filled < len(self._body):
+                    return
+                body, self._body = self._body, None
+                self.events.append(body)
+                self._message_done()
+                continue
+            if not self._advance_head():
+                return
+
+    def _advance_head(self) -> bool:
+        buf = self._buf
+        while buf[:2] == b"\r\n":  # RFC 9112 2.2: ignore empty lines before a request
+            del buf[:2]
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > self.max_head:
+                raise HttpError(431, f"header section longer than {self.max_head} bytes")
+            return False
+        if end > self.max_head:
+            raise HttpError(431, f"header section longer than {self.max_head} bytes")
+        lines = bytes(buf[:end]).split(b"\r\n")
+        del buf[: end + 4]
+        head = self._start_line(lines[0])
+        _parse_fields(lines[1:], head, self.max_fields)
+        self._frame(head)
+        return True
+
+    def _start_body(self, length: int) -> None:
+        if length > self.max_body:
+            raise HttpError(413, f"body of {length} bytes exceeds the limit of {self.max_body}")
+        if length == 0:
+            self.events.append(bytearray())
+            self._message_done()
+            return
+        self._body = bytearray(length)
+        self._filled = 0
+
+    def _advance_chunked(self) -> bool:
+        buf, body = self._buf, self._chunked
+        assert body is not None
+        while True:
+            if self._chunk_left == -2:  # trailer fields: skip to the empty line
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > self.max_head:
+                        raise HttpError(431, "trailer section too long")
+                    return False
+                del buf[: end + 2]
+                if end == 0:
+                    self._chunked = None
+                    self._chunk_left = -1
+                    self.events.append(body)
+                    self._message_done()
+                    return True
+                continue
+            if self._chunk_left == -1:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > 1024:
+                        raise HttpError(400, "chunk-size line too long")
+                    return False
+                size_text = bytes(buf[:end]).split(b";", 1)[0].strip(b" \t")
+                try:
+                    if not size_text or not all(c in b"0123456789abcdefABCDEF" for c in size_text):
+                        raise ValueError
+                    size = int(size_text, 16)
+                except ValueError:
+                    raise HttpError(400, "bad chunk size") from None
+                del buf[: end + 2]
+                if size == 0:
+                    self._chunk_left = -2
+                    continue
+                if len(body) + size > self.max_body:
+                    raise HttpError(413, f"body longer than {self.max_body} bytes")
+                self._chunk_left = size
+            need = self._chunk_left + 2
+            if len(buf) < need:
+                take = min(len(buf), self._chunk_left)
+                body += buf[:take]
+                del buf[:take]
+                self._chunk_left -= take
+                return False
+            if buf[self._chunk_left : need] != b"\r\n":
+                raise HttpError(400, "chunk data not followed by CRLF")
+            body += buf[: self._chunk_left]
+            del buf[:need]
+            self._chunk_left = -1
+
+    def _chunked_start(self) -> None:
+        self._chunked = bytearray()
+        self._chunk_left = -1
+
+    def end_of_stream(self) -> None:
+        """The peer closed its side: a body that runs to EOF is complete."""
+        self.eof = True
+        if self._to_eof is not None:
+            body, self._to_eof = self._to_eof, None
+            self.events.append(body)
+            self._message_done()
+
+    # ---- per side ----------------------------------------------------------------------------------
+    def _start_line(self, line: bytes) -> Head:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _frame(self, head: Head) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _message_done(self) -> None:
+        self.paused = True
+
+
+class RequestParser(_Reader):
+    """Requests as a server reads them: :attr:`events` holds a :class:`Head`, then its body
+    (a bytearray, empty when there is none), and the parser pauses until :meth:`resume`."""
+
+    def __init__(self, *, max_head: int = 64 * 1024, max_fields: int = 100,
+                 max_body: int = 16 * 1024 * 1024) -> None:  # fmt: skip
+        super().__init__(max_head=max_head, max_fields=max_fields, max_body=max_body)
+        self.head: Head | None = None  # the request being read or handled
+
+    def _start_line(self, line: bytes) -> Head:
+        parts = line.split(b" ")
+        if len(parts) != 3:
+            raise HttpError(400, "the request line is not 'METHOD target HTTP/1.1'")
+        method, target, version = parts
+        if not method or not _TOKEN.issuperset(method):
+            raise HttpError(400, "bad method")
+        if not target or target.translate(None, _BAD_TARGET) != target:
+            raise HttpError(400, "bad request target")
+        if version == b"HTTP/1.1":
+            v = "1.1"
+        elif version == b"HTTP/1.0":
+            v = "1.0"
+        elif version.startswith(b"HTTP/"):
+            raise HttpError(505, f"{version.decode('latin-1')} is not served; use HTTP/1.1")
+        else:
+            raise HttpError(400, "the request line does not end in HTTP/1.1")
+        head = Head()
+        head.method = method.decode("ascii")
+        head.target = target.decode("latin-1")
+        head.version = v
+        return head
+
+    def _frame(self, head: Head) -> None:
+        self.head = head
+        self.events.append(head)
+        te = head.headers.get("transfer-encoding")
+        length = _content_length(head)
+        if te is not None:
+            if length is not None:
+                raise HttpError(400, "both Content-Length and Transfer-Encoding")
+            if head.version == "1.0":
+                raise HttpError(400, "Transfer-Encoding in an HTTP/1.0 request")
+            if te.strip().lower() != "chunked":
+                raise HttpError(501, f"Transfer-Encoding {te[:40]!r} is not supported")
+            self._chunked_start()
+            return
+        self._start_body(length or 0)
+
+    @property
+    def content_length(self) -> int | None:
+        """The declared body length of the request being read (None when chunked)."""
+        if self.head is None:
+            return None
+        return _content_length(self.head) if "transfer-encoding" not in self.head.headers else None
+
+
+class ResponseParser(_Reader):
+    """Responses as a client reads them (one request at a time): a :class:`Head`, then its
+    body.  ``expect_no_body`` is set before reading the answer to a HEAD request."""
+
+    def __init__(self, *, max_head: int = 64 * 1024, max_fields: int = 100,
+                 max_body: int = 64 * 1024 * 1024) -> None:  # fmt: skip
+        super().__init__(max_head=max_head, max_fields=max_fields, max_body=max_body)
+        self.expect_no_body = False
+        self.paused = True  # nothing is expected before a request is sent
+
+    def _start_line(self, line: bytes) -> Head:
+        parts = line.split(b" ", 2)
+        if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0"):
+            raise HttpError(502, "the peer did not answer HTTP/1.x")
+        status = parts[1]
+        if len(status) != 3 or not status.isdigit():
+            raise HttpError(502, "bad status code")
+        head = Head()
+        head.version = "1.1" if parts[0] == b"HTTP/1.1" else "1.0"
+        head.status = int(status)
+        head.reason = parts[2].decode("latin-1") if len(parts) == 3 else ""
+        return head
+
+    def _frame(self, head: Head) -> None:
+        if 100 <= head.status < 200:
+            return  # an interim answer (100 Continue): the final one follows
+        self.events.append(head)
+        if self.expect_no_body or head.status in (204, 304):
+            self.events.append(bytearray())
+            self._message_done()
+            return
+        te = head.headers.get("transfer-encoding")
+        if te is not None and te.strip().lower().endswith("chunked"):
+            self._chunked_start()
+            return
+        length = _content_length(head)
+        if length is None:
+            self._to_eof = bytearray()
+            return
+        self._start_body(length)
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def response_head(
+    status: int,
+    headers: list[tuple[str, str]] | tuple[tuple[str, str], ...],
+    content_length: int,
+    *,
+    close: bool = False,
+) -> bytes:
+    """A response's status line and headers (Content-Length always: no chunked answers)."""
+    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers)
+    lines.append(f"Content-Length: {content_length}\r\n")
+    if close:
+        lines.append("Connection: close\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+def request_head(
+    method: str, target: str, host: str, headers: list[tuple[str, str]], content_length: int | None
+) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers)
+    if content_length is not None:
+        lines.append(f"Content-Length: {content_length}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"

@@ -1,0 +1,234 @@
+"""The HTTP/1.1 server shell on real sockets: keep-alive, refusals, timeouts, stopping."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from shared.aio.http_server import (
+    HttpServer,
+    Request,
+    Response,
+    Router,
+    ServerOptions,
+    error_response,
+    json_response,
+)
+from shared.http.wire import HttpError
+
+
+class Echo:
+    """Echoes bodies; refuses ``/refuse`` from its head; ``/slow`` takes its time."""
+
+    def __init__(self) -> None:
+        self.admitted = self.finished_count = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    def admit(self, request: Request) -> Response | None:
+        self.admitted += 1
+        if request.path == "/refuse":
+            return error_response(404, "no such thing", "not_found")
+        return None
+
+    async def handle(self, request: Request) -> Response:
+        if request.path == "/slow":
+            await self.gate.wait()
+        return Response(200, [bytes(request.body), b"!"], content_type="application/octet-stream")
+
+    def finished(self, request: Request) -> None:
+        self.finished_count += 1
+
+
+async def serve(app: Echo, **options) -> HttpServer:
+    server = HttpServer(app, ServerOptions(**options))
+    await server.start("127.0.0.1", 0)
+    return server
+
+
+async def exchange(port: int, data: bytes, read_until: bytes = b"", timeout: float = 5) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    out = b""
+    try:
+        async with asyncio.timeout(timeout):
+            while read_until not in out or not read_until:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                out += chunk
+    except TimeoutError:
+        pass
+    writer.close()
+    return out
+
+
+async def test_a_kept_alive_connection_serves_pipelined_requests_in_order() -> None:
+    app = Echo()
+    server = await serve(app)
+    try:
+        data = b"".join(
+            f"POST /{i} HTTP/1.1\r\nContent-Length: 2\r\n\r\n{i:02d}".encode() for i in range(5)
+        )
+        out = await exchange(server.port, data, b"04!")
+        bodies = [part.split(b"\r\n\r\n", 1)[1][:3] for part in out.split(b"HTTP/1.1 200 OK")[1:]]
+        assert bodies == [b"00!", b"01!", b"02!", b"03!", b"04!"]
+        assert app.finished_count == 5
+    finally:
+        await server.close()
+
+
+async def test_aiohttp_as_a_client_works_with_bodies_large_and_small() -> None:
+    server = await serve(Echo())
+    try:
+        async with aiohttp.ClientSession() as session:
+            for size in (0, 10, 602_112, 5_000_000):
+                body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+                async with session.post(f"http://127.0.0.1:{server.port}/e", data=body) as r:
+                    assert r.status == 200 and await r.read() == body + b"!"
+    finally:
+        await server.close()
+
+
+async def test_expect_100_continue_gets_continue_or_the_refusal() -> None:
+    app = Echo()
+    server = await serve(app)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /ok HTTP/1.1\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"abc")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(4) == b"abc!"
+        writer.write(b"POST /refuse HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404")  # no 100: the body need not be sent
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_a_refused_upload_is_answered_from_its_head_and_the_connection_goes_on() -> None:
+    app = Echo()
+    server = await serve(app)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        big = b"z" * 3_000_000
+        writer.write(b"POST /refuse HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(big))
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404")
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        assert b"no such thing" in await reader.readexactly(length)
+        writer.write(big + b"POST /after HTTP/1.1\r\nContent-Length: 1\r\n\r\nk")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"k!"
+        writer.close()
+        assert app.finished_count == 2
+    finally:
+        await server.close()
+
+
+async def test_a_small_refused_request_leaves_its_connection_serving_the_next() -> None:
+    server = await serve(Echo())
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        for _ in range(3):  # each refused body arrives with its head, in one read
+            writer.write(b"POST /refuse HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 404") and b"close" not in head
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+        writer.write(b"POST /ok HTTP/1.1\r\nContent-Length: 1\r\n\r\nk")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"k!"
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_a_malformed_request_gets_its_status_and_the_server_stays_up() -> None:
+    server = await serve(Echo())
+    try:
+        out = await exchange(server.port, b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400") and b"Connection: close" in out
+        out = await exchange(server.port, b"GET / HTTP/1.1\r\n\r\n", b"!")
+        assert out.startswith(b"HTTP/1.1 200")
+    finally:
+        await server.close()
+
+
+async def test_connections_past_the_cap_get_503_and_are_closed() -> None:
+    server = await serve(Echo(), max_connections=2)
+    try:
+        held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        out = await exchange(server.port, b"GET / HTTP/1.1\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503") and b"Retry-After" in out
+        assert server.refused == 1
+        for _, w in held:
+            w.close()
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize(
+    "data, expect",
+    [
+        (b"", b""),  # idle: closed quietly
+        (b"GET / HTTP/1.1\r\nHost", b""),  # half a head: closed
+        (b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc", b"HTTP/1.1 504"),  # half a body
+    ],
+)
+async def test_stalled_connections_are_reaped(data: bytes, expect: bytes) -> None:
+    server = await serve(Echo(), header_timeout_s=0.3, idle_timeout_s=0.3, body_timeout_s=0.3)
+    try:
+        started = time.monotonic()
+        out = await exchange(server.port, data, timeout=5)
+        assert out.startswith(expect) and time.monotonic() - started < 3
+        assert server.open_connections == 0
+    finally:
+        await server.close()
+
+
+async def test_a_stop_finishes_running_requests_and_refuses_new_connections() -> None:
+    app = Echo()
+    app.gate.clear()
+    server = await serve(app)
+    port = server.port
+    slow = asyncio.create_task(exchange(port, b"POST /slow HTTP/1.1\r\nContent-Length: 1\r\n\r\ns", b"s!"))
+    await asyncio.sleep(0.1)
+    drain = asyncio.create_task(server.drain(time.monotonic() + 5))
+    await asyncio.sleep(0.1)
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", port)
+    app.gate.set()
+    out = await slow
+    await drain
+    assert out.startswith(b"HTTP/1.1 200") and b"Connection: close" in out and out.endswith(b"s!")
+    await server.close()
+
+
+def test_the_router_matches_templates_decodes_segments_and_says_405() -> None:
+    router = Router()
+    router.add("GET", "/v2/models/{model}", "meta")
+    router.add("POST", "/v2/models/{model}/versions/{version}/infer", "infer")
+    assert router.resolve("GET", "/v2/models/a%20b") == ("meta", {"model": "a b"})
+    assert router.resolve("HEAD", "/v2/models/x") == ("meta", {"model": "x"})
+    assert router.resolve("POST", "/v2/models/m/versions/2/infer") == (
+        "infer",
+        {"model": "m", "version": "2"},
+    )
+    with pytest.raises(HttpError) as info:
+        router.resolve("POST", "/v2/models/m")
+    assert info.value.status == 405
+    with pytest.raises(HttpError) as info:
+        router.resolve("GET", "/v2/nothing/here")
+    assert info.value.status == 404
+
+
+def test_json_response_sets_its_content_type() -> None:
+    response = json_response({"a": 1}, 201)
+    assert response.status == 201 and ("Content-Type", "application/json") in response.headers

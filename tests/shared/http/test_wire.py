@@ -1,0 +1,151 @@
+"""HTTP/1.1 parsing: any chunking reads the same; every malformed message gets its status."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.http.wire import Head, HttpError, RequestParser, ResponseParser
+
+
+def requests_of(parser: RequestParser, data: bytes, cuts: list[int] = ()) -> list:
+    """Feed ``data`` in pieces; collect (head, body) pairs, resuming after each."""
+    out, pos = [], 0
+    for cut in [*cuts, len(data)]:
+        parser.feed(data[pos : pos + cut])
+        pos += cut
+        while parser.events:
+            item = parser.events.popleft()
+            if isinstance(item, Head):
+                out.append([item, None])
+            else:
+                out[-1][1] = bytes(item)
+                parser.resume()
+    parser.feed(data[pos:])
+    return out
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
+        + body
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    bodies=st.lists(st.binary(max_size=3000), min_size=1, max_size=4),
+    big=st.booleans(),
+    cuts=st.lists(st.integers(1, 70_000), max_size=10),
+)
+def test_any_chunking_of_pipelined_requests_reads_the_same(bodies, big, cuts) -> None:
+    if big:
+        bodies = [*bodies, bytes(range(256)) * 300]
+    stream = b"".join(post(f"/v2/models/m{i}/infer", b) for i, b in enumerate(bodies))
+    got = requests_of(RequestParser(), stream, cuts)
+    assert [(h.target, b) for h, b in got] == [
+        (f"/v2/models/m{i}/infer", b) for i, b in enumerate(bodies)
+    ]
+
+
+def test_a_large_body_is_read_into_one_buffer_of_its_declared_size() -> None:
+    parser = RequestParser()
+    body = b"\x01" * 602_112
+    data = post("/infer", body)
+    parser.feed(data[:1000])
+    head = parser.events.popleft()
+    assert head.headers["content-length"] == "602112"
+    target = parser.get_buffer()
+    assert len(target) == 602_112 - (1000 - (len(data) - len(body)))  # the rest, exactly
+    parser.feed(data[1000:])
+    (got,) = parser.events
+    assert isinstance(got, bytearray) and got == body
+
+
+def test_a_chunked_body_with_extensions_and_trailers_is_joined() -> None:
+    data = (
+        b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: y\r\n\r\n"
+        b"GET /b HTTP/1.1\r\n\r\n"
+    )
+    got = requests_of(RequestParser(), data, [7, 13, 2, 40])
+    assert [(h.target, b) for h, b in got] == [("/a", b"hello world"), ("/b", b"")]
+
+
+def test_headers_are_case_insensitive_and_repeated_ones_joined() -> None:
+    parser = RequestParser()
+    parser.feed(b"GET / HTTP/1.1\r\nAccept: a\r\nACCEPT:  b \r\nX-Empty:\r\n\r\n")
+    head = parser.events.popleft()
+    assert head.headers == {"accept": "a, b", "x-empty": ""}
+    assert head.keep_alive
+
+
+def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:
+    parser = RequestParser()
+    parser.feed(b"GET / HTTP/1.0\r\n\r\n")
+    assert not parser.events.popleft().keep_alive
+
+
+@pytest.mark.parametrize(
+    "data, status",
+    [
+        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nContent-Length: +3\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+        (b"GET / HTTP/1.1\r\nX: a\r\n folded\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nX: a\x01b\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nBad Name: a\r\n\r\n", 400),
+        (b"GET /  HTTP/1.1\r\n\r\n", 400),
+        (b"GET / HTTP/2.0\r\n\r\n", 505),
+        (b"GET / FTP/1.1\r\n\r\n", 400),
+        (b"G(T / HTTP/1.1\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", 413),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabcd", 400),
+        (b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 101 + b"\r\n", 431),
+        (b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000, 431),
+    ],
+)
+def test_a_malformed_request_is_refused_with_its_status(data: bytes, status: int) -> None:
+    with pytest.raises(HttpError) as info:
+        RequestParser(max_body=1 << 20).feed(data)
+    assert info.value.status == status and info.value.message
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=300))
+def test_random_bytes_raise_nothing_but_http_error(data: bytes) -> None:
+    try:
+        requests_of(RequestParser(max_body=4096), b"POST / HTTP/1.1\r\n" + data)
+    except HttpError:
+        pass
+
+
+def test_a_refused_body_is_dropped_and_the_next_request_read() -> None:
+    parser = RequestParser()
+    body = b"z" * 100_000
+    data = post("/refused", body) + b"GET /next HTTP/1.1\r\n\r\n"
+    parser.feed(data[:500])
+    assert parser.events.popleft().target == "/refused"
+    assert parser.skip_body()
+    parser.feed(data[500:])
+    head = parser.events.popleft()
+    assert head.target == "/next"
+
+
+def test_responses_by_length_chunked_and_to_the_end_of_the_stream() -> None:
+    parser = ResponseParser()
+    parser.resume()
+    parser.feed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    assert parser.events.popleft().status == 200 and parser.events.popleft() == b"ok"
+    parser.resume()
+    parser.feed(b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+    assert parser.events.popleft().reason == "Busy" and parser.events.popleft() == b"abc"
+    parser.resume()
+    parser.feed(b"HTTP/1.0 200 OK\r\n\r\nuntil close")
+    head = parser.events.popleft()
+    assert not parser.events
+    parser.end_of_stream()
+    assert not head.keep_alive and parser.events.popleft() == b"until close"
