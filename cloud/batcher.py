@@ -1,12 +1,18 @@
 """Dynamic batcher: one per loaded model version (DESIGN.md section 5).
 
 Requests wait in one FIFO per priority level; a single scheduler task on the
-event loop forms batches whenever a session is idle and hands each batch to a
-worker thread (runtimes release the GIL), so no inference of any cost runs on
-the loop: only a lone request on an idle model whose recent runs all took
-under ``inline_us`` runs in place (:mod:`shared.runtimes.inline`).  Per
-request the cost is one future and one deque append; per batch it is one
-executor hand-off and one completion callback.
+event loop forms batches whenever a session is idle and hands each batch to
+that session's own thread (runtimes release the GIL; :mod:`cloud.workers`),
+so no inference of any cost runs on the loop: only a lone request on an idle
+model whose recent runs all took under ``inline_us`` runs in place
+(:mod:`shared.runtimes.inline`).  Per request the cost is one future and one
+deque append; per batch it is one queue put and one completion callback.
+
+A model may have a *lone* session beside its instances, with an intra-op
+thread per core: a lone request on an idle node runs there, at the runtime's
+fastest batch-1 speed, while the instances (one thread each, say) serve load
+at the best throughput.  It holds every instance while it runs, so it never
+competes with them for the cores.
 
 ``max_queue_delay_us`` and preferred sizes are upper bounds, as in Triton,
 but a model with no batch running dispatches what is queued at once: waiting
@@ -26,7 +32,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import heapq
 import itertools
 import logging
@@ -41,6 +46,7 @@ import numpy as np
 from cloud.execute import BatchResult, Outcome, execute
 from cloud.execute import QueuedRequest as _Request
 from cloud.stats import BACKEND, CANCELED, REJECTED, ModelStats, failure_reason
+from cloud.workers import NodeActivity, SessionThread
 from shared.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -61,6 +67,7 @@ __all__ = ["BatchResult", "DynamicBatcher"]
 log = logging.getLogger(__name__)
 
 _MIN_RETRY_AFTER_S = 0.05
+_LONE = -1  # the index of the lone session in _dispatch/_finish
 
 
 class DynamicBatcher:
@@ -82,9 +89,10 @@ class DynamicBatcher:
         max_batch_size: int,
         policy: DynamicBatching | None,
         stats: ModelStats,
-        executor: concurrent.futures.Executor | None = None,
         default_max_queue: int = 0,
         inline_us: float = 0.0,
+        lone: Session | None = None,
+        activity: NodeActivity | None = None,
     ) -> None:
         if not sessions:
             raise ConfigError(f"model {model!r} version {version}: no sessions to run batches on")
@@ -111,10 +119,12 @@ class DynamicBatcher:
         # A lone request on an idle model that runs in under ``inline_us`` runs on the
         # loop: the hand-off to a worker and back would cost more than the run.
         self._gate = InlineGate(inline_us)
-        self._own_executor = executor is None
-        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
-            max_workers=len(self._sessions), thread_name_prefix=f"ferry-{model}-v{version}"
-        )
+        self._lone = lone
+        self._activity = activity or NodeActivity()
+        self._threads: list[SessionThread] = []
+        self._lone_thread: SessionThread | None = None
+        self._held: list[int] = []  # instances held while the lone session runs
+        self.lone_runs = 0
         self._queues: list[deque[_Request]] = [deque() for _ in range(self._levels)]
         self._deadlines: list[tuple[int, int, _Request]] = []
         self._seq = itertools.count()
@@ -148,6 +158,12 @@ class DynamicBatcher:
             return
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        prefix = f"ferry-{self.model}-v{self.version}"
+        self._threads = [
+            SessionThread(f"{prefix}-{i}", self._loop) for i in range(len(self._sessions))
+        ]
+        if self._lone is not None:
+            self._lone_thread = SessionThread(f"{prefix}-lone", self._loop)
         self._accepting = True
         self._task = self._loop.create_task(
             self._run(), name=f"ferry-batcher-{self.model}-v{self.version}"
@@ -189,7 +205,7 @@ class DynamicBatcher:
         """
         self._accepting = False
         if self._task is None:
-            self._shutdown_executor()
+            self._stop_threads()
             return
         if not drain:
             self._fail_queued(lambda: ModelNotReady(f"{self._name()} was unloaded"))
@@ -197,7 +213,7 @@ class DynamicBatcher:
         assert self._wake is not None
         self._wake.set()
         await self._task
-        self._shutdown_executor()
+        self._stop_threads()
 
     def _admit(self, inputs, outputs, deadline, priority, arrival: int) -> _Request:
         if not self._accepting:
@@ -364,58 +380,70 @@ class DynamicBatcher:
         for req in members:
             req.done = True
         self._set_depth(self._depth - len(members))
-        index = self._idle.pop()
-        self._inflight += 1
-        assert self._loop is not None
         nbytes = sum(input_bytes(r.inputs) for r in members)
-        done = partial(self._finish, index, members, now, nbytes)
-        if (
-            len(members) == 1
-            and not self._depth
-            and self._inflight == 1
-            and self._gate.allows(nbytes)
-        ):
-            fut = self._loop.create_future()
-            try:
-                fut.set_result(execute(self._sessions[index], members, self._stats, self._name()))
+        lone_request = len(members) == 1 and not self._depth and not self._inflight
+        if lone_request and self._gate.allows(nbytes):
+            index = self._idle.pop()
+            self._inflight += 1
+            self._activity.running += 1
+            try:  # tiny: runs in place, cheaper than any hand-off
+                result, error = execute(self._sessions[index], members, self._stats, self._name()), None
             except Exception as exc:
-                fut.set_exception(exc)
-            done(fut)
+                result, error = None, exc
+            self._finish(index, members, now, nbytes, result, error)
             return
-        # A refused submission (executor shut down) comes back through _finish as an error.
-        try:
-            fut = self._loop.run_in_executor(
-                self._executor, execute, self._sessions[index], members, self._stats, self._name()
+        self._inflight += 1
+        self._activity.running += 1
+        done = partial(self._finish, _LONE, members, now, nbytes)
+        if lone_request and self._lone_thread is not None and self._activity.running == 1:
+            # nothing else runs on the node: every core for this one request
+            self._held, self._idle = self._idle, []
+            self.lone_runs += 1
+            self._lone_thread.submit(
+                execute, (self._lone, members, self._stats, self._name()), done
             )
-        except Exception as exc:
-            fut = self._loop.create_future()
-            fut.set_exception(exc)
-        fut.add_done_callback(done)
+            return
+        index = self._idle.pop()
+        done = partial(self._finish, index, members, now, nbytes)
+        self._threads[index].submit(
+            execute, (self._sessions[index], members, self._stats, self._name()), done
+        )
 
     def _finish(
-        self, index: int, members: list[_Request], dispatched: int, nbytes: int, fut
+        self,
+        index: int,
+        members: list[_Request],
+        dispatched: int,
+        nbytes: int,
+        result: list[Outcome] | None,
+        error: BaseException | None,
     ) -> None:
-        """Completion callback on the loop: deliver each request's outcome."""
+        """Completion on the loop: deliver each request's outcome."""
         self._inflight -= 1
-        self._idle.append(index)
+        self._activity.running -= 1
+        if index == _LONE:
+            self._idle, self._held = self._held, []
+        else:
+            self._idle.append(index)
         assert self._wake is not None
         self._wake.set()
-        try:
-            outcomes: list[Outcome] = fut.result()
-        except BaseException as exc:
-            log.error("%s: batch worker failed: %r", self._name(), exc)
-            msg = f"{self._name()}: batch worker failed: {exc!r}"
+        outcomes: list[Outcome]
+        if error is not None or result is None:
+            log.error("%s: batch worker failed: %r", self._name(), error)
+            msg = f"{self._name()}: batch worker failed: {error!r}"
             outcomes = [(InternalError(msg), 0, r.n, 0, 0) for r in members]
+        else:
+            outcomes = result
         end = time.monotonic_ns()
         if outcomes and not isinstance(outcomes[0][0], FerryError):
             self._gate.record(outcomes[0][1], nbytes)
         self._batch_ns = 0.8 * (self._batch_ns or end - dispatched) + 0.2 * (end - dispatched)
         ok = request_sum = queue_sum = compute_sum = input_sum = output_sum = items = 0
-        for req, (result, compute_ns, batch_size, input_ns, output_ns) in zip(
+        for req, (result_i, compute_ns, batch_size, input_ns, output_ns) in zip(
             members, outcomes, strict=True
         ):
-            if isinstance(result, FerryError):
-                self._fail(req, result, end, BACKEND)
+            if isinstance(result_i, FerryError):
+                self._fail(req, result_i, end, BACKEND)
                 continue
             queue_ns = dispatched - req.arrival_ns
             ok += 1
@@ -427,7 +455,7 @@ class DynamicBatcher:
             items += req.n
             if not req.future.done():
                 req.future.set_result(
-                    BatchResult(result, queue_ns // 1000, compute_ns // 1000, batch_size)
+                    BatchResult(result_i, queue_ns // 1000, compute_ns // 1000, batch_size)
                 )
         self._stats.record_successes(
             ok, request_sum, queue_sum, compute_sum, items, input_sum, output_sum
@@ -470,9 +498,11 @@ class DynamicBatcher:
         assert self._wake is not None
         self._wake.set()
 
-    def _shutdown_executor(self) -> None:
-        if self._own_executor:
-            self._executor.shutdown(wait=False)
+    def _stop_threads(self) -> None:
+        for thread in self._threads:
+            thread.stop()
+        if self._lone_thread is not None:
+            self._lone_thread.stop()
 
     def _name(self) -> str:
         return f"model {self.model!r} version {self.version}"

@@ -263,7 +263,7 @@ class MqttFront:
     def _reply(self, props: PublishProperties, payload: bytes) -> None:
         if self._client is not None and props.response_topic:
             out = PublishProperties(correlation_data=props.correlation_data)
-            self._client.publish(props.response_topic, payload, properties=out)
+            self._client.publish(props.response_topic, payload, properties=out, track=False)
 
     # ---- on the event loop ----------------------------------------------------------
     def _after_connect(self) -> None:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from urllib.parse import unquote
 
 from shared.errors import FerryError
-from shared.http.wire import CONTINUE, Head, HttpError, RequestParser, response_head
+from shared.http.wire import CONTINUE, BodyPool, Head, HttpError, RequestParser, response_head
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class ServerOptions:
 
 
 _IDLE, _HEAD, _BODY, _HANDLING, _LINGER = range(5)
+_EMPTY = bytearray()
 _CODES = {400: "invalid_argument", 404: "not_found", 405: "invalid_argument",
           408: "deadline_exceeded", 413: "payload_too_large", 431: "invalid_argument",
           501: "invalid_argument", 504: "deadline_exceeded", 505: "invalid_argument"}  # fmt: skip
@@ -161,7 +162,10 @@ class _Connection(asyncio.BufferedProtocol):
         self.server = server
         o = server.options
         self.parser = RequestParser(
-            max_head=o.max_head_bytes, max_fields=o.max_header_fields, max_body=o.max_body_bytes
+            max_head=o.max_head_bytes,
+            max_fields=o.max_header_fields,
+            max_body=o.max_body_bytes,
+            pool=server.bodies,
         )
         self.transport: asyncio.Transport | None = None
         self.remote: str | None = None
@@ -342,6 +346,8 @@ class _Connection(asyncio.BufferedProtocol):
                 self.server.app.finished(request)
             except Exception:
                 log.exception("finishing %s %s failed", request.method, request.path)
+            body, request.body = request.body, _EMPTY
+            self.server.bodies.give(body)  # reused unless a view of it outlives the request
 
     # ---- writing -------------------------------------------------------------------------------
     def _send(self, response: Response, *, head_only: bool = False) -> None:
@@ -410,6 +416,7 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self.bodies = BodyPool()
         self.closing = False
         self.refused = 0
         self.reaped = 0

@@ -240,12 +240,14 @@ class MqttClient:
         qos: int = 1,
         retain: bool = False,
         properties: PublishProperties | None = None,
+        track: bool = True,
     ) -> asyncio.Future[Any] | None:
         """Send a message now; None when not connected (nothing is queued for later).
 
         With QoS 1 the future resolves on the broker's PUBACK and fails with
         :class:`EndpointUnavailable` if the connection ends first; nobody
-        needs to await it.
+        needs to await it, and ``track=False`` makes none (a hot path that
+        would never look at it).
         """
         conn = self._conn
         if conn is None or not self._connected.is_set():
@@ -254,7 +256,7 @@ class MqttClient:
             topic, payload, qos=qos, retain=retain, properties=properties
         )
         conn.flush()
-        if packet_id is None:
+        if packet_id is None or not track:
             return None
         return self._waiter(packet_id)
 

@@ -26,7 +26,7 @@ from shared.mqtt.codec import MAX_VBI, MalformedPacket
 
 #: bodies at least this long get a buffer of their own (no copy)
 LARGE_BODY = 64 * 1024
-_SCRATCH = 256 * 1024
+_SCRATCH = 16 * 1024  # headers and small packets; a large body is read into its own buffer
 
 
 class Oversized:

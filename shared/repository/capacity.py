@@ -128,6 +128,12 @@ def check_capacity(
             source, "runtime.threads", config.runtime.threads,
             f"{capacity.max_threads} threads for {capacity.cores} cores",
         )  # fmt: skip
+    lone = config.runtime.lone_threads or 0
+    if lone > capacity.max_threads:
+        raise _refuse(
+            source, "runtime.lone_threads", lone,
+            f"{capacity.max_threads} threads for {capacity.cores} cores",
+        )  # fmt: skip
     mbs = config.max_batch_size or 0
     if mbs > capacity.max_elements:
         raise _refuse(source, "max_batch_size", mbs, f"{capacity.max_elements} elements")

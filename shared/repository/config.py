@@ -92,11 +92,20 @@ class VersionPolicy:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """``[runtime]``: ``threads = 0`` means the cores given to the process."""
+    """``[runtime]``: ``threads = 0`` means the cores given to the process.
+
+    ``lone_threads``: intra-op threads of one more session, which runs a lone
+    request while nothing else runs on the node, so a request on an idle node
+    is answered at the runtime's fastest batch-1 speed although the instances
+    are sized for throughput (one thread each, say).  None: the node's cores
+    when an instance has fewer; 0: no such session (it costs one more copy of
+    the model in memory).
+    """
 
     threads: int = 0
     precision_hint: str | None = None
     allow_spinning: bool = False
+    lone_threads: int | None = None
 
     def to_options(self, device: str = "cpu") -> RuntimeOptions:
         return RuntimeOptions(
@@ -321,9 +330,13 @@ def _version_policy(value: object, source: str) -> VersionPolicy:
 
 
 def _runtime(value: object, source: str) -> RuntimeConfig:
-    t = check_table(value, source, "runtime", ("threads", "precision_hint", "allow_spinning"))
+    t = check_table(
+        value, source, "runtime", ("threads", "precision_hint", "allow_spinning", "lone_threads")
+    )
     hint = t.get("precision_hint")
+    lone = t.get("lone_threads")
     return RuntimeConfig(
+        lone_threads=None if lone is None else check_int(lone, source, "runtime.lone_threads"),
         threads=check_int(t.get("threads", 0), source, "runtime.threads"),
         precision_hint=(
             None

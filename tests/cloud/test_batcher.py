@@ -566,3 +566,75 @@ async def test_without_an_inline_budget_no_run_happens_on_the_loop(linear):
         await batcher.infer({"x": xs(1)})
     assert threading.get_ident() not in recorded.threads
     await batcher.stop()
+
+
+# ---- the lone-request session --------------------------------------------------------------
+async def lone_batcher(instances, lone, activity=None) -> DynamicBatcher:
+    from cloud.workers import NodeActivity
+
+    batcher = DynamicBatcher(
+        model="m",
+        version=1,
+        sessions=instances,
+        max_batch_size=8,
+        policy=policy(max_queue_delay_us=20_000_000),
+        stats=ModelStats("m", 1),
+        lone=lone,
+        activity=activity or NodeActivity(),
+    )
+    await batcher.start()
+    return batcher
+
+
+async def test_a_lone_request_on_an_idle_node_runs_on_the_lone_session(tmp_path):
+    path = build_linear(tmp_path / "lone.onnx")
+    instance = ThreadRecordingSession(load_session("onnxruntime", path, RuntimeOptions(threads=1)))
+    lone = ThreadRecordingSession(load_session("onnxruntime", path, RuntimeOptions(threads=2)))
+    batcher = await lone_batcher([instance], lone)
+    for _ in range(3):
+        x = xs(1)
+        assert_linear(x, await batcher.infer({"x": x}))
+    assert (lone.sizes, instance.sizes, batcher.lone_runs) == ([1, 1, 1], [], 3)
+    await batcher.stop()
+    instance.close()
+    lone.close()
+
+
+async def test_requests_behind_a_lone_run_wait_for_it_and_form_one_batch_on_an_instance(
+    tmp_path,
+):
+    path = build_linear(tmp_path / "lone.onnx")
+    instances = [
+        ThreadRecordingSession(load_session("onnxruntime", path, RuntimeOptions(threads=1)))
+        for _ in range(2)
+    ]
+    lone = GatedSession(load_session("onnxruntime", path, RuntimeOptions(threads=2)))
+    batcher = await lone_batcher(instances, lone)
+    first = await hold_first(batcher, lone, {"x": xs(1)})
+    rest = [asyncio.create_task(batcher.infer({"x": xs(1)})) for _ in range(3)]
+    await until(lambda: batcher.queue_depth == 3)
+    assert all(not i.sizes for i in instances)  # the lone run holds every instance
+    lone.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(first, *rest), timeout=5)
+    assert [r.batch_size for r in results] == [1, 3, 3, 3]
+    assert sorted(size for i in instances for size in i.sizes) == [3]
+    await batcher.stop()
+    for s in [*instances, lone]:
+        s.close()
+
+
+async def test_no_lone_run_while_another_model_runs_on_the_node(tmp_path):
+    from cloud.workers import NodeActivity
+
+    path = build_linear(tmp_path / "lone.onnx")
+    activity = NodeActivity()
+    activity.running = 1  # another model's batch is running
+    instance = ThreadRecordingSession(load_session("onnxruntime", path, RuntimeOptions(threads=1)))
+    lone = ThreadRecordingSession(load_session("onnxruntime", path, RuntimeOptions(threads=2)))
+    batcher = await lone_batcher([instance], lone, activity)
+    x = xs(1)
+    assert_linear(x, await batcher.infer({"x": x}))
+    assert (instance.sizes, lone.sizes, activity.running) == ([1], [], 1)
+    await batcher.stop()
+    instance.close()
+    lone.close()

@@ -49,6 +49,7 @@ specific = [3, 1]
 threads = 2
 precision_hint = "f32"
 allow_spinning = true
+lone_threads = 0
 """
 
 
@@ -77,7 +78,9 @@ def test_every_key_of_a_full_config_is_read(tmp_path: Path) -> None:
         ),
         instance_group=InstanceGroup(count=2, kind="gpu"),
         version_policy=VersionPolicy(latest=None, specific=(1, 3)),
-        runtime=RuntimeConfig(threads=2, precision_hint="f32", allow_spinning=True),
+        runtime=RuntimeConfig(
+            threads=2, precision_hint="f32", allow_spinning=True, lone_threads=0
+        ),
         source=path,
     )
 
@@ -191,6 +194,11 @@ MALFORMED = {
         '[runtime]\nallow_spinning = "no"',
         "key 'runtime.allow_spinning'",
         "true or false",
+    ),
+    "negative lone threads": (
+        "[runtime]\nlone_threads = -2",
+        "key 'runtime.lone_threads'",
+        "a non-negative integer",
     ),
     "bad TOML syntax": ("max_batch_size = = 3", "not valid TOML", "line 1"),
     "zero latency objective": (
