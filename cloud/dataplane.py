@@ -31,7 +31,14 @@ import numpy as np
 from cloud.batcher import DynamicBatcher
 from cloud.classification import requested_classes, top_k
 from cloud.idempotency import IdempotencyCache, fingerprint, idempotency_key, response_bytes
-from cloud.loading import MemoryProbe, planned_sessions, session_threads, warm_up
+from cloud.loading import (
+    LONE_MIN_RUN_S,
+    MemoryProbe,
+    batch1_run_s,
+    planned_sessions,
+    session_threads,
+    warm_up,
+)
 from cloud.stats import OTHER, ModelStats
 from cloud.validation import output_tensor, validated_inputs, validated_outputs
 from cloud.workers import NodeActivity
@@ -238,7 +245,7 @@ class DataPlane:
             vconfig = complete_config(config, sessions[0])
             for _ in range(vconfig.instance_group.count - 1):
                 sessions.append(open_session(backend, path, options, config))
-            lone_threads = self._lone_threads(vconfig, backend, options.threads)
+            lone_threads = self._lone_threads(vconfig, backend, options.threads, sessions[0])
             if lone_threads:
                 # It runs only while nothing else runs on the node, so its threads may
                 # spin between the parallel sections of a run: measured here, a batch-1
@@ -276,13 +283,20 @@ class DataPlane:
         )
         return LoadedModel(name, version, vconfig, sessions, batcher, stats, lone=lone)
 
-    def _lone_threads(self, config: ModelConfig, backend: str, threads: int | None) -> int:
-        """Threads of the lone-request session (0: none): by default the node's cores,
-        for CPU backends whose instances have fewer."""
+    def _lone_threads(
+        self, config: ModelConfig, backend: str, threads: int | None, instance: Session
+    ) -> int:
+        """Threads of the lone-request session (0: none).  As configured; by default the
+        node's cores, for CPU backends whose instances have fewer, and models whose
+        batch-1 run is long enough for more threads to pay (LONE_MIN_RUN_S)."""
         wanted = config.runtime.lone_threads
         if wanted is None:
             cpu = config.instance_group.kind == "cpu" and backend in _THREADED_BACKENDS
             wanted = self.cores if cpu else 0
+            if wanted > (threads or self.cores):
+                warm_up(instance, config)
+                if batch1_run_s(instance, config) < LONE_MIN_RUN_S:
+                    wanted = 0
         return wanted if wanted > (threads or self.cores) else 0
 
     async def unload(self, name: str) -> None:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import statistics
+import time
 
 from shared.pipeline import sample_inputs
 from shared.repository import ModelConfig
@@ -99,6 +101,25 @@ def warm_up(session: Session, config: ModelConfig) -> bool:
         log.warning("model %s: warm-up run on zeros failed (%s); loaded anyway", config.name, exc)
         return False
     return True
+
+
+#: a batch-1 run at least this long gains from more intra-op threads (a smaller model's
+#: parallel sections cost more to synchronise than they save: a 1 KB identity ran slower)
+LONE_MIN_RUN_S = 0.0005
+
+
+def batch1_run_s(session: Session, config: ModelConfig, runs: int = 5) -> float:
+    """Median seconds of a warm batch-1 run on ``session`` (inf when it cannot run)."""
+    inputs = sample_inputs(session, config)
+    times = []
+    try:
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            session.run(inputs)
+            times.append(time.perf_counter() - start)
+    except Exception:
+        return float("inf")
+    return statistics.median(times[1:])
 
 
 def session_threads(config: ModelConfig, cores: int, sessions_on_node: int) -> int:

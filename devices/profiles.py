@@ -4,9 +4,10 @@ A profile is a small TOML file whose keys are exactly the dataclass fields
 below; each shipped number carries its source in a comment next to it, so a
 reader can judge it and a user can replace it with a measurement of their own
 (pass a path instead of a built-in name).  Built-ins live in
-``devices/profiles/*.toml`` and ``devices/links/*.toml`` and are found with
-:mod:`importlib.resources`, so they work from a wheel or a zip as well as
-from a checkout.
+``devices/profiles/*.toml`` and ``devices/links/*.toml`` beside this module
+(installed as package data); only a zipped install, where they are no files,
+falls back to :mod:`importlib.resources`, which an agent otherwise never
+imports (with what it pulls in, ~0.9 MiB resident on a device).
 
 Strict on purpose: an unknown key (a typo such as ``idle_power`` for
 ``idle_power_w``) or a value of the wrong type is a :class:`ConfigError`
@@ -19,7 +20,6 @@ import math
 import re
 import tomllib
 from dataclasses import dataclass, fields
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +164,18 @@ def list_links() -> list[str]:
 # ---- helpers -------------------------------------------------------------------
 
 
+def _builtin(*parts: str) -> Any:
+    """A built-in profile folder or file: a Path beside this module, else a resource."""
+    here = Path(__file__).resolve().parent
+    if here.is_dir():
+        return here.joinpath(*parts)
+    from importlib import resources  # a zipped install
+
+    return resources.files("devices").joinpath(*parts)
+
+
 def _list(folder: str) -> list[str]:
-    root = resources.files("devices").joinpath(folder)
+    root = _builtin(folder)
     if not root.is_dir():
         return []
     return sorted(p.name[: -len(".toml")] for p in root.iterdir() if p.name.endswith(".toml"))
@@ -195,7 +205,7 @@ def _read(what: str, folder: str, name_or_path: str | Path, known: Any) -> tuple
     else:
         name = str(name_or_path)
         source = f"built-in {what} profile {name!r}"
-        entry = resources.files("devices").joinpath(folder, f"{name}.toml")
+        entry = _builtin(folder, f"{name}.toml")
         if not _NAME.match(name) or not entry.is_file():
             raise ConfigError(
                 f"unknown {what} profile {name!r}: built-in ones are {', '.join(known())}; "

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from edge.store import DeferredItem, DeferredResult, DeferredStore
+from edge.store import DeferredItem, DeferredResult, DeferredStore, db_error
 from shared import envelope
 from shared.errors import (
     DeadlineExceeded,
@@ -114,7 +113,7 @@ class Deferrer:
         async with self._flushing:
             try:
                 return await self._flush(send, can_send, limit)
-            except sqlite3.Error as exc:  # the store failed its own bookkeeping
+            except db_error() as exc:  # the store failed its own bookkeeping
                 log.warning("deferred flush stopped: the store failed (%s)", exc)
                 return 0
 
@@ -166,7 +165,7 @@ class Deferrer:
         """Record an answer; one the store cannot write is kept in memory instead."""
         try:
             await self._call(self.store.mark_delivered, request_id, reply, error)
-        except sqlite3.Error as exc:
+        except db_error() as exc:
             log.warning("deferred %s answered but not saved (%s): kept in memory", request_id, exc)
             size = len(reply or b"")
             if len(self._unsaved) >= MAX_UNSAVED or self._unsaved_bytes + size > MAX_UNSAVED_BYTES:
@@ -182,7 +181,7 @@ class Deferrer:
         for request_id, (reply, error) in list(self._unsaved.items()):
             try:
                 await self._call(self.store.mark_delivered, request_id, reply, error)
-            except sqlite3.Error:
+            except db_error():
                 return False
             self._unsaved.pop(request_id, None)
             self._unsaved_bytes -= len(reply or b"")

@@ -223,6 +223,8 @@ async def start_local_api(
 ) -> HttpServer:
     """Serve ``agent``'s local API; ``server.port`` says where (port 0 picks one)."""
     api = LocalApi(agent, limits, tokens)
-    server = HttpServer(api, ServerOptions(max_body_bytes=api.limits.max_body_bytes))
+    # no pool of request bodies on a device: each would stay resident between requests
+    options = ServerOptions(max_body_bytes=api.limits.max_body_bytes, body_pool_bytes=0)
+    server = HttpServer(api, options)
     await server.start(host, port)
     return server

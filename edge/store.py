@@ -6,13 +6,17 @@ is pending -> sending -> delivered (or failed / expired); rows a crash left
 in "sending" go back to pending when the store opens (at-least-once; the
 request id lets a receiver drop duplicates).  Answers stay in the store for
 the app to fetch.
+
+The database opens on the first deferral, or at once when one is left from
+an earlier run (its requests must still go out): an agent that never
+defers never loads sqlite (~1 MiB resident on a device).
 """
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.errors import Overloaded
 
@@ -35,6 +39,14 @@ CREATE TABLE IF NOT EXISTS deferred (
 );
 CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, created_wall);
 """
+
+
+def db_error() -> type[Exception]:
+    """``sqlite3.Error`` for an ``except`` clause: imported only when an exception is
+    being matched (an agent that never defers never imports sqlite3)."""
+    import sqlite3
+
+    return sqlite3.Error
 
 
 @dataclass
@@ -62,15 +74,33 @@ class DeferredStore:
         self.path = Path(path)
         self.max_rows = max_rows
         self.max_bytes = max_bytes
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        self._conn: Any = None
+        if self.path.exists():
+            self._open()
+
+    def _open(self) -> Any:
+        import sqlite3
+
+        db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
         # a crash while sending counts as an attempt: a request that crashes the agent
         # every time must not loop forever
-        self._db.execute(
+        db.execute(
             "UPDATE deferred SET status = 'pending', attempts = attempts + 1 WHERE status = 'sending'"
         )
+        self._conn = db
+        return db
+
+    @property
+    def _db(self) -> Any:
+        return self._conn if self._conn is not None else self._open()
+
+    @property
+    def opened(self) -> bool:
+        """Whether anything was ever deferred here (reads of an unopened store are empty)."""
+        return self._conn is not None
 
     def put(
         self,
@@ -82,6 +112,8 @@ class DeferredStore:
         expires_wall: float | None,
         priority: int = 0,
     ) -> None:
+        import sqlite3
+
         try:  # disk full, read-only, corrupt: a typed refusal, not a raw sqlite error
             rows, size = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM deferred"
@@ -106,6 +138,8 @@ class DeferredStore:
             ) from None
 
     def pending(self, limit: int = 100, now_wall: float | None = None) -> list[DeferredItem]:
+        if not self.opened:
+            return []
         rows = self._db.execute(
             "SELECT request_id, model, payload, created_wall, expires_wall, priority, attempts FROM deferred"
             " WHERE status = 'pending' AND (expires_wall IS NULL OR ? IS NULL OR expires_wall > ?)"
@@ -130,6 +164,8 @@ class DeferredStore:
 
     def requeue_sending(self) -> int:
         """Rows "sending" with no flush running are stale: back to pending, no attempt."""
+        if not self.opened:
+            return 0
         return self._db.execute(
             "UPDATE deferred SET status = 'pending' WHERE status = 'sending'"
         ).rowcount
@@ -142,6 +178,8 @@ class DeferredStore:
         )
 
     def result(self, request_id: str) -> DeferredResult | None:
+        if not self.opened:
+            return None
         row = self._db.execute(
             "SELECT status, result, error FROM deferred WHERE request_id = ?", (request_id,)
         ).fetchone()
@@ -150,6 +188,8 @@ class DeferredStore:
         return DeferredResult(row[0], bytes(row[1]) if row[1] is not None else None, row[2])
 
     def expire(self, now_wall: float) -> list[str]:
+        if not self.opened:
+            return []
         rows = self._db.execute(
             "SELECT request_id FROM deferred WHERE status = 'pending' AND expires_wall IS NOT NULL"
             " AND expires_wall <= ?",
@@ -170,6 +210,8 @@ class DeferredStore:
         Callers pass ``now - ttl - keep``: a request answered at the very end
         of its ttl is still kept for ``keep`` after its answer.
         """
+        if not self.opened:
+            return 0
         cur = self._db.execute(
             "DELETE FROM deferred WHERE status IN ('delivered', 'failed', 'expired')"
             " AND created_wall < ?",
@@ -178,9 +220,13 @@ class DeferredStore:
         return cur.rowcount
 
     def counts(self) -> dict[str, int]:
+        if not self.opened:
+            return {}
         return dict(
             self._db.execute("SELECT status, COUNT(*) FROM deferred GROUP BY status").fetchall()
         )
 
     def close(self) -> None:
-        self._db.close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

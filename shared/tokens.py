@@ -13,9 +13,6 @@ error message; comparisons take the same time whichever token matches.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +33,8 @@ class Grant:
     @property
     def principal(self) -> str:
         """A stable name for the holder that reveals nothing of the token."""
+        import hashlib  # only with tokens configured (it maps OpenSSL's libcrypto)
+
         return "tok-" + hashlib.sha256(self.token).hexdigest()[:16]
 
     def allows(self, scope: str, model: str | None) -> bool:
@@ -55,13 +54,21 @@ class Tokens:
         """The grant of ``given`` (every token compared, so timing reveals nothing)."""
         found = None
         for grant in self.grants:
-            if hmac.compare_digest(given, grant.token):
+            if _compare(given, grant.token):
                 found = grant
         return found
 
     @property
     def has_admin(self) -> bool:
         return any("admin" in g.scopes for g in self.grants)
+
+
+def _compare(a: bytes, b: bytes) -> bool:
+    """Constant-time comparison; hmac (and OpenSSL's hashlib with it) is imported only
+    where tokens are configured."""
+    import hmac
+
+    return hmac.compare_digest(a, b)
 
 
 def parse_tokens(text: str, source: str) -> Tokens:
@@ -102,6 +109,8 @@ def is_loopback(address: str | None) -> bool:
     if not address:
         return False
     try:
+        import ipaddress
+
         return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
     except ValueError:
         return False

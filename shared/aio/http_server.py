@@ -148,6 +148,8 @@ class ServerOptions:
     max_connections: int = 0
     #: how long the body of a refused request is read and dropped before closing instead
     linger_s: float = 5.0
+    #: bodies kept for reuse (BodyPool): CPU for memory; 0 on a device that counts MiB
+    body_pool_bytes: int = 64 * 1024 * 1024
 
 
 _IDLE, _HEAD, _BODY, _HANDLING, _LINGER = range(5)
@@ -416,7 +418,7 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
         self._reaper: asyncio.Task[None] | None = None
-        self.bodies = BodyPool()
+        self.bodies = BodyPool(max_bytes=self.options.body_pool_bytes)
         self.closing = False
         self.refused = 0
         self.reaped = 0
