@@ -46,7 +46,8 @@ import numpy as np
 from cloud.execute import BatchResult, Outcome, execute
 from cloud.execute import QueuedRequest as _Request
 from cloud.stats import BACKEND, CANCELED, REJECTED, ModelStats, failure_reason
-from cloud.workers import NodeActivity, SessionThread
+from cloud.workers import NodeActivity
+from shared.aio.threads import SessionThread
 from shared.errors import (
     ConfigError,
     DeadlineExceeded,

@@ -1,7 +1,7 @@
 """Local models on the device: sessions from the local repository.
 
-Each model gets one session and one worker thread (runtimes release the
-GIL), so a long local inference never blocks the agent's event loop and two
+Each model gets one session and one thread (:class:`SessionThread`; runtimes
+release the GIL), so a long local inference never blocks the agent's event loop and two
 local models do not spin on the same cores at once.  A model whose recent
 runs all took under ``inline_us`` runs in place when nothing else waits for
 it: the hand-off would cost more than the run (:mod:`shared.runtimes.inline`).
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from shared.aio.threads import SessionThread
 from shared.errors import ModelNotFound, Overloaded
 from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
@@ -29,8 +29,8 @@ class LocalModel:
     version: int
     config: ModelConfig
     session: Session
-    executor: ThreadPoolExecutor
     gate: InlineGate
+    thread: SessionThread | None = None  # started on the first run that needs it
 
     def run_sync(
         self, inputs: dict[str, np.ndarray], outputs: list[str] | None
@@ -100,7 +100,6 @@ class LocalModels:
             version,
             complete_config(config, session),
             session,
-            ThreadPoolExecutor(1, thread_name_prefix=f"local-{name}"),
             InlineGate(self.inline_us),
         )
         self._models[name] = model
@@ -113,7 +112,7 @@ class LocalModels:
         loop = asyncio.get_running_loop()
         waiting = self._backlog.get(name, 0)
         if self.max_backlog and waiting >= self.max_backlog:
-            # The executor's queue is bounded here: past it a request is refused at once
+            # The session thread's queue is bounded here: past it a request is refused at once
             # instead of queueing work the device cannot finish in anyone's deadline.
             raise Overloaded(
                 f"local model {name!r} has {waiting} requests waiting (max {self.max_backlog})",
@@ -125,9 +124,9 @@ class LocalModels:
             if not waiting and model.gate.allows(nbytes):
                 result, seconds = model.run_sync(inputs, outputs)
             else:
-                result, seconds = await loop.run_in_executor(
-                    model.executor, model.run_sync, inputs, outputs
-                )
+                if model.thread is None:
+                    model.thread = SessionThread(f"local-{name}", loop)
+                result, seconds = await model.thread.run(model.run_sync, inputs, outputs)
             model.gate.record(int(seconds * 1e9), nbytes)
             # Device emulation (AgentConfig.local_slowdown and local_latency_ms):
             # the emulated device runs one request at a time, as the real one would.
@@ -143,6 +142,8 @@ class LocalModels:
 
     def close(self) -> None:
         for model in self._models.values():
-            model.executor.shutdown(wait=True)
+            if model.thread is not None:
+                model.thread.stop()
+                model.thread.join()
             model.session.close()
         self._models.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from cloud.workers import SessionThread
+from shared.aio.threads import SessionThread
 
 
 async def test_work_runs_in_order_on_its_own_thread_and_reports_on_the_loop() -> None:

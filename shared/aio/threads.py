@@ -1,0 +1,101 @@
+"""One thread per runtime session, handed work from the event loop (both tiers).
+
+:class:`SessionThread` replaces a ``ThreadPoolExecutor`` hand-off: the pool's
+``submit`` takes two locks and a Python-level semaphore (``_idle_semaphore``),
+then chains a ``concurrent.futures.Future`` to an asyncio one.  Measured on
+the cloud node, that hand-off was a quarter of the interpreter's time per
+request on a near-free model.  Here a run is one ``SimpleQueue.put`` (C) to
+the session's own thread, and its outcome one ``call_soon_threadsafe`` back.
+The cloud's batcher and the agent's local models both run on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+Done = Callable[[Any, BaseException | None], None]
+
+#: every live session thread, for the exit hook
+_LIVE: weakref.WeakSet[SessionThread] = weakref.WeakSet()
+_HOOKED: list[bool] = []
+#: how long interpreter exit waits for runs still in a runtime call
+EXIT_WAIT_S = 30.0
+
+
+def _finish_runs() -> None:
+    """At interpreter exit: let every session thread end after the run it is in.
+
+    The threads are daemons (an exit must not wait on an idle one blocked in
+    ``get``), but one inside a runtime call must not have the runtime torn
+    down under it (that aborts the process), so exit waits for those, bounded.
+    """
+    deadline = time.monotonic() + EXIT_WAIT_S
+    threads = list(_LIVE)
+    for t in threads:
+        t.stop()
+    for t in threads:
+        t._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class SessionThread:
+    """Runs what it is given in order on its own thread; reports each outcome on the loop."""
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Done] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _LIVE.add(self)
+        if not _HOOKED:  # once, on first use (no import-time side effects)
+            _HOOKED.append(True)
+            atexit.register(_finish_runs)
+
+    def submit(self, fn: Callable[..., Any], args: tuple, done: Done) -> None:
+        """``done(result, None)`` or ``done(None, error)`` is called on the loop."""
+        self._queue.put((fn, args, done))
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """``fn(*args)`` on this thread; a future of its result, resolved on the loop."""
+        future: asyncio.Future[Any] = self._loop.create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self.submit(fn, args, done)
+        return future
+
+    def stop(self) -> None:
+        """The thread ends after what it was already given."""
+        self._queue.put(None)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args, done = item
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # delivered to the loop, which answers the requests
+                result, error = None, exc
+            try:
+                self._loop.call_soon_threadsafe(done, result, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                return
