@@ -427,7 +427,8 @@ class DynamicBatcher:
         else:
             self._idle.append(index)
         assert self._wake is not None
-        self._wake.set()
+        if self._depth or self._closing:  # else there is nothing for the scheduler to do
+            self._wake.set()
         outcomes: list[Outcome]
         if error is not None or result is None:
             log.error("%s: batch worker failed: %r", self._name(), error)

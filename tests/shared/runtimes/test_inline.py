@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.runtimes.inline import WARMUP_RUNS, WINDOW, InlineGate, input_bytes
+from shared.runtimes.inline import SLACK, WARMUP_RUNS, WINDOW, InlineGate, input_bytes
 
 
 def warmed(budget_us: float = 100.0, run_ns: int = 20_000, nbytes: int = 1024) -> InlineGate:
@@ -28,14 +28,23 @@ def test_a_zero_budget_never_opens():
     assert not gate.allows(0)
 
 
-def test_one_slow_run_shuts_the_gate_for_a_whole_window():
+def test_one_run_far_over_budget_shuts_the_gate_for_a_whole_window():
     gate = warmed()
-    gate.record(500_000, 1024)  # 0.5 ms: over the 100 us budget
+    gate.record(1_500_000, 1024)  # 1.5 ms: 15 times the 100 us budget
     for _ in range(WINDOW - 1):
         assert not gate.allows(1024)
         gate.record(20_000, 1024)
     gate.record(20_000, 1024)  # the slow run leaves the window
     assert gate.allows(1024)
+
+
+def test_a_few_preempted_runs_leave_the_gate_open_but_more_shut_it():
+    gate = warmed()
+    for _ in range(SLACK):
+        gate.record(400_000, 1024)  # 0.4 ms: a run the scheduler interrupted
+        assert gate.allows(1024)
+    gate.record(400_000, 1024)
+    assert not gate.allows(1024)
 
 
 def test_an_input_larger_than_any_recent_one_goes_to_a_worker():
