@@ -66,6 +66,36 @@ def _cut_run(data: bytes, items: list[bytes], start: int, length: int, n: int) -
         items.extend(records["d"].tolist())
 
 
+#: up to this many elements, each is copied once out of the view (no whole-buffer copy)
+_FEW = 16
+
+
+def _decode_few(name: str, shape: tuple[int, ...], count: int, view: memoryview) -> np.ndarray:
+    """A handful of (often large) elements: one copy each, straight from the view."""
+    total = len(view)
+    items: list[bytes] = []
+    offset = 0
+    for i in range(count):
+        if offset + 4 > total:
+            raise InvalidInput(f"input {name!r}: BYTES element {i} truncated (no length prefix)")
+        (length,) = _U32.unpack_from(view, offset)
+        end = offset + 4 + length
+        if end > total:
+            raise InvalidInput(
+                f"input {name!r}: BYTES element {i} declares {length} bytes, "
+                f"only {total - offset - 4} remain"
+            )
+        items.append(bytes(view[offset + 4 : end]))
+        offset = end
+    if offset != total:
+        raise InvalidInput(
+            f"input {name!r}: {total - offset} bytes left over after {count} BYTES elements"
+        )
+    out = np.empty(count, dtype=object)
+    out[:] = items
+    return out.reshape(shape)
+
+
 def decode_bytes(
     name: str, shape: tuple[int, ...], count: int, buf: memoryview | bytes
 ) -> np.ndarray:
@@ -75,6 +105,8 @@ def decode_bytes(
         raise InvalidInput(
             f"input {name!r}: {count} BYTES elements need at least {count * 4} bytes, got {total}"
         )
+    if count <= _FEW and not isinstance(buf, bytes):
+        return _decode_few(name, shape, count, memoryview(buf))
     data = buf if isinstance(buf, bytes) else bytes(buf)
     view = np.frombuffer(data, dtype=np.uint8)
     items: list[bytes] = []

@@ -86,28 +86,59 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
 
 #: JSON parts above this take milliseconds to decode or print: worth a worker thread
 JSON_WORKER_BYTES = 1 << 20
-#: binary BYTES data above this is parsed element by element: worth a worker thread
+#: binary BYTES data above this may be worth a worker thread (by its element count)
 BYTES_WORKER_BYTES = 64 << 10
+#: BYTES elements parsed one by one past this take milliseconds: a worker thread
+BYTES_WORKER_ELEMENTS = 4096
+#: bytes a few BYTES elements may copy on the loop (~1 ms)
+BYTES_LOOP_BYTES = 4 << 20
 #: elements of a JSON output likely past JSON_WORKER_BYTES once printed
 _JSON_WORKER_ELEMENTS = JSON_WORKER_BYTES // 8
 #: BYTES elements an encoder copies one by one: worth a worker thread
 _BYTES_WORKER_ELEMENTS = 16 << 10
 
 
+class _PeekTensor(msgspec.Struct):
+    datatype: str = ""
+    shape: list[int] = []
+
+
+class _PeekRequest(msgspec.Struct):
+    inputs: list[_PeekTensor] = []
+
+
+_peek_decoder = msgspec.json.Decoder(_PeekRequest)
+
+
 def decode_needs_worker(body: bytes | memoryview, header_length: int | None) -> bool:
     """Whether decoding ``body`` could hold the event loop for milliseconds.
 
     Fixed-size binary tensors are views over the body (cheap at any size);
-    what costs is a big JSON part, or a binary part holding BYTES, which is
-    parsed element by element.  The check reads the JSON header only.
+    what costs is a big JSON part, or binary BYTES data parsed element by
+    element.  That cost follows the element count, read from the JSON
+    header: one 95 KB JPEG is one slice, not a reason for a thread hop.
     """
     if header_length is None:
         return len(body) > JSON_WORKER_BYTES
     if header_length > JSON_WORKER_BYTES:
         return True
-    if len(body) - header_length <= BYTES_WORKER_BYTES:
+    binary = len(body) - header_length
+    if binary <= BYTES_WORKER_BYTES:
         return False
-    return bytes(memoryview(body)[:header_length]).find(b"BYTES") >= 0
+    try:
+        peek = _peek_decoder.decode(memoryview(body)[:header_length])
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return False  # refused on the loop, cheaply
+    elements = 0
+    for tensor in peek.inputs:
+        if tensor.datatype == "BYTES":
+            count = 1
+            for d in tensor.shape:
+                count *= max(0, d) if isinstance(d, int) else 0
+            elements += count
+    if not elements:
+        return False
+    return elements > BYTES_WORKER_ELEMENTS or binary > BYTES_LOOP_BYTES
 
 
 def encode_needs_worker(response: InferResponse, request: InferRequest | None) -> bool:

@@ -146,10 +146,11 @@ class PipelineSession:
             if not isinstance(item, bytes | bytearray):
                 raise InvalidInput(f"{image.target.where} item {i}: expected encoded image bytes")
             blobs.append(bytes(item))
-        if len(blobs) == 1:
-            decoded = [images.decode(blobs[0], image.target)]
-        else:
-            decoded = list(decode_pool().map(images.decode, blobs, [image.target] * len(blobs)))
+        # the calling thread decodes the first image while the pool decodes the rest
+        pool = decode_pool() if len(blobs) > 1 else None
+        pending = [pool.submit(images.decode, b, image.target) for b in blobs[1:]] if pool else []
+        decoded = [images.decode(blobs[0], image.target)]
+        decoded.extend(f.result() for f in pending)
         pixels = np.stack(decoded)  # (n, h, w, c) uint8
         return _normalise(image, pixels, array.shape[0] if image.batched else None)
 

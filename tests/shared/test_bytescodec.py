@@ -64,3 +64,21 @@ def test_a_run_whose_last_element_runs_past_the_body_is_refused():
 
 def test_str_elements_are_sent_as_utf8():
     assert encode_bytes(_array(["é", "ab"])) == _reference(["é".encode(), b"ab"])
+
+
+def test_a_few_elements_from_a_view_decode_alike_and_refuse_truncation():
+    import numpy as np
+    import pytest
+
+    from shared.bytescodec import decode_bytes, encode_bytes
+    from shared.errors import InvalidInput
+
+    items = np.empty(3, dtype=object)
+    items[:] = [b"x" * 70_000, b"", b"yz"]
+    wire = encode_bytes(items)
+    got = decode_bytes("img", (3,), 3, memoryview(wire))
+    assert got.tolist() == items.tolist()
+    with pytest.raises(InvalidInput):
+        decode_bytes("img", (3,), 3, memoryview(wire[:-1]))
+    with pytest.raises(InvalidInput):
+        decode_bytes("img", (2,), 2, memoryview(wire))

@@ -678,3 +678,24 @@ def test_binary_bool_bytes_other_than_0_and_1_are_refused():
     )
     with pytest.raises(InvalidInput, match="BOOL bytes must be 0 or 1"):
         v2.decode_request(body, hl)
+
+
+def test_a_few_large_bytes_elements_decode_on_the_loop_but_many_go_to_a_worker():
+    import numpy as np
+
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+
+    def body(items: list[bytes]) -> tuple[bytes, int]:
+        data = np.empty(len(items), dtype=object)
+        data[:] = items
+        chunks, hl = v2.encode_request(InferRequest(inputs=[Tensor("img", "BYTES", data)]))
+        return v2.join(chunks), hl
+
+    jpeg, hl = body([b"\xff\xd8" + bytes(200_000)])  # one 200 KB image: one slice
+    assert not v2.decode_needs_worker(jpeg, hl)
+    assert v2.decode_request(jpeg, hl).inputs[0].data[0] == b"\xff\xd8" + bytes(200_000)
+    many, hl = body([b"ab"] * 30_000)  # 30,000 elements parsed one by one
+    assert v2.decode_needs_worker(many, hl)
+    huge, hl = body([bytes(5 << 20)])  # a few elements, but megabytes to copy
+    assert v2.decode_needs_worker(huge, hl)
