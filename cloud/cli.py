@@ -87,6 +87,9 @@ def _serve(args: argparse.Namespace) -> int:
         "fleet.follow": True if args.controller else None,
     }
     config = load_config(args.config, overrides)
+    from shared.aio.threads import favour_the_loop
+
+    favour_the_loop()
     return asyncio.run(serve(config))
 
 

@@ -46,7 +46,10 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     from edge.agent import Agent
     from edge.config import load_agent_config
     from edge.http_front import start_local_api
+    from shared.aio.threads import favour_the_loop
     from shared.tokens import load_tokens
+
+    favour_the_loop()
 
     config = load_agent_config(config_path)
     if api_port is not None:
