@@ -42,6 +42,8 @@ from shared.mqtt.codec import Publish, PublishProperties
 from shared.tensors import DEFAULT_LIMITS, Limits
 
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
+#: times a waiting request is sent again because a node died (not a storm on churn)
+_MAX_RESENDS = 3
 _NODES = f"{PREFIX}/nodes/"
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class _Pending:
     topic: str
     payload: bytes
     deadline: float
+    resends: int = 0
 
 
 class MqttTransport:
@@ -195,6 +198,12 @@ class MqttTransport:
     # ---- broker events (on the loop, straight from the socket) ---------------------------
     def _on_connect(self) -> None:
         assert self._client is not None
+        # A new session: what the nodes said before may be stale (a broker that lost
+        # its state forgot their subscriptions too); their retained statuses arrive
+        # again right after the SUBACK, in the same read, so forget them now (the
+        # SUBACK's callback runs a loop turn later, after those statuses).
+        self.nodes.clear()
+        self._status_seen = False
         subscribed = self._client.subscribe(self.reply_topic, NODE_STATUS_TOPICS)
         subscribed.add_done_callback(self._after_subscribe)
 
@@ -214,13 +223,8 @@ class MqttTransport:
             return  # the connection dropped before the SUBACK: the next one subscribes
         was_ready = self._ready.is_set()
         self._ready.set()
-        if was_ready:
-            return
-        # A new session: what the nodes said before may be stale (a broker that lost
-        # its state forgot their subscriptions too); their statuses arrive again.
-        self.nodes.clear()
-        self._status_seen = False
-        self._republish(lambda pending: True)
+        if not was_ready:
+            self._republish(lambda pending: True)
 
     def _republish(self, which: Any) -> None:
         """Send again what is still waiting; the cloud's idempotency key (the request
@@ -228,6 +232,7 @@ class MqttTransport:
         now = time.monotonic()
         for correlation, pending in list(self._pending.items()):
             if not pending.future.done() and pending.deadline > now and which(pending):
+                pending.resends += 1
                 self._publish(correlation, pending)
                 self.republished += 1
 
@@ -250,8 +255,12 @@ class MqttTransport:
                 # no subscriber took): its models' waiting requests go out again.
                 topics = {request_topic(m) for m in models}
                 self._republish(lambda pending: pending.topic in topics)
-        else:
-            self.nodes.pop(node, None)
+        elif self.nodes.pop(node, None) is not None and self._pending:
+            # A node that dies takes the requests in its hands with it (Mosquitto does
+            # not deal a dead member's messages to another, DESIGN.md section 5): send
+            # every waiting one again; the first answer wins, and the request id (the
+            # cloud's idempotency key) keeps a node that had it from running it twice.
+            self._republish(lambda pending: pending.resends < _MAX_RESENDS)
 
     def _resolve(self, correlation: bytes, payload: bytes) -> None:
         probe = self._probes.get(correlation)

@@ -282,3 +282,55 @@ async def test_a_network_change_survives_an_unrelated_config_reload(tmp_path, ed
         await agent._watch_config()
         assert agent.dataplane.policy.config.default_deadline_ms == 1500
         assert agent.links["http"].name == "lte"
+
+
+async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another(
+    tmp_path, edge_repos, broker
+):
+    """A second member of the shared subscription takes requests and never answers, then
+    its connection drops (its last will says offline): what it held must be sent again
+    at once and answered by the live node, long before the deadline."""
+    import json
+
+    from shared.aio.mqtt import MqttClient
+    from shared.mqtt import parse_broker_url, shared_request_topic, status_topic
+    from shared.mqtt.codec import Will
+
+    node = cloud_server(edge_repos[0], "--node", "live", "--mqtt", broker.url).start()
+    swallowed: list[str] = []
+    hole = MqttClient(
+        parse_broker_url(broker.url),
+        "hole",
+        will=Will(status_topic("hole"), json.dumps({"node": "hole", "state": "offline"}).encode()),
+        on_message=lambda m: swallowed.append(m.topic),
+    )
+    cfg = agent_toml(
+        tmp_path, edge_repos[1], mqtt=broker.url, models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n'
+    )
+    try:
+        assert await hole.start()
+        await hole.subscribe(shared_request_topic("lin"))
+        online = {"node": "hole", "state": "online", "models": [{"name": "lin"}]}
+        await hole.publish(status_topic("hole"), json.dumps(online).encode(), retain=True)
+        async with Agent(load_agent_config(cfg)) as agent:
+            mqtt = agent.transports["mqtt"]
+            await _until_serves(mqtt, True)
+            calls = [
+                asyncio.create_task(agent.infer("lin", {"x": X}, deadline_ms=20_000))
+                for _ in range(8)
+            ]
+            for _ in range(200):  # the broker deals some of them to the hole
+                if swallowed:
+                    break
+                await asyncio.sleep(0.01)
+            assert swallowed, "the broker dealt nothing to the second member"
+            assert "hole" in mqtt.nodes  # its retained status survived the subscription
+            started = time.monotonic()
+            hole.abort()  # no DISCONNECT: the broker publishes the will
+            replies = await asyncio.wait_for(asyncio.gather(*calls), 15)
+            assert all(r.parameters["where"] == "cloud-mqtt" for r in replies)
+            assert time.monotonic() - started < 10  # not the 20 s deadline
+            assert mqtt.republished >= 1
+    finally:
+        await hole.close()
+        node.kill()
