@@ -88,8 +88,7 @@ def copy_rate(usable: Sequence[LatencyProfile], slo_s: float, speed: float) -> f
     """The most requests/s one copy can serve: a node running its largest batches back
     to back."""
     return max(
-        (speed * batch_cap(p, slo_s, speed) / p.latency(batch_cap(p, slo_s, speed)))
-        for p in usable
+        (speed * batch_cap(p, slo_s, speed) / p.latency(batch_cap(p, slo_s, speed))) for p in usable
     )
 
 

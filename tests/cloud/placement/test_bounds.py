@@ -50,9 +50,7 @@ def fewest_batches(points: list[float], window: float, late: int) -> int:
         needed = 0
         for block in spans:
             # fewest requests to drop so the rest fit a window
-            keep = max(
-                sum(1 for p in block if lo <= p <= lo + window) for lo in block
-            )
+            keep = max(sum(1 for p in block if lo <= p <= lo + window) for lo in block)
             needed += len(block) - keep
         if needed <= late:
             best = len(part)
@@ -101,9 +99,7 @@ def test_the_bound_is_never_below_designs(instance) -> None:
             if any(p.backend in n.backends and p.memory_bytes <= n.memory_bytes for p in usable)
         )
         rate = min(m.rate, min(hosts, m.max_copies or hosts) * copy_rate(usable, m.slo_s, speed))
-        design += min(
-            p.beta_s / speed * rate * m.slo_s / (m.slo_s - p.a_s / speed) for p in usable
-        )
+        design += min(p.beta_s / speed * rate * m.slo_s / (m.slo_s - p.a_s / speed) for p in usable)
     compute, _ = bound_sums(models, nodes, headroom)
     assert compute >= design * (1 - 1e-9)
 

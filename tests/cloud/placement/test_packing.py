@@ -309,7 +309,9 @@ def test_a_new_node_takes_the_copy_min_copies_could_not_place_before() -> None:
 
 
 def test_bursty_headroom_plans_more_than_poisson_which_plans_more_than_means() -> None:
-    needs = [size(_profile(), 300.0, 0.1, 1.0, h).theta for h in (MEANS, Headroom(), Headroom(cv=2))]
+    needs = [
+        size(_profile(), 300.0, 0.1, 1.0, h).theta for h in (MEANS, Headroom(), Headroom(cv=2))
+    ]
     assert needs[0] < needs[1] < needs[2] <= 1
     models = [_model(f"m{i}", 150.0) for i in range(6)]
     used = [len(place(models, _nodes(8), headroom=h).nodes_used()) for h in (MEANS, Headroom())]
