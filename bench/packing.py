@@ -1,25 +1,35 @@
-"""Placement benchmark: nodes used against the lower bound, and the packed schedule
-simulated.  ``python bench/packing.py [--quick] [--profiles FILE] [--no-live]``.
+"""Placement benchmark: nodes used against the lower bound, and the same packing simulated.
+``python bench/packing.py [--quick] [--profiles FILE] [--no-live]``.
 
 (a) Fleets of 50, 200 and 1,000 models (and one memory-bound fleet of 1,000,
 ModelMesh style: big models, little traffic) with heavy-tailed Poisson rates
 (lognormal, seeded) and latency profiles derived from measurements.  Nodes
-used by ``place`` (planned on means) against ``lower_bounds`` (and DESIGN.md's
-plain compute bound), next to three baselines: first-fit by memory (each
-model split into the same copies, so compute fits too), one copy per node,
-and ModelMesh's rule (one copy, a second for a model in regular use, more
-above 2,000 req/min per copy; copies to servers with room, then fewest
-models, then most free memory; nodes added until no node's compute is over
-100% in the same batching model).  Target: ours <= 1.10x the bound.
+used by ``place`` planned for what (b) asks (99% of each model's requests in
+time under Poisson arrivals: ``Headroom()``) against ``lower_bounds`` for
+the same traffic (a bound on any schedule at all: ``cloud/placement/bounds.py``
+has the proof) and DESIGN.md's plain compute bound, next to three baselines
+under the same rules and headroom: first-fit by memory (each model split into
+the same copies, so compute fits too), one copy per node, and ModelMesh's
+rule (one copy, a second for a model in regular use, more above 2,000
+req/min per copy; copies to servers with room, then fewest models, then most
+free memory; nodes added until every node's copies fit).  "floor" is the
+node time Ferry's nodes need for our copies if packing cost nothing and
+bursts never came (each copy at the least share its objective allows, summed,
+rounded up): what separates it from the bound is how a node serves, what
+separates ours from it is packing and the burst allowance.  Target: ours <=
+1.10x the bound.
 
-(b) A discrete-event simulation of the packed schedule (``bench/_packing_sim.py``)
-of the three compute-bound fleets under Poisson and bursty Gamma (CV 2)
-arrivals.  Target rows (*) plan with the matching headroom (p99, ``cv`` of the
-traffic): >= 99% of every model's requests within its SLO; their node count
-against the bound is the price of that headroom.  The other rows show what
-planning on means, on a lighter quantile, or for Poisson when the traffic is
-bursty would do (no target).  The memory-bound fleet is placement only: its
-models see a request a minute, and compute is not what binds there.
+(b) A discrete-event simulation (``bench/_packing_sim.py``) of each compute-bound
+fleet's packing as Ferry's nodes serve it: one dynamic batcher per model
+dispatching at idle, batches of all models sharing the cores.  Target rows
+(*): the packing of (a) under Poisson arrivals, and the packing planned for
+the measured burstiness (``Headroom(cv=2)``, the controller's ``--burst-cv``)
+under Gamma (CV 2) arrivals: >= 99% of every model's requests within its SLO.
+The other rows show what planning on means, or for Poisson when the traffic
+is bursty, would do (no target).  Bursty rows are graded against the bound
+for bursty traffic (Lorden's inequality in place of Poisson's memory).  The
+memory-bound fleet is placement only: its models see a request a minute,
+and compute is not what binds there.
 
 (c) the three-node fleet for real (``bench/_packing_live.py``; ``--no-live`` skips it).
 
@@ -55,8 +65,8 @@ from cloud.placement.bins import SMALL, Bin  # noqa: E402
 from cloud.placement.bounds import bound_sums  # noqa: E402
 from cloud.placement.demand import kinds, split  # noqa: E402
 from cloud.placement.packing import Headroom, check, lower_bounds, place  # noqa: E402
-from cloud.placement.sizing import cycle, size  # noqa: E402
-from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec  # noqa: E402
+from cloud.placement.sizing import fits, size  # noqa: E402
+from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec, Placement  # noqa: E402
 
 MB, GIB = 1_000_000, 1 << 30
 TARGET = 1.10
@@ -206,7 +216,7 @@ def modelmesh(models: list[ModelDemand], headroom: Headroom, start: int) -> int:
                 held[s].append((m, m.rate / copies))
         for entries in held:
             slots = [size(m.profiles[0], r, m.slo_s, 1.0, headroom) for m, r in entries]
-            if cycle(slots) is None:
+            if not fits(slots):
                 return False
         return True
 
@@ -224,33 +234,55 @@ def modelmesh(models: list[ModelDemand], headroom: Headroom, start: int) -> int:
     return hi
 
 
-def part_a(measured, fleets, lines: list[str]) -> tuple[bool, dict[str, list[ModelDemand]]]:
+POISSON, BURSTY = Headroom(), Headroom(cv=2.0)
+
+
+def floor_nodes(placement: Placement, models: list[ModelDemand], nodes: list[NodeSpec]) -> float:
+    """Node time the copies need at their own least share, summed (not a bound on other
+    packings: a yardstick for this one's packing and burst allowance)."""
+    demands = {m.name: m for m in models}
+    speeds = {n.name: n.speed for n in nodes}
+    total = 0.0
+    for c in placement.copies:
+        demand = demands[c.model]
+        profile = demand.profile_for(c.backend)
+        assert profile is not None
+        total += size(profile, c.rate, demand.slo_s, speeds[c.node], POISSON).floor
+    return total
+
+
+def part_a(measured, fleets, lines: list[str]) -> tuple[bool, dict[str, tuple]]:
     ok = True
-    made: dict[str, list[ModelDemand]] = {}
-    lines.append("(a) nodes used, planned on mean arrivals (lower bound = max(compute, memory))")
+    made: dict[str, tuple] = {}
+    lines.append(
+        "(a) nodes used, planned for 99% of requests in time under Poisson arrivals "
+        "(lower bound = max(compute, memory))"
+    )
     head = (
-        f"{'fleet':<20}{'copies':>7}{'LB c/m':>10}{'DESIGN':>8}{'ours':>6}{'/LB':>6}"
+        f"{'fleet':<20}{'copies':>7}{'LB c/m':>10}{'DESIGN':>8}{'floor':>7}{'ours':>6}{'/LB':>6}"
         f"{'FF-mem':>8}{'/LB':>6}{'1/node':>8}{'/LB':>6}{'MMesh':>7}{'/LB':>6}{'time':>7}"
     )
     lines.append(head)
     for fleet in fleets:
         models = make_fleet(fleet, measured)
-        made[fleet.name] = models
         nodes = make_nodes(2 * len(models) + 50)
         started = time.perf_counter()
-        placement = place(models, nodes, headroom=MEANS)
+        placement = place(models, nodes, headroom=POISSON)
         took = time.perf_counter() - started
-        problems = check(placement, models, nodes, MEANS)
-        bounds = placement.bounds or lower_bounds(models, nodes)
+        made[fleet.name] = (models, nodes, placement)
+        problems = check(placement, models, nodes, POISSON)
+        bounds = placement.bounds or lower_bounds(models, nodes, POISSON)
         lb = bounds.nodes
         ours = len(placement.nodes_used())
-        ff = first_fit_memory(models, nodes, MEANS)
-        single = copies_needed(models, nodes, MEANS)
-        mesh = modelmesh(models, MEANS, lb)
+        floor = floor_nodes(placement, models, nodes)
+        ff = first_fit_memory(models, nodes, POISSON)
+        single = copies_needed(models, nodes, POISSON)
+        mesh = modelmesh(models, POISSON, lb)
         lines.append(
             f"{fleet.name:<20}{len(placement.copies):>7}{bounds.compute:>5}/{bounds.memory:<4}"
-            f"{design_bound(models):>8}{ours:>6}{ours / lb:>6.2f}{ff:>8}{ff / lb:>6.2f}"
-            f"{single:>8}{single / lb:>6.2f}{mesh:>7}{mesh / lb:>6.2f}{took:>6.1f}s"
+            f"{design_bound(models):>8}{math.ceil(floor - 1e-9):>7}{ours:>6}{ours / lb:>6.2f}"
+            f"{ff:>8}{ff / lb:>6.2f}{single:>8}{single / lb:>6.2f}{mesh:>7}{mesh / lb:>6.2f}"
+            f"{took:>6.1f}s"
         )
         if problems:
             ok = False
@@ -260,56 +292,51 @@ def part_a(measured, fleets, lines: list[str]) -> tuple[bool, dict[str, list[Mod
             lines.append(f"    MISS: unplaced {dict(list(placement.unplaced.items())[:3])}")
         if ours > TARGET * lb:
             ok = False
-            compute, memory = bound_sums(models, nodes)
-            taken = sum(c.occupancy for c in placement.copies)
+            compute, memory = bound_sums(models, nodes, POISSON)
             lines.append(
                 f"    MISS: {ours} nodes is {ours / lb:.2f}x the bound {lb} (> {TARGET}): the "
-                f"bound before rounding is {max(compute, memory):.2f} nodes; copies sharing a "
-                f"node share one cycle (objectives 50-500 ms), which raises their shares to "
-                f"{taken:.2f} nodes here, and below 10 nodes one node over the bound is over 10%"
+                f"bound before rounding is {max(compute, memory):.2f} nodes (any schedule, even "
+                f"one that knows every arrival); Ferry's batchers need {floor:.2f} of node time "
+                f"for these copies at the least share each objective allows "
+                f"({floor / max(compute, memory):.2f}x the bound: a batch dispatched at idle and "
+                f"run beside the node's other batches makes a request wait for the batch in "
+                f"flight and then its own, both at the shared speed), and the 99th-percentile "
+                f"burst allowance and packing take the rest ({ours / floor:.2f}x)"
             )
     return ok, made
 
 
-#: (arrivals CV, plan, is it the target row): the targets plan for the traffic they
-#: get; the rest show what lighter or wrong plans would do
-PLANS = (
-    (1.0, MEANS, False),
-    (1.0, Headroom(quantile=0.9, cv=1.0), False),
-    (1.0, Headroom(quantile=0.99, cv=1.0), True),
-    (2.0, Headroom(quantile=0.99, cv=1.0), False),
-    (2.0, Headroom(quantile=0.9, cv=2.0), False),
-    (2.0, Headroom(quantile=0.99, cv=2.0), True),
-)
+#: (arrivals CV, plan, is it the target row)
+PLANS = ((1.0, MEANS, False), (1.0, POISSON, True), (2.0, POISSON, False), (2.0, BURSTY, True))
 
 
-def part_b(made: dict[str, list[ModelDemand]], quick: bool, lines: list[str]) -> bool:
+def part_b(made: dict[str, tuple], quick: bool, lines: list[str]) -> bool:
     ok = True
     lines.append("")
     lines.append(
-        "(b) simulated schedule, share of requests within the SLO (target: >= 99% for every "
-        "model, on the * rows)"
+        "(b) simulated as Ferry's nodes serve, share of requests within the SLO (target: "
+        ">= 99% for every model, on the * rows; /LB against the bound for that traffic)"
     )
     lines.append(
-        f"{'fleet':<20}{'arrivals':<12}{'plan':<13}{'nodes':>6}{'/LB':>6}{'requests':>12}"
-        f"{'fewest':>7}{'all':>9}{'worst model':>22}{'sim':>7}"
+        f"{'fleet':<20}{'arrivals':<12}{'plan':<13}{'nodes':>6}{'LB':>5}{'/LB':>6}"
+        f"{'requests':>12}{'fewest':>7}{'all':>9}{'worst model':>22}{'sim':>7}"
     )
-    for name, models in made.items():
+    for name, (models, nodes, ours) in made.items():
         if "memory" in name:
             continue  # placement only: models at 0.02 req/s, and compute is not what binds
-        nodes = make_nodes(2 * len(models) + 50)
         for cv, headroom, target in PLANS:
-            placement = place(models, nodes, headroom=headroom)
-            lb = (placement.bounds or lower_bounds(models, nodes)).nodes
+            placement = ours if headroom == POISSON else place(models, nodes, headroom=headroom)
+            traffic = POISSON if cv == 1.0 else BURSTY
+            lb = lower_bounds(models, nodes, traffic).nodes
             used = len(placement.nodes_used())
             started = time.perf_counter()
             result = simulate(placement, models, nodes, cv=cv, quick=quick, seed=7)
             took = time.perf_counter() - started
             worst_model, worst = result.worst()
             arrivals = "Poisson" if cv == 1.0 else f"Gamma CV {cv:g}"
-            plan = "means" if headroom.k == 0 else f"q{headroom.quantile:g} cv{headroom.cv:g}"
+            plan = "means" if headroom == MEANS else f"q{headroom.quantile:g} cv{headroom.cv:g}"
             lines.append(
-                f"{name:<20}{arrivals:<12}{plan + (' *' if target else ''):<13}{used:>6}"
+                f"{name:<20}{arrivals:<12}{plan + (' *' if target else ''):<13}{used:>6}{lb:>5}"
                 f"{used / lb:>6.2f}{result.total:>12,}{result.fewest:>7}{result.overall:>9.2%}"
                 f"{worst_model:>13} {worst:>8.2%}{took:>6.1f}s"
             )
@@ -317,10 +344,15 @@ def part_b(made: dict[str, list[ModelDemand]], quick: bool, lines: list[str]) ->
                 continue
             if placement.unplaced or check(placement, models, nodes, headroom):
                 ok = False
-                lines.append("    MISS: the headroom placement is not complete and valid")
+                lines.append("    MISS: the placement is not complete and valid")
             if worst < 0.99:
                 ok = False
                 lines.append(f"    MISS: {worst_model} had {worst:.2%} within its SLO (< 99%)")
+            if cv != 1.0 and used > TARGET * lb:
+                lines.append(
+                    f"    (bursty: {used} nodes is {used / lb:.2f}x its bound {lb}; (a) grades "
+                    f"the Poisson packing, this row is reported)"
+                )
     return ok
 
 

@@ -1,22 +1,29 @@
 """Nodes as bins: what a node holds, whether one more copy fits, and where it fits best.
 
 A copy fits a node when the node runs one of its backends, has the memory,
-holds no other copy of the model (ModelMesh's rule) and the copies together
-still fit one duty cycle (:func:`cloud.placement.sizing.cycle`).  Where
-several nodes fit, the packer prefers the one whose share of time grows least
-beyond the copy's own share: putting a copy with a long objective on a node
-with a short cycle makes it pay its batch overhead more often, and putting a
-short one on a long-cycle node shortens everyone's cycle.  Ties go to the
-fuller node (best fit), then to the name.
+holds no other copy of the model (ModelMesh's rule) and every copy there
+still gets the share of the node it needs (:mod:`cloud.placement.sizing`).
+A bin keeps, per copy, the sums in that rule (the others' node time and its
+variance at the copy's need), so trying one more copy costs a few vector
+operations over the bin's copies.  Where several nodes fit, the packer
+prefers the one whose pressure grows least beyond the copy's own need: a
+copy that needs a fast share on a node of patient copies makes them all
+batch less (their node time at the higher share), and a patient copy on a
+busy node does the same to it.  Ties go to the fuller node (best fit), then
+to the name.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from cloud.placement.demand import Item
-from cloud.placement.sizing import EPS, Slot, load, share
+from cloud.placement.serving import GRID
+from cloud.placement.sizing import EPS, Slot
 from cloud.placement.types import NodeSpec
 
 #: how a packing run chooses between nodes and between a copy's profiles
@@ -24,31 +31,51 @@ MARGINAL, FULLEST = "marginal", "fullest"
 FAST, SMALL = "fast", "small"
 
 
+def _at(table: np.ndarray, cell: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """Rows of ``table`` (or one row) interpolated at each (cell, part)."""
+    return table[..., cell] * (1 - part) + table[..., cell + 1] * part
+
+
+def _one(row: np.ndarray, cell: int, part: float) -> float:
+    return float(row[cell]) * (1 - part) + float(row[cell + 1]) * part
+
+
 @dataclass(frozen=True)
 class Fit:
-    """One way to add an item to a bin: which profile, and the bin's cycle and share
-    afterwards."""
+    """One way to add an item to a bin: which profile, and the bin's pressure after."""
 
     profile_index: int
     slot: Slot
-    d: float
     occupancy: float
     score: tuple
 
 
 @dataclass(eq=False)
 class Bin:
-    """A node and its copies, with the sums that make its share O(1) to update."""
+    """A node and its copies, with the sums that make one more copy cheap to try.
+
+    Per copy ``j``: its need, objective, and the others' node time and variance
+    at its need (the sums in the fit rule); for the node: every copy's node time
+    and variance added up over the grid of shares, so a newcomer's own sums are
+    one interpolation; and the copy under most pressure, which a newcomer must
+    not push past the whole node (a screen before the full check)."""
 
     node: NodeSpec
     entries: list[tuple[Item, int, Slot]] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
     memory: int = 0
-    d: float = 0.0
-    overhead: float = 0.0  # sum of a
-    work: float = 0.0  # sum of beta*r
-    variance: float = 0.0  # sum of beta^2*r
-    occupancy: float = 0.0
+    occupancy: float = 0.0  # the largest pressure among its copies
+    floor: float = 0.0  # sum of the copies' node time at their own need
+    thetas: np.ndarray = field(default_factory=lambda: np.empty(0))
+    slos: np.ndarray = field(default_factory=lambda: np.empty(0))
+    busy: np.ndarray = field(default_factory=lambda: np.empty(0))  # others' node time at theta_j
+    spread: np.ndarray = field(default_factory=lambda: np.empty(0))  # ... and its variance
+    cells: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=int))
+    parts: np.ndarray = field(default_factory=lambda: np.empty(0))
+    total: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))
+    total_spread: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))
+    peak: int = -1  # the copy under most pressure
+    _saved: list[tuple] = field(default_factory=list, repr=False)
 
     def holds(self, model: str) -> bool:
         return model in self.names
@@ -66,31 +93,98 @@ class Bin:
                 best = fit
         return best
 
+    def pressure_of_newcomer(self, slot: Slot) -> float:
+        """The newcomer's own pressure beside the copies here."""
+        cell, part = slot.cell, slot.part
+        busy = _one(self.total, cell, part)
+        variance = _one(self.total_spread, cell, part)
+        return slot.theta + busy + slot.headroom.z * math.sqrt(max(variance, 0.0) / slot.slo_s)
+
     def try_slot(self, item: Item, index: int, slot: Slot, choose: str, prefer: str) -> Fit | None:
-        if slot.d_max <= 0:
+        theta = slot.theta
+        if theta > 1 + EPS:
             return None
-        d = min(self.d, slot.d_max) if self.entries else slot.d_max
-        occupancy = share(
-            self.overhead + slot.a, self.work + slot.work, self.variance + slot.variance, d, slot.k
-        )
-        if occupancy > 1 + EPS:
-            return None
-        waste = round(occupancy - self.occupancy - item.alone, 9)
+        occupancy = theta
+        if self.entries:
+            occupancy = self.pressure_of_newcomer(slot)
+            if occupancy > 1 + EPS:
+                return None
+            j = self.peak
+            cell, part = int(self.cells[j]), float(self.parts[j])
+            if self.occupancy + _one(slot.curve, cell, part) > 1 + EPS:
+                return None  # pushes the copy under most pressure past the node
+            z = slot.headroom.z
+            busy = self.busy + _at(slot.curve, self.cells, self.parts)
+            spread = self.spread + _at(slot.spread, self.cells, self.parts)
+            theirs = self.thetas + busy + z * np.sqrt(spread / self.slos)
+            occupancy = max(occupancy, float(theirs.max()))
+            if occupancy > 1 + EPS:
+                return None
+        waste = round(occupancy - self.occupancy - item.floor, 9)
         fuller = -occupancy
         score: tuple = (waste, fuller) if choose == MARGINAL else (fuller, waste)
         memory = slot.profile.memory_bytes
         score = (memory, *score) if prefer == SMALL else (*score, memory)
-        return Fit(index, slot, d, occupancy, (*score, index))
+        return Fit(index, slot, occupancy, (*score, index))
 
     def add(self, item: Item, fit: Fit) -> None:
         slot = fit.slot
+        self._saved.append(
+            (
+                self.memory,
+                self.occupancy,
+                self.floor,
+                self.thetas,
+                self.slos,
+                self.busy,
+                self.spread,
+                self.cells,
+                self.parts,
+                self.total,
+                self.total_spread,
+                self.peak,
+            )
+        )
+        z = slot.headroom.z
+        own_busy = _one(self.total, slot.cell, slot.part)
+        own_spread = _one(self.total_spread, slot.cell, slot.part)
+        if self.entries:
+            self.busy = self.busy + _at(slot.curve, self.cells, self.parts)
+            self.spread = self.spread + _at(slot.spread, self.cells, self.parts)
         self.entries.append((item, fit.profile_index, slot))
         self.names.add(item.name)
         self.memory += slot.profile.memory_bytes
-        self.overhead += slot.a
-        self.work += slot.work
-        self.variance += slot.variance
-        self.d, self.occupancy = fit.d, fit.occupancy
+        self.floor += slot.floor
+        self.thetas = np.append(self.thetas, slot.theta)
+        self.slos = np.append(self.slos, slot.slo_s)
+        self.busy = np.append(self.busy, own_busy)
+        self.spread = np.append(self.spread, own_spread)
+        self.cells = np.append(self.cells, slot.cell)
+        self.parts = np.append(self.parts, slot.part)
+        self.total = self.total + slot.curve
+        self.total_spread = self.total_spread + slot.spread
+        pressures = self.thetas + self.busy + z * np.sqrt(np.maximum(self.spread, 0) / self.slos)
+        self.peak = int(pressures.argmax())
+        self.occupancy = float(pressures[self.peak])
+
+    def pop(self) -> None:
+        """Undo the last :meth:`add` exactly."""
+        item, _, _ = self.entries.pop()
+        self.names.discard(item.name)
+        (
+            self.memory,
+            self.occupancy,
+            self.floor,
+            self.thetas,
+            self.slos,
+            self.busy,
+            self.spread,
+            self.cells,
+            self.parts,
+            self.total,
+            self.total_spread,
+            self.peak,
+        ) = self._saved.pop()
 
     def remove(self, item: Item) -> None:
         kept = [e for e in self.entries if e[0] is not item]
@@ -101,8 +195,18 @@ class Bin:
             self.add(it, fit)
 
     def clear(self) -> None:
-        self.entries, self.names, self.memory, self.d = [], set(), 0, 0.0
-        self.overhead = self.work = self.variance = self.occupancy = 0.0
+        self.entries, self.names, self.memory = [], set(), 0
+        self.occupancy = self.floor = 0.0
+        self.thetas, self.slos = np.empty(0), np.empty(0)
+        self.busy, self.spread = np.empty(0), np.empty(0)
+        self.cells, self.parts = np.empty(0, dtype=int), np.empty(0)
+        self.total, self.total_spread = np.zeros(len(GRID)), np.zeros(len(GRID))
+        self.peak = -1
+        self._saved = []
+
+    def planned_share(self) -> float:
+        """The share every batch here is planned to get: the largest need."""
+        return float(self.thetas.max()) if self.entries else 0.0
 
 
 class Packer:
@@ -121,8 +225,8 @@ class Packer:
     def fit_into(self, item: Item, bins: Iterable[Bin]) -> tuple[Bin, Fit] | None:
         best: tuple[Bin, Fit] | None = None
         for b in bins:
-            if b.occupancy + item.floor > 1 + EPS:
-                continue  # a copy adds at least its floor share: a cheap screen
+            if b.floor + item.floor > 1 + EPS:
+                continue  # every copy takes at least its floor: a cheap screen
             fit = b.fits(item, self.choose, self.prefer)
             if fit is not None and (best is None or fit.score < best[1].score):
                 best = (b, fit)
@@ -153,7 +257,7 @@ class Packer:
         while progress:
             progress = False
             used = self.used()
-            victims = sorted(used, key=lambda b: (b.occupancy, len(b.entries), b.node.name))
+            victims = sorted(used, key=lambda b: (b.floor, len(b.entries), b.node.name))
             for victim in victims[:tries]:
                 if self.evacuate(victim, [b for b in used if b is not victim]):
                     emptied += 1
@@ -177,21 +281,26 @@ class Packer:
         return True
 
     def balance(self, rounds: int) -> None:
-        """Move single copies from the busiest node to the idlest while that lowers the
-        busier of the two: spare time spread out absorbs bursts better."""
+        """Move single copies from the node under most pressure to the one under least
+        while that lowers the higher of the two: spare time spread out absorbs bursts
+        better."""
         for _ in range(rounds):
             used = sorted(self.used(), key=lambda b: (b.occupancy, b.node.name))
             if len(used) < 2:
                 return
             low, high = used[0], used[-1]
             best: tuple[float, Item, Fit] | None = None
-            for item, _, slot in sorted(high.entries, key=lambda e: e[0].key):
+            for item, _, _ in sorted(high.entries, key=lambda e: e[0].key):
                 fit = low.fits(item, self.choose, self.prefer)
                 if fit is None:
                     continue
-                rest = [s for it, _, s in high.entries if it is not item]
-                left = load(rest, min(s.d_max for s in rest), slot.headroom) if rest else 0.0
-                after = max(fit.occupancy, left)
+                rest = Bin(high.node)
+                for it, index, slot in high.entries:
+                    if it is not item:
+                        again = rest.try_slot(it, index, slot, MARGINAL, FAST)
+                        assert again is not None
+                        rest.add(it, again)
+                after = max(fit.occupancy, rest.occupancy)
                 if after < high.occupancy - 1e-6 and (best is None or after < best[0]):
                     best = (after, item, fit)
             if best is None:

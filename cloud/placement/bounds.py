@@ -1,44 +1,55 @@
 """Lower bounds on the nodes any placement needs: the yardstick for the packer.
 
-What is bounded: every placement :func:`cloud.placement.packing.check`
-accepts that serves each model's whole rate.  Each node runs its copies once
-per duty cycle ``d``; copy ``j`` of a model (rate ``r_j``, ``sum_j r_j = r``)
-plans an integer batch ``b_j >= max(1, ceil(r_j*d))``, at most ``max_batch``,
-within ``d + a + beta*b_j <= L``; the node's mean work per cycle fits it,
-``sum_j (a + beta*r_j*d) <= d`` (headroom only adds to both).  Latencies are
-the model's best profile's divided by the fastest node's speed, which only
-lowers every figure below.  A node is one unit of time, so the nodes needed
-are at least the sum over copies of their shares ``a/d + beta*r_j``.
+What is bounded: any way at all of serving each model's requests on nodes -
+any batching, any order, any sharing of a node's time, even a scheduler that
+knows every arrival in advance - that answers all but a share ``eps`` of each
+model's requests within its objective ``L``, in the long run.  Ferry's
+nodes are one such way, so no placement the packer makes can beat it; it
+does not assume the packer's model of a node (:mod:`cloud.placement.sizing`).
 
-Per copy the share falls as ``d`` grows, and the latency rule caps ``d``: the
-longest cycle it allows, ``d_max`` (:func:`cloud.placement.sizing.longest_cycle`
-with mean batches), gives the least share ``a/d_max + beta*r_j``.  Over ``k``
-copies of a model the split of the rate is free, so three relaxations of the
-cap are summed instead, each valid for any split:
+Compute.  A node gives one second of its time per second (``s``: its speed;
+the fastest node's is used, which only lowers the bound).  A batch of ``b``
+requests of a model on profile ``p`` takes ``(a_p + beta_p*b)/s``; below,
+``a``, ``beta`` are the least over the model's usable profiles (a model's
+copies may mix profiles), so each batch costs at least ``a + beta*b``.  Over a
+long time ``H`` with ``n = r*H`` requests in ``K`` batches the model takes at
+least ``a*K + beta*n`` of node time.  Two counts bound ``K``:
 
-* ``d*(1 + beta*r_j) <= L - a`` (batch at least ``r_j*d``):
-  ``(k*a + a*beta*r)/(L - a) + beta*r``;
-* ``d <= max_batch/r_j``: ``r*(a/max_batch + beta)``;
-* ``d <= L - a - beta`` (batch at least one): ``k*a/(L - a - beta) + beta*r``;
+* a batch holds at most ``B = max_p min(max_batch_p, (s*L - a_p)/beta_p)``
+  requests (more would not finish within ``L`` even alone), so ``K >= n/B``;
+* the requests of one batch that are in time all arrived within a window of
+  ``w = L - min_p l_p(1)/s`` (the batch starts after its last member arrives
+  and its first must be answered ``L`` after arriving).  So the batches that
+  hold in-time requests are at least the fewest windows of length ``w`` that
+  cover those requests' arrival times, and that is at least the fewest that
+  cover all arrivals less the late requests (dropping one point lowers the
+  fewest covering windows by at most one).  The greedy cover (a window from
+  each first uncovered arrival) is the fewest, and on a renewal process it
+  is a renewal: each window starts at an arrival and the next one at the
+  first arrival after ``w``, ``w + R_w`` later, with ``E[R_w] = 1/r`` for
+  Poisson arrivals (no memory) and ``E[R_w] <= (1 + cv^2)/r`` for any renewal
+  process of CV ``cv`` (Lorden's inequality).  So
+  ``K/H >= r/(r*w + c) - eps*r`` with ``c = 1`` (Poisson) or ``1 + cv^2``.
 
-the largest of the three holds, and each grows with ``k``, so ``k`` is the
-fewest copies any placement can have: the most of ``min_copies``, one for a
-model with traffic, and ``ceil(r / r_max)``, where
-``r_max = min((L - 2a)/(beta*L), max_batch/(a + beta*max_batch))`` is the most
-one copy serves (``a + beta*r*d <= d`` with ``d*(1 + beta*r) <= L - a`` gives
-the first, ``r*d <= max_batch`` with ``d >= a/(1 - beta*r)`` the second).
-DESIGN.md's ``r*beta*L/(L - a)`` is the first sum less its ``k*a`` term, so
-these bounds are at least as tight.
+Hence ``nodes >= sum_i (beta*r + a*max(r/B, r/(r*w + c) - eps*r)) / s``: the
+overhead of batching, at the most any scheduler can batch.  Each term is a
+concave function of the rate that is 0 at 0, so splitting a model's traffic
+over copies (each a renewal process, as the broker's shared subscription
+and the benchmark give them) only adds to it.  DESIGN.md's
+``r*beta*L/(L - a)`` is the first count (``B <= (L - a)/beta``) for a single
+profile; the larger of the two is kept (DESIGN's, taken as the least over the
+profiles, holds for mixed profiles too: it is linear in the rate).
 
-Memory: each of those ``k`` copies holds the smallest profile's memory on its
-own node (one copy of a model per node), and no node holds more than the
-largest node's memory.
+Memory: a model keeps at least ``k`` copies on distinct nodes: ``min_copies``,
+one if it has traffic, and as many as its compute bound in whole nodes (one
+copy gets at most one node's time); each holds its smallest profile's memory,
+and no node holds more than the largest node's memory.
 
 Models no placement can hold (no node runs a backend of theirs, too big, an
-objective below ``2a + beta``: a cycle of at least ``a`` plus a batch of one)
-add nothing; a model held to fewer
-copies than its rate needs (``max_copies``, few nodes that run it) counts the
-rate those copies can serve.
+objective below ``l(1)``: one request alone on the fastest node) add nothing;
+a model held to fewer copies than its rate needs (``max_copies``, few nodes
+that run it) counts the rate those copies can serve: at most ``s*B/(a + beta*B)``
+each, batches of ``B`` back to back.
 """
 
 from __future__ import annotations
@@ -46,64 +57,59 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from cloud.placement.sizing import EPS, Headroom, longest_cycle
+from cloud.placement.sizing import EPS, Headroom
 from cloud.placement.types import Bounds, LatencyProfile, ModelDemand, NodeSpec
 
-MEANS = Headroom(quantile=0.5, cv=0.0)
+
+def batch_cap(p: LatencyProfile, slo_s: float, speed: float) -> float:
+    """The largest batch of ``p`` that finishes within ``slo_s`` alone (0: none)."""
+    room = (speed * slo_s - p.a_s) / p.beta_s
+    return max(0.0, min(float(p.max_batch), math.floor(room + 1e-9)))
 
 
-def max_copy_rate(a: float, beta: float, max_batch: int, slo_s: float) -> float:
-    """The most requests/s one copy can serve (continuous batches; see above)."""
-    if slo_s <= 2 * a:
+def model_time(
+    usable: Sequence[LatencyProfile], rate: float, slo_s: float, speed: float, headroom: Headroom
+) -> float:
+    """The least node time per second any schedule gives ``rate`` requests/s of a model
+    with those profiles (module docstring), in nodes of ``speed``."""
+    if rate <= 0 or not usable:
         return 0.0
-    return min((slo_s - 2 * a) / (beta * slo_s), max_batch / (a + beta * max_batch))
+    a = min(p.a_s for p in usable) / speed
+    beta = min(p.beta_s for p in usable) / speed
+    top = max(batch_cap(p, slo_s, speed) for p in usable)
+    window = slo_s - min(p.latency(1, speed) for p in usable)
+    tail = 1.0 if headroom.cv == 1.0 else 1.0 + headroom.cv * headroom.cv
+    batches = max(rate / top, rate / (rate * window + tail) - headroom.late * rate)
+    design = min(p.beta_s * rate * slo_s / (slo_s - p.a_s / speed) / speed for p in usable)
+    return max(beta * rate + a * batches, design)
 
 
-def copy_share(a: float, beta: float, max_batch: int, rate: float, slo_s: float) -> float:
-    """The least share of a node one copy serving ``rate`` can take (inf: none fits)."""
-    d_max = longest_cycle(a, beta, max_batch, rate, slo_s, MEANS)
-    if d_max <= 0:
-        return math.inf
-    return a / d_max + beta * rate
-
-
-def model_share(p: LatencyProfile, rate: float, slo_s: float, speed: float, k: int) -> float:
-    """The least share of a node ``k`` copies of a model together take."""
-    a, beta, top = p.a_s / speed, p.beta_s / speed, p.max_batch
-    if k == 1:
-        return copy_share(a, beta, top, rate, slo_s)
-    if slo_s - a - beta <= 0:
-        return math.inf
+def copy_rate(usable: Sequence[LatencyProfile], slo_s: float, speed: float) -> float:
+    """The most requests/s one copy can serve: a node running its largest batches back
+    to back."""
     return max(
-        (k * a + a * beta * rate) / (slo_s - a) + beta * rate,
-        rate * (a / top + beta),
-        k * a / (slo_s - a - beta) + beta * rate,
+        (speed * batch_cap(p, slo_s, speed) / p.latency(batch_cap(p, slo_s, speed))) for p in usable
     )
 
 
-def least_copies(demand: ModelDemand, usable: Sequence[LatencyProfile], speed: float) -> int:
-    """The fewest copies any placement that serves the model fully holds."""
-    if demand.rate <= 0 and demand.min_copies <= 0:
-        return 0
-    top = max(
-        (max_copy_rate(p.a_s / speed, p.beta_s / speed, p.max_batch, demand.slo_s) for p in usable),
-        default=0.0,
-    )
-    forced = math.ceil(demand.rate / top - EPS) if top > 0 else 1
-    return max(1, demand.min_copies, forced)
-
-
-def lower_bounds(models: Sequence[ModelDemand], nodes: Sequence[NodeSpec]) -> Bounds:
-    """Compute and memory bounds, in nodes, for the models that can be placed at all.
+def lower_bounds(
+    models: Sequence[ModelDemand], nodes: Sequence[NodeSpec], headroom: Headroom | None = None
+) -> Bounds:
+    """Compute and memory bounds, in nodes, for the models that can be placed at all,
+    for schedules that keep ``headroom.quantile`` of each model's requests in time
+    under arrivals of CV ``headroom.cv`` (default: :class:`Headroom`'s).
 
     Valid for every placement that serves each model's rate (see the module
     docstring for the proof); a packer is graded by how close it comes."""
-    compute, memory = bound_sums(models, nodes)
+    compute, memory = bound_sums(models, nodes, headroom)
     return Bounds(math.ceil(compute - 1e-6), math.ceil(memory - 1e-9))
 
 
-def bound_sums(models: Sequence[ModelDemand], nodes: Sequence[NodeSpec]) -> tuple[float, float]:
-    """The two bounds before rounding up: node-shares of compute, nodes of memory."""
+def bound_sums(
+    models: Sequence[ModelDemand], nodes: Sequence[NodeSpec], headroom: Headroom | None = None
+) -> tuple[float, float]:
+    """The two bounds before rounding up: nodes of compute, nodes of memory."""
+    headroom = headroom if headroom is not None else Headroom()
     if not nodes:
         return 0.0, 0.0
     speed = max(n.speed for n in nodes)
@@ -117,23 +123,19 @@ def bound_sums(models: Sequence[ModelDemand], nodes: Sequence[NodeSpec]) -> tupl
             p
             for p in demand.profiles
             if any(p.backend in b and p.memory_bytes <= m for m, b in alike)
-            and demand.slo_s > (2 * p.a_s + p.beta_s) / speed
+            and p.latency(1, speed) <= demand.slo_s
         ]
-        k = least_copies(demand, usable, speed)
-        if not usable or k == 0:
+        if not usable or (demand.rate <= 0 and demand.min_copies <= 0):
             continue
         runnable = sum(
             count
             for (m, b), count in alike.items()
             if any(p.backend in b and p.memory_bytes <= m for p in usable)
         )
-        k = min(k, runnable, demand.max_copies or runnable)
-        best = math.inf
-        for p in usable:
-            top = max_copy_rate(p.a_s / speed, p.beta_s / speed, p.max_batch, demand.slo_s)
-            rate = min(demand.rate, k * top)
-            best = min(best, model_share(p, rate, demand.slo_s, speed, k))
-        if math.isfinite(best):
-            compute += best
-            memory += k * min(p.memory_bytes for p in usable)
+        cap = min(runnable, demand.max_copies or runnable)
+        rate = min(max(demand.rate, 0.0), cap * copy_rate(usable, demand.slo_s, speed))
+        time = model_time(usable, rate, demand.slo_s, speed, headroom)
+        least = max(demand.min_copies, 1 if rate > 0 else 0, math.ceil(time - EPS))
+        compute += time
+        memory += min(least, cap) * min(p.memory_bytes for p in usable)
     return compute, memory / largest

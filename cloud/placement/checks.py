@@ -1,12 +1,12 @@
 """Every invariant a placement must keep, checked from the copies as published.
 
-The check reads the batch and duty cycle each copy carries rather than sizing
-the copies again, so it holds any packer (and a placement read back from the
-broker) to the same rules, whatever headroom planned it: memory, backends,
-one copy of a model per node, the shared cycle (``sum l_i(b_i) <= d``), each
-objective (``d + l(b) <= L``), batches that hold at least the mean arrivals
-(and the planned quantile when a :class:`Headroom` is given), min/max copies,
-and a reason for every model not fully served.
+Per node: memory, backends, one copy of a model per node, and that every copy
+gets the share of the node its objective needs beside the others
+(:func:`cloud.placement.sizing.occupancy`, sized again from the profiles at
+the rate each copy carries, under the plan's :class:`Headroom`; the default
+is :func:`cloud.placement.packing.place`'s); each batch within
+``1..max_batch``.  Per model: min/max copies, the whole rate planned, and a
+reason for every model not fully served.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 
 from cloud.placement.demand import IDLE
-from cloud.placement.sizing import EPS, Headroom, share
+from cloud.placement.sizing import EPS, Headroom, occupancy, size
 from cloud.placement.types import Copy, ModelDemand, NodeSpec, Placement
 
 
@@ -26,6 +26,7 @@ def check(
     headroom: Headroom | None = None,
 ) -> list[str]:
     """The invariants ``placement`` breaks, in words (empty when it is valid)."""
+    headroom = headroom if headroom is not None else Headroom()
     problems: list[str] = []
     by_node = {n.name: n for n in nodes}
     demands = {m.name: m for m in models}
@@ -49,19 +50,15 @@ def _check_node(
     node: NodeSpec,
     copies: list[Copy],
     demands: dict[str, ModelDemand],
-    headroom: Headroom | None,
+    headroom: Headroom,
 ) -> list[str]:
     problems: list[str] = []
     name = node.name
     held = [c.model for c in copies]
     for model in sorted({m for m in held if held.count(m) > 1}):
         problems.append(f"{name} holds {held.count(model)} copies of {model}")
-    cycles = {c.duty_cycle_s for c in copies}
-    if len(cycles) > 1:
-        problems.append(f"{name}: copies disagree on the duty cycle {sorted(cycles)}")
-    d = min(cycles)
-    k = headroom.k if headroom is not None else 0.0
-    memory, overhead, work, variance = 0, 0.0, 0.0, 0.0
+    memory = 0
+    slots = []
     for c in copies:
         demand = demands.get(c.model)
         profile = demand.profile_for(c.backend) if demand else None
@@ -73,30 +70,25 @@ def _check_node(
             memory += c.memory_bytes
             continue
         memory += max(c.memory_bytes, profile.memory_bytes)
-        latency = profile.latency(c.batch, node.speed)
-        beta = profile.beta_s / node.speed
-        overhead += profile.a_s / node.speed
-        work += beta * c.rate
-        variance += beta * beta * c.rate
         if not 1 <= c.batch <= profile.max_batch:
             problems.append(f"{c.model} on {name}: batch {c.batch} outside 1..{profile.max_batch}")
-        need = max(1, math.ceil(c.rate * d - EPS))
-        if headroom is not None:
-            need = max(need, min(headroom.batch(c.rate, d), profile.max_batch))
-        if c.batch < need:
+        slot = size(profile, c.rate, demand.slo_s, node.speed, headroom)
+        if slot.theta > 1:
             problems.append(
-                f"{c.model} on {name}: batch {c.batch} below the {need} planned per cycle"
+                f"{c.model} on {name}: {c.rate:.1f} req/s miss the SLO "
+                f"{demand.slo_s * 1000:.1f} ms for over {headroom.late:.1%} of requests "
+                f"even with the node to itself"
             )
-        if d + latency > demand.slo_s * (1 + EPS):
-            problems.append(
-                f"{c.model} on {name}: cycle {d * 1000:.2f} ms + batch {latency * 1000:.2f} ms "
-                f"exceeds its SLO {demand.slo_s * 1000:.1f} ms"
-            )
+            continue
+        slots.append(slot)
     if memory > node.memory_bytes:
         problems.append(f"{name}: {memory} bytes placed, {node.memory_bytes} available")
-    busy = share(overhead, work, variance, d, k) if d > 0 else float("inf")
+    busy = occupancy(slots)
     if busy > 1 + EPS:
-        problems.append(f"{name}: its copies need {busy:.1%} of each {d * 1000:.2f} ms cycle")
+        problems.append(
+            f"{name}: its copies need {busy:.1%} of the node for their objectives "
+            f"({headroom.quantile:.0%} of requests in time)"
+        )
     return problems
 
 

@@ -1,10 +1,11 @@
 """From a model's demand to the copies the packer places, or why there are none.
 
-A model whose rate exceeds what one node serves (Nexus's saturated copy at its
-best batch) gets whole-node copies and one residual copy; a residual whose
-cycle ``max_batch`` cuts short is spread over a few copies, which costs no
-compute (:func:`spread`); ``min_copies`` spreads the rate evenly over more
-copies; one copy per node and ``max_copies`` cap the count.  Whatever cannot be honoured is said in words:
+A model whose rate exceeds what one node serves (a copy alone on a node, its
+batches at the node's full speed) gets whole-node copies and one residual
+copy; a residual that needs most of a node's share is spread over a few
+copies when that costs next to no node time (:func:`spread`); ``min_copies``
+spreads the rate evenly over more copies; one copy per node and
+``max_copies`` cap the count.  Whatever cannot be honoured is said in words:
 the controller publishes those words and raises them as alerts.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cloud.placement.sizing import Headroom, Slot, cycle, full_rate, size
+from cloud.placement.sizing import Headroom, Slot, full_rate, size
 from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec
 
 IDLE = "idle"
@@ -30,10 +31,9 @@ class Item:
     rate: float
     index: int
     headroom: Headroom
-    alone: float = 0.0  # share of the best runnable node it takes by itself (sort key)
-    d_max: float = 0.0  # the longest cycle it allows there (sort key)
+    alone: float = 0.0  # its need on the best runnable node: the share it asks (sort key)
     memory: int = 0  # its smallest profile's memory
-    floor: float = 0.0  # a share of a node it takes at least, wherever it goes
+    floor: float = 0.0  # a share of a node it keeps busy at least, wherever it goes
     _slots: dict[tuple[int, float], Slot] = field(default_factory=dict, repr=False)
 
     @property
@@ -69,10 +69,12 @@ def size_text(count: int) -> str:
 
 
 def fits_alone(p: LatencyProfile, demand: ModelDemand, node: NodeSpec, headroom: Headroom) -> bool:
+    """A trickle of the model's requests meets its objective on ``node`` alone: one
+    request at a time, at the node's full speed, ``l(1) <= L``."""
     return (
         p.backend in node.backends
         and p.memory_bytes <= node.memory_bytes
-        and cycle([size(p, 0.0, demand.slo_s, node.speed, headroom)]) is not None
+        and p.latency(1, node.speed) <= demand.slo_s
     )
 
 
@@ -116,12 +118,11 @@ def why_nowhere(demand: ModelDemand, nodes: Sequence[NodeSpec]) -> str:
         need = min(p.memory_bytes for p, _ in pairs)
         have = max(n.memory_bytes for _, n in pairs)
         return f"needs {size_text(need)}, the largest node that runs it offers {size_text(have)}"
-    p, n = min(fitting, key=lambda pn: (2 * pn[0].a_s + pn[0].beta_s) / pn[1].speed)
-    a, batch1 = p.a_s / n.speed, p.latency(1, n.speed)
+    p, n = min(fitting, key=lambda pn: (pn[0].a_s + pn[0].beta_s) / pn[1].speed)
+    batch1 = p.latency(1, n.speed)
     return (
-        f"SLO {demand.slo_s * 1000:.1f} ms below {(a + batch1) * 1000:.1f} ms: a request "
-        f"may wait one cycle (at least the {a * 1000:.1f} ms overhead) and then its own "
-        f"batch ({batch1 * 1000:.1f} ms for one)"
+        f"SLO {demand.slo_s * 1000:.1f} ms below {batch1 * 1000:.1f} ms: one request "
+        f"alone on the fastest node that runs it takes that long"
     )
 
 
@@ -135,30 +136,32 @@ def best_slot(
             for p in demand.profiles
             if p.backend in n.backends and p.memory_bytes <= n.memory_bytes
         ),
-        key=lambda s: (s.alone(), -s.d_max),
+        key=lambda s: (s.floor, s.theta),
     )
 
 
 def spread(
     demand: ModelDemand, rate: float, hosts: Sequence[NodeSpec], headroom: Headroom, most: int
 ) -> int:
-    """How many copies to make of a shared copy so that it does not shorten its node's
-    cycle for nothing.
+    """How many copies to make of a shared copy so that its need does not force a fast
+    share on its node for nothing.
 
-    A busy copy whose cycle is cut short by ``max_batch`` (``r*d <= max_batch``)
-    forces that short cycle on every copy it shares a node with, and they pay
-    their batch overhead that much more often.  Split in ``k``, each piece
-    allows a ``k`` times longer cycle for the same total share
-    (``r*(a/max_batch + beta)``) until the latency objective binds instead;
-    so split while the total share does not grow (by more than
-    ``SPREAD_SLACK`` of a node) and the cycle does, up to ``SPREAD_MAX``."""
+    Every batch on a node runs at the share its most demanding copy needs, so a
+    copy that needs much of the node makes the copies beside it batch less
+    (their node time at that share).  Split in ``k``, each piece needs about a
+    ``k``-th; so split while the pieces' node time together does not grow by
+    more than ``SPREAD_SLACK`` of a node and the need falls, up to ``SPREAD_MAX``.  A
+    copy idle half the time at its need is not tried: its need comes from how long
+    its own batches take, which splitting does not shorten."""
     base = best_slot(demand, rate, hosts, headroom)
-    share, longest, pieces = base.alone(), base.d_max, 1
+    share, need, pieces = base.floor, base.theta, 1
+    if share < need / 2:
+        return 1  # idle half the time at its need: its own batch time sets the need
     for k in range(2, min(most, SPREAD_MAX) + 1):
         piece = best_slot(demand, rate / k, hosts, headroom)
-        if k * piece.alone() > share + SPREAD_SLACK or piece.d_max < longest * 1.05:
+        if k * piece.floor > share + SPREAD_SLACK or piece.theta > need / 1.5:
             break
-        longest, pieces = piece.d_max, k
+        need, pieces = piece.theta, k
     return pieces
 
 
@@ -175,14 +178,14 @@ def split(
         return [], why_nowhere(demand, [n for n, _ in fleet])
     reach = sum(count for _, count in usable)
     slowest = min(hosts, key=lambda n: (n.speed, n.name))
-    top = max(
-        full_rate(p, demand.slo_s, slowest.speed, headroom)
-        for p in demand.profiles
-        if fits_alone(p, demand, slowest, headroom)
-    )
     rate = max(demand.rate, 0.0)
-    full = int(rate // top) if top > 0 else 0
-    rest = rate - full * top
+    alone = [p for p in demand.profiles if fits_alone(p, demand, slowest, headroom)]
+    if any(size(p, rate, demand.slo_s, slowest.speed, headroom).theta <= 1 for p in alone):
+        top, full, rest = rate, 0, rate  # one copy serves it all (a search would say more)
+    else:
+        top = max(full_rate(p, demand.slo_s, slowest.speed, headroom) for p in alone)
+        full = int(rate // top) if top > 0 else 0
+        rest = rate - full * top
     rates = [top] * full + ([rest] if rest > 1e-9 * max(rate, 1.0) or full == 0 else [])
     cap = min(reach, demand.max_copies or reach)
     if rates and (full == 0 or len(rates) > full):  # the shared copy: spread when free
@@ -206,11 +209,8 @@ def split(
             note = f"{cap} of min_copies {demand.min_copies}: only {cap} nodes can run it"
     items = [Item(demand, r, i, headroom) for i, r in enumerate(rates)]
     for item in items:
-        best = min(
-            (item.slot(i, n.speed) for n in hosts for i, _ in item.options(n)),
-            key=lambda s: (s.alone(), -s.d_max),
-        )
-        item.alone, item.d_max = best.alone(), best.d_max
+        slots = [item.slot(i, n.speed) for n in hosts for i, _ in item.options(n)]
+        item.alone = min(s.theta for s in slots)
         item.memory = min(p.memory_bytes for n in hosts for _, p in item.options(n))
-        item.floor = min(item.slot(i, n.speed).floor() for n in hosts for i, _ in item.options(n))
+        item.floor = min(s.floor for s in slots)
     return items, note

@@ -4,9 +4,10 @@ Same feasibility rules as the greedy packer (:mod:`cloud.placement.bins`),
 every node and every profile tried, with two prunings that lose nothing:
 empty nodes that look alike (memory, backends, speed) are tried once, and a
 branch stops when the copies left need more than the room left.  The room is
-exact: a node's share only grows as copies join (its cycle only shortens),
-and each copy adds at least its floor share (its mean share at the longest
-cycle it allows on the fastest node).
+exact: on a node that fits, every batch runs at least at the largest need
+there, so each copy keeps the node busy at least its node time at its own
+need (its floor, the least over the nodes it may use), and the floors of a
+node's copies add up to at most the whole node.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class _Search:
         if self.steps is not None and self.done > self.steps:
             raise _Budget
         opened = [b for b in self.bins if b.entries]
-        room = sum(1 - b.occupancy for b in opened) + (limit - len(opened))
+        room = sum(1 - b.floor for b in opened) + (limit - len(opened))
         if self.tails[i] > room + EPS:
             return None
         candidates = list(opened)
@@ -67,14 +68,11 @@ class _Search:
                 fit = b.try_slot(item, index, slot, MARGINAL, FAST)
                 if fit is None:
                     continue
-                saved = (b.memory, b.d, b.overhead, b.work, b.variance, b.occupancy)
                 b.add(item, fit)
                 self.chosen.append((item, b.node.name, fit))
                 found = self._assign(i + 1, limit)
                 self.chosen.pop()
-                b.entries.pop()
-                b.names.discard(item.name)
-                b.memory, b.d, b.overhead, b.work, b.variance, b.occupancy = saved
+                b.pop()
                 if found is not None:
                     return found
         return None

@@ -4,11 +4,12 @@
 whole-node copies for a hot model, one shared copy for the rest, at least
 ``min_copies``) and packs them onto as few nodes as it can
 (:mod:`cloud.placement.bins`).  No single greedy order wins everywhere -
-decreasing size avoids fragments, decreasing duty cycle keeps copies with
-like objectives together, decreasing memory wins when memory binds - so a few
-orders are run and the packing on the fewest nodes is kept (ties: the least
-busy busiest node), after a pass that tries to empty the emptiest nodes and
-one that evens the load.  Small instances are finished by exact search
+decreasing size avoids fragments, decreasing need keeps copies that ask for
+a like share of the node together (every batch on a node runs at the share
+its most demanding copy needs), decreasing memory wins when memory binds - so a few
+orders are run and the packing on the fewest nodes is kept (ties: the lowest
+peak pressure), after a pass that tries to empty the emptiest nodes and one
+that evens the load.  Small instances are finished by exact search
 (:mod:`cloud.placement.exact`).
 
 Given the placement in force, every copy that still fits stays on its node
@@ -59,29 +60,29 @@ class Move:
 
 
 def _by_size(item: Item) -> tuple:
-    return (-item.alone, -item.memory, item.key)
+    return (-item.floor, -item.memory, item.key)
 
 
-def _by_cycle(item: Item) -> tuple:
-    return (-item.d_max, -item.alone, item.key)
+def _by_need(item: Item) -> tuple:
+    return (-item.alone, -item.floor, item.key)
 
 
-def _big_then_cycle(item: Item) -> tuple:
-    return (0, *_by_size(item)) if item.alone >= 0.5 else (1, *_by_cycle(item))
+def _big_then_need(item: Item) -> tuple:
+    return (0, *_by_size(item)) if item.floor >= 0.5 else (1, *_by_need(item))
 
 
 def _by_memory(item: Item) -> tuple:
-    return (-item.memory, -item.alone, item.key)
+    return (-item.memory, -item.floor, item.key)
 
 
 #: (order, how to choose a node, which profile to prefer)
 VARIANTS: tuple[tuple[Callable[[Item], tuple], str, str], ...] = (
-    (_big_then_cycle, MARGINAL, FAST),
-    (_by_cycle, MARGINAL, FAST),
+    (_big_then_need, MARGINAL, FAST),
+    (_by_need, MARGINAL, FAST),
     (_by_size, MARGINAL, FAST),
-    (_by_size, FULLEST, FAST),
+    (_by_need, FULLEST, FAST),
     (_by_memory, FULLEST, SMALL),
-    (_big_then_cycle, MARGINAL, SMALL),
+    (_big_then_need, MARGINAL, SMALL),
 )
 
 
@@ -107,7 +108,7 @@ def place(
         items.extend(copies)
         if why is not None:
             notes[demand.name] = why
-    bounds = lower_bounds(demands, fleet)
+    bounds = lower_bounds(demands, fleet, headroom)
     packer, short = _fresh(items, fleet, bounds.nodes)
     if previous is not None and previous.copies:
         kept, kept_short, held = _incremental(items, fleet, previous)
@@ -167,6 +168,9 @@ def _fresh(items: list[Item], fleet: list[NodeSpec], bound: int) -> tuple[Packer
         if found is not None:
             rebuild(packer, found)
             short = []
+    # the incremental packing finishes with these same rules: re-placing this result
+    # must find nothing more to do
+    packer.choose, packer.prefer = MARGINAL, FAST
     packer.balance(rounds=2 * len(packer.used()))
     return packer, _make_room(packer, short, fleet)
 
@@ -222,28 +226,30 @@ def _incremental(
         else:
             b.add(item, fit)
     held = len(items) - len(pending)
-    pending.sort(key=_by_size)
+    pending.sort(key=_by_need)
     short = [item for item in pending if packer.place(item) is None]
     return packer, short, held
 
 
 def _copies(packer: Packer) -> tuple[Copy, ...]:
-    """The bins as published copies; a copy's occupancy is its mean share plus its
-    part of the node's burst allowance (by variance), so they add up to the node's."""
+    """The bins as published copies.  Each batch on a node is planned to run at the
+    largest need there; at that share a copy runs its mean ``batch`` in
+    ``duty_cycle_s`` (its own batch cycle) and keeps the node busy ``occupancy`` of
+    the time (the copies' occupancies add up to at most the whole node)."""
     copies = []
     for b in packer.used():
-        extra = b.occupancy - (b.overhead / b.d + b.work)
+        share = b.planned_share()
         for item, _, slot in b.entries:
-            part = slot.variance / b.variance if b.variance > 0 else 0.0
+            batch = slot.batch(share)
             copies.append(
                 Copy(
                     model=item.name,
                     node=b.node.name,
                     backend=slot.profile.backend,
                     rate=item.rate,
-                    batch=slot.batch(b.d),
-                    duty_cycle_s=b.d,
-                    occupancy=round(slot.a / b.d + slot.work + extra * part, 6),
+                    batch=batch,
+                    duty_cycle_s=round((slot.a + slot.beta * batch) / share, 9),
+                    occupancy=round(slot.time(share), 6),
                     memory_bytes=slot.profile.memory_bytes,
                     threads=slot.profile.threads,
                 )

@@ -1,93 +1,134 @@
-"""How big a copy is on a node: batch, duty cycle and share of the node's time.
+"""How much of a node a copy needs, and when copies fit one node together.
 
-The execution model is Nexus's (SOSP'19).  A node cycles through the copies
-placed on it once per duty cycle ``d`` and runs one batch of each; a request
-waits at most one cycle and then its own batch.  So:
+A node shares its cores among the batches running (:mod:`cloud.placement.serving`):
+with ``n`` batches in flight each runs at ``theta = 1/n`` of the node's speed.
+Per copy two figures, from the batch chain of its dynamic batcher:
 
-* latency, per copy: ``d + l(b) <= L`` for the batch ``b`` it plans for, an
-  integer of at least one (a placed copy always has a slot for a request) and
-  at most ``max_batch``, sized for the ``quantile`` of its arrivals in a cycle
-  (:class:`Headroom`): ``r*d + z*cv*sqrt(r*d)``, rounded up;
-* capacity, per node: ``sum(a_i + beta_i*r_i*d) + z*cv*sqrt(d*sum(beta_i^2*r_i))
-  <= d``: the mean work of a cycle plus the same quantile of its pooled
-  variation.  With means (``z = 0``) this is DESIGN.md's
-  ``sum(a_i + beta_i*r_i*d) <= d``.  Planning every copy's burst at once
-  instead (summing the per-copy quantile batches) would reserve for all
-  copies bursting in the same cycle: with independent arrivals the node's
-  work varies like ``sqrt`` of the sum, and the simulation in
-  ``bench/packing.py`` confirms the pooled plan keeps the objectives.
+* its **need** ``theta_j``: the least share at which its batches must run for
+  the planned share of its requests (``Headroom.quantile``) to meet its
+  objective; above it the copy is fine, below it too many requests wait for
+  a slow batch in flight and then run in a slow batch of their own;
+* its **node time** ``c_j(theta)``: the share of the node it keeps busy when its
+  batches run at ``theta``.  ``c_j`` falls as ``theta`` falls: a copy slowed
+  down collects bigger batches and pays its overhead ``a`` less often, which
+  is how a node's dynamic batchers make room for one another.
 
-The node's cycle is the shortest cycle any of its copies allows: each copy's
-latency bound holds at any shorter cycle, and the node's share
-``(A + z*cv*sqrt(V*d))/d + R`` falls as the cycle grows, so the longest
-allowed is best; the share only grows as copies are added.
+Copies fit one node when every copy ``j`` gets its need:
+
+    theta_j + sum_{i != j} c_i(theta_j) + z * sqrt(sum_{i != j} v_i(theta_j) / L_j) <= 1
+
+A batch of ``j`` shares the node with the others' batches; by Little's law the
+others keep ``c_i(theta)/theta`` batches in flight on average, so ``j`` runs at
+``theta = 1/(1 + sum c_i(theta)/theta)``, which reaches ``theta_j`` exactly when
+the first two terms fit.  The third is the burst allowance, pooled over the
+node: the others' work over ``j``'s objective ``L_j`` varies (``v_i``: the
+variance of copy ``i``'s node time per second, from its batches' size and how
+often it is idle; a copy that is always busy takes its share and no more,
+so it adds no variance), and the node is planned for the ``quantile`` of that
+sum rather than for every copy's burst at once: with independent arrivals the
+sum varies like the square root of the variances' sum.  ``z`` is the normal
+quantile and ``v`` carries the arrivals' burstiness.
+
+Adding a copy only raises every left-hand side (``c`` is non-negative and
+the sums grow), so a node that does not fit stays that way with more copies:
+the packers rely on it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from statistics import NormalDist
 
+import numpy as np
+
+from cloud.placement.serving import GRID, STATES, assess, node_time
 from cloud.placement.types import LatencyProfile
 
-#: relative slack for float comparisons of times (never enough to matter)
+#: relative slack for float comparisons of shares (never enough to matter)
 EPS = 1e-9
+#: shares tried between two grid shares to pin a need down (1% apart)
+REFINE = 16
 
 
 @dataclass(frozen=True)
 class Headroom:
-    """Plan for the ``quantile`` of arrivals per duty cycle rather than their mean.
+    """Plan for a share ``quantile`` of each copy's requests within its objective, under
+    arrivals with coefficient of variation ``cv`` (1: Poisson; 2: the bursty
+    traffic of the benchmark; the controller takes it from ``--burst-cv``, which
+    an operator can read off the nodes' arrival statistics), and for the same
+    quantile of each node's pooled burst.
 
-    Arrivals with coefficient of variation ``cv`` (1.0: Poisson; a Gamma renewal
-    process with CV ``c`` has a count variance of about ``c^2 * r * d`` in a
-    window ``d``) are planned at ``r*d + z*cv*sqrt(r*d)`` per copy, ``z`` the
-    normal quantile: the batch its latency is sized for.  A node's capacity is
-    planned for the same quantile of its copies' pooled work, which assumes
-    the models' arrivals are independent; traffic that bursts across models
-    together (one client driving several) needs a larger ``cv``.
-    ``Headroom(quantile=0.5, cv=0)`` plans on means."""
+    The share is judged over windows of ``window_s`` (the controller's alert
+    window): a copy planned to be late exactly ``1 - quantile`` of the time in the
+    long run would miss it in about half of its windows, and late requests come
+    in runs (a burst leaves a queue that takes batches to drain), so a copy is
+    planned for its long-run late share plus ``z`` standard deviations of a
+    window's, both from its batch chain (:mod:`cloud.placement.serving`).
+    ``Headroom(quantile=0.5, cv=0)`` plans on means: evenly spaced requests,
+    half of them in time, no allowance for a window's luck."""
 
     quantile: float = 0.99
     cv: float = 1.0
+    window_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 0.5 <= self.quantile < 1.0 or self.cv < 0 or math.isnan(self.cv):
-            raise ValueError(f"headroom needs 0.5 <= quantile < 1 and cv >= 0: {self}")
+        if (
+            not 0.5 <= self.quantile < 1.0
+            or self.cv < 0
+            or math.isnan(self.cv)
+            or not self.window_s > 0
+        ):
+            raise ValueError(
+                f"headroom needs 0.5 <= quantile < 1, cv >= 0 and window_s > 0: {self}"
+            )
 
     @property
-    def k(self) -> float:
-        """Standard deviations of the count planned above its mean."""
-        if self.quantile <= 0.5 or self.cv == 0:
-            return 0.0
-        return NormalDist().inv_cdf(self.quantile) * self.cv
+    def late(self) -> float:
+        """The share of a copy's requests allowed past its objective."""
+        return 1.0 - self.quantile
 
-    def planned(self, rate: float, d: float) -> float:
-        mean = rate * d
-        return mean + self.k * math.sqrt(mean)
+    @property
+    def z(self) -> float:
+        """Standard deviations of a node's pooled burst planned for."""
+        return _normal_quantile(self.quantile)
 
-    def batch(self, rate: float, d: float) -> int:
-        """Requests to plan for in one cycle of ``d`` seconds (at least one)."""
-        return max(1, math.ceil(self.planned(rate, d) - EPS))
+    @property
+    def burst(self) -> float:
+        """How much more a copy's node time varies than under Poisson arrivals."""
+        return self.cv * self.cv if self.cv > 1 else 1.0
 
-    def window(self, rate: float, batch: int) -> float:
-        """The longest cycle whose planned arrivals stay within ``batch``."""
-        if rate <= 0:
-            return math.inf
-        k = self.k
-        root = (-k + math.sqrt(k * k + 4 * batch)) / 2  # sqrt(r*d) at equality
-        return root * root / rate
+
+@lru_cache(maxsize=64)
+def _normal_quantile(q: float) -> float:
+    return NormalDist().inv_cdf(q) if q > 0.5 else 0.0
 
 
 class Slot:
     """One copy (``rate`` requests/s of a model) sized with ``profile`` on a node of
-    ``speed``: ``d_max`` is the longest cycle it allows (0: it fits no cycle).
+    ``speed``: its need ``theta`` (inf: it misses its objective even alone) and its
+    node time and variance tabulated over :data:`GRID`.
 
-    Plain attributes, computed once: the packer asks for a slot's batch at a new
-    cycle millions of times on a large fleet."""
+    Plain attributes, computed once: the packers read them millions of times."""
 
-    __slots__ = ("a", "beta", "d_max", "headroom", "k", "profile", "rate", "slo_s", "speed", "top")
+    __slots__ = (
+        "a",
+        "beta",
+        "cell",
+        "curve",
+        "floor",
+        "headroom",
+        "part",
+        "profile",
+        "rate",
+        "slo_s",
+        "speed",
+        "spread",
+        "theta",
+        "top",
+    )
 
     def __init__(
         self,
@@ -96,120 +137,128 @@ class Slot:
         slo_s: float,
         speed: float,
         headroom: Headroom,
-        d_max: float,
     ) -> None:
         self.profile, self.rate, self.slo_s, self.speed = profile, rate, slo_s, speed
-        self.headroom, self.d_max = headroom, d_max
+        self.headroom = headroom
         self.a, self.beta = profile.a_s / speed, profile.beta_s / speed
-        self.k, self.top = headroom.k, profile.max_batch
+        self.top = min(profile.max_batch, STATES)
+        late, batch = self._chain(GRID)
+        self.theta = self._need(late)
+        self.curve = node_time(rate, self.a, self.beta, batch, GRID)
+        busy = self.curve / GRID
+        work = self.a + self.beta * np.maximum(batch, 1.0)
+        self.spread = rate / np.maximum(batch, 1.0) * work * work * (1 - busy) * headroom.burst
+        self.floor = self.time(self.theta) if self.theta <= 1 else math.inf
+        self.cell, self.part = locate(min(self.theta, 1.0))
 
-    def batch(self, d: float) -> int:
-        """The batch planned per cycle of ``d`` (the latency is sized for it)."""
-        mean = self.rate * d
-        b = math.ceil(mean + self.k * math.sqrt(mean) - EPS) if self.k else math.ceil(mean - EPS)
-        return 1 if b < 1 else (self.top if b > self.top else b)
+    def _chain(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return assess(theta, self.rate, self.a, self.beta, self.top, self.slo_s, self.headroom)
 
-    @property
-    def work(self) -> float:
-        """Seconds of batch time per second of traffic (``beta*r``)."""
-        return self.beta * self.rate
-
-    @property
-    def variance(self) -> float:
-        """Variance of its batch time per cycle, per second of cycle (Poisson-scaled)."""
-        return self.beta * self.beta * self.rate
-
-    def alone(self) -> float:
-        """Share of a node this copy takes alone (inf when it fits no cycle)."""
-        if self.d_max <= 0:
+    def _need(self, late: np.ndarray) -> float:
+        """The least share with the planned share of requests in time (inf: none)."""
+        allowed = self.headroom.late
+        bad = np.nonzero(late > allowed)[0]
+        if len(bad) == 0:
+            return float(GRID[0])
+        last = int(bad[-1])
+        if last == len(GRID) - 1:
             return math.inf
-        return load([self], self.d_max, self.headroom)
+        finer = np.geomspace(float(GRID[last]), float(GRID[last + 1]), REFINE + 2)[1:]
+        late = self._chain(finer)[0]
+        bad = np.nonzero(late > allowed)[0]
+        return float(finer[min(int(bad[-1]) + 1, REFINE)] if len(bad) else finer[0])
 
-    def floor(self) -> float:
-        """The least share it adds to any node it joins (its mean at its longest cycle)."""
-        if self.d_max <= 0:
-            return math.inf
-        return self.a / self.d_max + self.work
+    def time(self, theta: float) -> float:
+        """Share of the node the copy keeps busy when its batches run at ``theta``."""
+        return float(np.interp(theta, GRID, self.curve))
 
+    def variance(self, theta: float) -> float:
+        """Variance of that share per second (burstiness included)."""
+        return float(np.interp(theta, GRID, self.spread))
 
-def load(slots: Iterable[Slot], d: float, headroom: Headroom) -> float:
-    """Share of a cycle of ``d`` the copies keep the node busy, bursts included."""
-    overhead = work = variance = 0.0
-    for s in slots:
-        overhead += s.a
-        work += s.work
-        variance += s.variance
-    return share(overhead, work, variance, d, headroom.k)
-
-
-def share(overhead: float, work: float, variance: float, d: float, k: float) -> float:
-    """``(A + k*sqrt(V*d))/d + R`` for sums ``A`` of ``a``, ``R`` of ``beta*r``,
-    ``V`` of ``beta^2*r`` (scaled by ``cv^2`` through ``k``)."""
-    return (overhead + k * math.sqrt(variance * d)) / d + work
+    def batch(self, theta: float) -> int:
+        """The mean batch at ``theta``, rounded up (what the copy is planned to run)."""
+        busy = self.time(theta)
+        if busy <= 0 or self.rate <= 0:
+            return 1
+        per_request = busy / self.rate - self.beta
+        mean = self.a / per_request if per_request > 0 else self.top
+        return max(1, min(self.top, math.ceil(mean - 1e-6)))
 
 
-def longest_cycle(
-    a: float, beta: float, max_batch: int, rate: float, slo_s: float, headroom: Headroom
-) -> float:
-    """The longest ``d`` with ``b(d) <= max_batch`` and ``d + a + beta*b(d) <= L``.
-
-    For a batch ``K`` the cycles that keep the planned batch within ``K`` are
-    ``d <= window(K)`` (growing with ``K``) and the latency allows
-    ``d <= L - a - beta*K`` (shrinking), so the best ``K`` is where they cross:
-    a binary search.  Returns 0 when not even batch 1 fits."""
-
-    def value(k: int) -> float:
-        return min(headroom.window(rate, k), slo_s - a - beta * k)
-
-    lo, hi = 1, max_batch
-    if headroom.window(rate, hi) <= slo_s - a - beta * hi:
-        best = value(hi)
-    else:  # find the last K whose window is still below its latency room
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if headroom.window(rate, mid) <= slo_s - a - beta * mid:
-                lo = mid + 1
-            else:
-                hi = mid
-        best = max(value(lo), value(lo - 1) if lo > 1 else 0.0)
-    return best if best > 0 else 0.0
+def locate(theta: float) -> tuple[int, float]:
+    """The cell of :data:`GRID` that holds ``theta`` and where in it (linear interpolation
+    by hand: the packers interpolate at a few shares per try, where numpy's call
+    overhead would dominate)."""
+    cell = min(max(int(np.searchsorted(GRID, theta, side="right")) - 1, 0), len(GRID) - 2)
+    low, high = float(GRID[cell]), float(GRID[cell + 1])
+    return cell, min(max((theta - low) / (high - low), 0.0), 1.0)
 
 
+@lru_cache(maxsize=1 << 16)
 def size(
     profile: LatencyProfile, rate: float, slo_s: float, speed: float, headroom: Headroom
 ) -> Slot:
-    a, beta = profile.a_s / speed, profile.beta_s / speed
-    d_max = longest_cycle(a, beta, profile.max_batch, rate, slo_s, headroom)
-    return Slot(profile, rate, slo_s, speed, headroom, d_max)
+    """The copy sized (memoised: a chain costs milliseconds, and the packer, the
+    bounds and the baselines ask for the same copies again)."""
+    return Slot(profile, rate, slo_s, speed, headroom)
 
 
-def cycle(slots: Iterable[Slot]) -> tuple[float, float] | None:
-    """(duty cycle, share of it busy) of copies sharing one node, or None when they
-    do not fit one cycle."""
+def pressures(slots: Sequence[Slot], z: float) -> np.ndarray:
+    """The left-hand side of the fit rule (module docstring) for each copy."""
+    thetas = np.array([s.theta for s in slots])
+    cells = np.array([s.cell for s in slots])
+    parts = np.array([s.part for s in slots])
+    curves = np.array([s.curve for s in slots])  # (n, G)
+    spreads = np.array([s.spread for s in slots])
+    # [j, i]: copy i's node time (variance) at copy j's need
+    times = curves[:, cells].T * (1 - parts[:, None]) + curves[:, cells + 1].T * parts[:, None]
+    varis = spreads[:, cells].T * (1 - parts[:, None]) + spreads[:, cells + 1].T * parts[:, None]
+    busy = times.sum(axis=1) - np.diag(times)
+    variance = np.maximum(varis.sum(axis=1) - np.diag(varis), 0.0)
+    slos = np.array([s.slo_s for s in slots])
+    return thetas + busy + z * np.sqrt(variance / slos)
+
+
+def pressure(slots: Sequence[Slot], j: int, z: float) -> float:
+    """The left-hand side of the fit rule for ``slots[j]``."""
+    return float(pressures(slots, z)[j])
+
+
+def occupancy(slots: Iterable[Slot]) -> float:
+    """The largest pressure among copies sharing one node (inf: a copy fits no node);
+    they fit together when it is at most 1."""
     slots = list(slots)
     if not slots:
-        return 0.0, 0.0
-    d = min(s.d_max for s in slots)
-    if d <= 0:
-        return None
-    busy = load(slots, d, slots[0].headroom)
-    if busy > 1 + EPS:
-        return None
-    return d, busy
+        return 0.0
+    if any(s.theta > 1 for s in slots):
+        return math.inf
+    return float(pressures(slots, slots[0].headroom.z).max())
+
+
+def fits(slots: Iterable[Slot]) -> bool:
+    return occupancy(slots) <= 1 + EPS
 
 
 def full_rate(profile: LatencyProfile, slo_s: float, speed: float, headroom: Headroom) -> float:
     """The highest rate one copy serves with a node to itself (0: none).
 
-    Nexus's saturated copy runs batches of ``B = floor((L/2 - a)/beta)`` back to
-    back; searching the rate against the same feasibility rule the packer uses
-    gives that figure for mean planning and the right one under headroom."""
-    if size(profile, 0.0, slo_s, speed, headroom).d_max <= 0:
+    Found by bisection on the rate against the copy's own chain at the whole
+    node (``theta = 1``), the same rule the packer uses for a lone copy."""
+    a, beta = profile.a_s / speed, profile.beta_s / speed
+    top = min(profile.max_batch, STATES)
+    one = np.array([1.0])
+
+    def ok(rate: float) -> bool:
+        late, _ = assess(one, rate, a, beta, top, slo_s, headroom)
+        return bool(late[0] <= headroom.late)
+
+    if not ok(0.0):
         return 0.0
     lo, hi = 0.0, speed / profile.beta_s
-    for _ in range(60):
+    while hi - lo > 1e-4 * hi:
         mid = (lo + hi) / 2
-        if cycle([size(profile, mid, slo_s, speed, headroom)]) is not None:
+        if ok(mid):
             lo = mid
         else:
             hi = mid

@@ -6,9 +6,9 @@ functions over these types), the controller (which publishes a
 data with a JSON/MessagePack-friendly ``to_dict``/``from_dict``, so the same
 objects travel on the broker and sit in tests.
 
-Units: seconds, requests per second, bytes.  A node is one executor in the
-Nexus sense: it runs one batch at a time and cycles through the models placed
-on it once per duty cycle.
+Units: seconds, requests per second, bytes.  A node runs one dynamic batcher
+per model it hosts, and their batches share its cores
+(:mod:`cloud.placement.serving`).
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ class Copy:
     node: str
     backend: str
     rate: float  # requests per second this copy is planned for
-    batch: int  # planned batch size per duty cycle
-    duty_cycle_s: float  # the node's duty cycle
-    occupancy: float  # share of the node's time this copy uses
+    batch: int  # its mean batch at the share of the node it is planned to get
+    duty_cycle_s: float  # how long that batch runs at that share (its own batch cycle)
+    occupancy: float  # share of the node's time this copy keeps busy
     memory_bytes: int
     threads: int = 0
 
