@@ -13,12 +13,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
+from edge.core.normal import ppf
 from edge.core.quantile import Ewma, P2Quantile
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ class LatencyEstimator:
     def __init__(self, q: float = 0.95, alpha: float = 0.2) -> None:
         self._ewma = Ewma(alpha)
         self._q = P2Quantile(q)
-        self._z = NormalDist().inv_cdf(q)
+        self._z = ppf(q)
         self._log_mean: float | None = None
         self._log_var = 0.0
         self.last_update: float | None = None
@@ -101,14 +100,14 @@ class LatencyEstimator:
         """Track another quantile; the new tracker starts empty (reads fall back to the mean)."""
         if q != self._q.q:
             self._q = P2Quantile(q)
-            self._z = NormalDist().inv_cdf(q)
+            self._z = ppf(q)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], now: float, q: float | None = None) -> LatencyEstimator:
         e = cls()
         e._ewma = Ewma.from_dict(d["ewma"])
         e._q = P2Quantile.from_dict(d["q"])
-        e._z = NormalDist().inv_cdf(e._q.q)
+        e._z = ppf(e._q.q)
         if "log" in d:
             e._log_mean, e._log_var = d["log"][0], float(d["log"][1])
         if q is not None:
@@ -561,6 +560,8 @@ class Estimators:
         """Write the state file atomically (``data`` from :meth:`snapshot`, or taken now)."""
         path = Path(path)
         data = self.snapshot() if data is None else data
+        import tempfile  # only when saving: an agent's imports stay small on a device
+
         fd, tmp = tempfile.mkstemp(prefix=".estimates-", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
