@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 
 _MIN_RETRY_AFTER_S = 0.05
 _LONE = -1  # the index of the lone session in _dispatch/_finish
+#: in-place runs of tiny models allowed in one turn of the event loop
+IN_PLACE_PER_TURN = 4
 
 
 class DynamicBatcher:
@@ -125,6 +127,7 @@ class DynamicBatcher:
         self._threads: list[SessionThread] = []
         self._lone_thread: SessionThread | None = None
         self._held: list[int] = []  # instances held while the lone session runs
+        self._in_place_runs = 0  # in this loop turn
         self.lone_runs = 0
         self._queues: list[deque[_Request]] = [deque() for _ in range(self._levels)]
         self._deadlines: list[tuple[int, int, _Request]] = []
@@ -238,12 +241,28 @@ class DynamicBatcher:
         if deadline_ns is not None:
             heapq.heappush(self._deadlines, (deadline_ns, next(self._seq), req))
         self._set_depth(self._depth + 1)
-        # With every session busy only a new, earlier deadline needs the scheduler.
-        if self._idle or (
+        if self._depth == 1 and self._idle and not self._inflight and self._gate.allows(
+            input_bytes(inputs)
+        ):
+            # A tiny model with nothing running or queued: run it here rather than a loop
+            # turn later in the scheduler task (it answers before its caller suspends).
+            # Other models wake the scheduler, which batches all of this turn's arrivals.
+            self._schedule_now()
+        elif self._idle or (
+            # with every session busy only a new, earlier deadline needs the scheduler
             deadline_ns is not None and (self._timer_at is None or deadline_ns < self._timer_at)
         ):
             self._wake.set()
         return req
+
+    def _schedule_now(self) -> None:
+        try:
+            wake_at = self._schedule()
+        except Exception:  # as in _run: a bug here must not strand the queue
+            log.exception("%s: scheduler error; failing queued requests", self._name())
+            self._fail_queued(lambda: InternalError(f"{self._name()}: scheduler error"))
+            return
+        self._arm_timer(wake_at)
 
     def _shape_key(self, inputs: dict[str, np.ndarray]) -> tuple[int, tuple]:
         """Items in the request and what must match for requests to be concatenated."""
@@ -383,7 +402,7 @@ class DynamicBatcher:
         self._set_depth(self._depth - len(members))
         nbytes = sum(input_bytes(r.inputs) for r in members)
         lone_request = len(members) == 1 and not self._depth and not self._inflight
-        if lone_request and self._gate.allows(nbytes):
+        if lone_request and self._gate.allows(nbytes) and self._in_place_turn():
             index = self._idle.pop()
             self._inflight += 1
             self._activity.running += 1
@@ -409,6 +428,20 @@ class DynamicBatcher:
         self._threads[index].submit(
             execute, (self._sessions[index], members, self._stats, self._name()), done
         )
+
+    def _in_place_turn(self) -> bool:
+        """At most ``IN_PLACE_PER_TURN`` in-place runs per loop turn: a flood arriving at
+        once must not hold the loop run after run (past it, requests batch on a worker)."""
+        if self._in_place_runs >= IN_PLACE_PER_TURN:
+            return False
+        if not self._in_place_runs:
+            assert self._loop is not None
+            self._loop.call_soon(self._new_turn)
+        self._in_place_runs += 1
+        return True
+
+    def _new_turn(self) -> None:
+        self._in_place_runs = 0
 
     def _finish(
         self,

@@ -541,21 +541,26 @@ async def test_a_tiny_model_runs_lone_requests_on_the_loop_once_it_has_warmed_up
     await batcher.stop()
 
 
-async def test_a_burst_still_batches_on_the_worker_when_the_gate_is_open(linear):
+async def test_a_burst_runs_a_few_in_place_then_batches_on_the_worker(linear):
+    from cloud.batcher import IN_PLACE_PER_TURN
     from shared.runtimes.inline import WARMUP_RUNS
 
     recorded = ThreadRecordingSession(linear)
     batcher = await inline_batcher(recorded, inline_us=1e9)
     for _ in range(WARMUP_RUNS):
         await batcher.infer({"x": xs(1)})
-    inputs = [xs(1) for _ in range(5)]
+    loop_thread = threading.get_ident()
+    inputs = [xs(1) for _ in range(12)]
     results = await asyncio.wait_for(
         asyncio.gather(*(batcher.infer({"x": x}) for x in inputs)), timeout=10
     )
     for x, result in zip(inputs, results, strict=True):
         assert_linear(x, result)
-    assert recorded.sizes[WARMUP_RUNS:] == [5]  # one batch of all five
-    assert recorded.threads[-1] != threading.get_ident()
+    burst = list(zip(recorded.threads[WARMUP_RUNS:], recorded.sizes[WARMUP_RUNS:], strict=True))
+    on_loop = [size for thread, size in burst if thread == loop_thread]
+    on_worker = [size for thread, size in burst if thread != loop_thread]
+    assert on_loop == [1] * IN_PLACE_PER_TURN  # a flood does not hold the loop run after run
+    assert sum(on_worker) == 12 - IN_PLACE_PER_TURN and max(on_worker) > 1  # the rest batch
     await batcher.stop()
 
 
