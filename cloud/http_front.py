@@ -21,14 +21,14 @@ from cloud.dataplane import DataPlane
 from shared.aio.http_server import (
     Request,
     Response,
+    RoutedApp,
     Router,
+    add_model_routes,
     ferry_error_response,
-    http_error_response,
     json_response,
 )
 from shared.aio.v2http import decode_infer, encode_infer
-from shared.errors import FerryError, InvalidInput, PermissionDenied, Unauthenticated
-from shared.http.wire import HttpError
+from shared.errors import InvalidInput, PermissionDenied, Unauthenticated
 from shared.repository import parse_config_json, validate_model_name
 from shared.tensors import Limits
 from shared.tokens import Tokens, bearer, is_loopback
@@ -50,7 +50,7 @@ EXTENSIONS = [
 PRINCIPAL = "principal"
 
 
-class HttpFront:
+class HttpFront(RoutedApp):
     """Routes of the V2 protocol bound to one dataplane (an ``HttpApp``)."""
 
     def __init__(
@@ -77,27 +77,25 @@ class HttpFront:
         r.add("POST", "/v2/repository/models/{model}/load", self.load)
         r.add("POST", "/v2/repository/models/{model}/unload", self.unload)
         r.add("GET", "/v2/models/stats", self.stats)
-        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            r.add("GET", base, self.model_metadata)
-            r.add("GET", base + "/ready", self.model_ready)
-            r.add("GET", base + "/config", self.model_config)
-            r.add("GET", base + "/stats", self.stats)
-            r.add("POST", base + "/infer", self.infer)
+        add_model_routes(
+            r,
+            {
+                "": self.model_metadata,
+                "ready": self.model_ready,
+                "config": self.model_config,
+                "stats": self.stats,
+                "infer": self.infer,
+            },
+        )
         if metrics is not None:
             r.add("GET", "/metrics", self.render_metrics)
 
     # ---- HttpApp ----------------------------------------------------------------------------
-    def admit(self, request: Request) -> Response | None:
-        """Route, token, model and byte budget, from the head alone."""
-        try:
-            request.route, request.params = self.router.resolve(request.method, request.path)
-            self._authorize(request)
-            if request.route == self.infer:  # an unknown model is refused before its body
-                self.dataplane.check_servable(request.params["model"], request.params.get("version"))
-        except HttpError as exc:
-            return http_error_response(exc)
-        except FerryError as exc:
-            return ferry_error_response(exc)
+    def check(self, request: Request) -> Response | None:
+        """Token, unknown model and the node's byte budget, from the head alone."""
+        self._authorize(request)
+        if request.route == self.infer:  # an unknown model is refused before its body
+            self.dataplane.check_servable(request.params["model"], request.params.get("version"))
         if request.has_body:
             declared = request.content_length
             taken = declared if declared is not None else self.limits.max_body_bytes
@@ -105,12 +103,6 @@ class HttpFront:
                 return ferry_error_response(self.budget.overloaded(taken))
             request.state["taken"] = taken
         return None
-
-    async def handle(self, request: Request) -> Response:
-        try:
-            return await request.route(request)
-        except FerryError as exc:
-            return ferry_error_response(exc)
 
     def finished(self, request: Request) -> None:
         taken = request.state.pop("taken", 0)

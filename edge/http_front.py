@@ -28,14 +28,13 @@ from shared.aio.http_server import (
     HttpServer,
     Request,
     Response,
+    RoutedApp,
     Router,
     ServerOptions,
-    ferry_error_response,
-    http_error_response,
+    add_model_routes,
 )
 from shared.aio.v2http import decode_infer, encode_infer
-from shared.errors import FerryError, InvalidInput, PermissionDenied, Unauthenticated
-from shared.http.wire import HttpError
+from shared.errors import InvalidInput, PermissionDenied, Unauthenticated
 from shared.tensors import Limits
 from shared.tokens import Tokens, bearer
 
@@ -70,7 +69,7 @@ def _steering(params: dict[str, Any]) -> tuple[float | None, int | None, bool]:
     return deadline_ms, priority, deferrable
 
 
-class LocalApi:
+class LocalApi(RoutedApp):
     """The V2 routes bound to one agent (an ``HttpApp`` for the HTTP server)."""
 
     def __init__(
@@ -88,32 +87,21 @@ class LocalApi:
         r.add("GET", "/v2/deferred/{request_id}", self.deferred)
         r.add("POST", "/v2/repository/index", self.repository_index)
         r.add("GET", "/v2/models/stats", self.stats)
-        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            r.add("GET", base, self.model_metadata)
-            r.add("GET", base + "/ready", self.model_ready)
-            r.add("GET", base + "/config", self.model_config)
-            r.add("GET", base + "/stats", self.stats)
-            r.add("POST", base + "/infer", self.infer)
+        add_model_routes(
+            r,
+            {
+                "": self.model_metadata,
+                "ready": self.model_ready,
+                "config": self.model_config,
+                "stats": self.stats,
+                "infer": self.infer,
+            },
+        )
 
     # ---- HttpApp ------------------------------------------------------------------------
-    def admit(self, request: Request) -> Response | None:
-        try:
-            request.route, request.params = self.router.resolve(request.method, request.path)
-            if self.tokens is not None:
-                self._authorize(request, self.tokens)
-        except HttpError as exc:
-            return http_error_response(exc)
-        except FerryError as exc:
-            return ferry_error_response(exc)
-        return None
-
-    async def handle(self, request: Request) -> Response:
-        try:
-            return await request.route(request)
-        except FerryError as exc:
-            return ferry_error_response(exc)
-
-    def finished(self, request: Request) -> None:
+    def check(self, request: Request) -> Response | None:
+        if self.tokens is not None:
+            self._authorize(request, self.tokens)
         return None
 
     @staticmethod

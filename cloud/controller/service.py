@@ -31,17 +31,9 @@ from cloud.controller.metrics import render_controller_metrics
 from cloud.fleet.follower import STATUS_PATTERN
 from cloud.fleet.view import decode_document
 from cloud.mqtt_front import new_client
-from shared.aio.http_server import (
-    HttpServer,
-    Request,
-    Response,
-    Router,
-    http_error_response,
-    json_response,
-)
+from shared.aio.http_server import HttpServer, Request, Response, RoutedApp, Router, json_response
 from shared.aio.mqtt import MqttClient
 from shared.errors import ConfigError, FerryError
-from shared.http.wire import HttpError
 from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, node_from_status_topic
 from shared.mqtt.codec import Publish, Will
 
@@ -60,7 +52,7 @@ class ControllerOptions:
     http_port: int | None = 8001  # None: no HTTP endpoint
 
 
-class ControllerService:
+class ControllerService(RoutedApp):
     def __init__(self, core: ControllerCore, options: ControllerOptions) -> None:
         self.core = core
         self.options = options
@@ -68,10 +60,10 @@ class ControllerService:
         self._published_once = False
         self._alerts_key = ""
         self._http: HttpServer | None = None
-        self._router = Router()
-        self._router.add("GET", "/metrics", self._metrics)
-        self._router.add("GET", "/fleet", self._fleet)
-        self._router.add("GET", "/v2/health/live", self._live)
+        self.router = Router()
+        self.router.add("GET", "/metrics", self._metrics)
+        self.router.add("GET", "/fleet", self._fleet)
+        self.router.add("GET", "/v2/health/live", self._live)
         self.http_port: int | None = None
 
     async def start(self) -> None:
@@ -166,20 +158,7 @@ class ControllerService:
         if node:
             self.core.on_status(node, document)
 
-    # ---- HTTP (an HttpApp: /metrics, /fleet, /v2/health/live) -------------------------------
-    def admit(self, request: Request) -> Response | None:
-        try:
-            request.route, request.params = self._router.resolve(request.method, request.path)
-        except HttpError as exc:
-            return http_error_response(exc)
-        return None
-
-    async def handle(self, request: Request) -> Response:
-        return await request.route(request)
-
-    def finished(self, request: Request) -> None:
-        return None
-
+    # ---- HTTP (a RoutedApp: /metrics, /fleet, /v2/health/live) ------------------------------
     async def _metrics(self, request: Request) -> Response:
         body, content_type = render_controller_metrics(self.core)
         return Response(200, body, content_type=content_type)

@@ -50,6 +50,23 @@ class Fit:
     score: tuple
 
 
+#: what :meth:`Bin.add` changes, saved so that :meth:`Bin.pop` undoes it exactly
+_UNDO = (
+    "memory",
+    "occupancy",
+    "floor",
+    "thetas",
+    "slos",
+    "busy",
+    "spread",
+    "cells",
+    "parts",
+    "total",
+    "total_spread",
+    "peak",
+)
+
+
 @dataclass(eq=False)
 class Bin:
     """A node and its copies, with the sums that make one more copy cheap to try.
@@ -129,22 +146,7 @@ class Bin:
 
     def add(self, item: Item, fit: Fit) -> None:
         slot = fit.slot
-        self._saved.append(
-            (
-                self.memory,
-                self.occupancy,
-                self.floor,
-                self.thetas,
-                self.slos,
-                self.busy,
-                self.spread,
-                self.cells,
-                self.parts,
-                self.total,
-                self.total_spread,
-                self.peak,
-            )
-        )
+        self._saved.append(tuple(getattr(self, name) for name in _UNDO))
         z = slot.headroom.z
         own_busy = _one(self.total, slot.cell, slot.part)
         own_spread = _one(self.total_spread, slot.cell, slot.part)
@@ -171,20 +173,8 @@ class Bin:
         """Undo the last :meth:`add` exactly."""
         item, _, _ = self.entries.pop()
         self.names.discard(item.name)
-        (
-            self.memory,
-            self.occupancy,
-            self.floor,
-            self.thetas,
-            self.slos,
-            self.busy,
-            self.spread,
-            self.cells,
-            self.parts,
-            self.total,
-            self.total_spread,
-            self.peak,
-        ) = self._saved.pop()
+        for name, value in zip(_UNDO, self._saved.pop(), strict=True):
+            setattr(self, name, value)
 
     def remove(self, item: Item) -> None:
         kept = [e for e in self.entries if e[0] is not item]

@@ -507,6 +507,45 @@ class HttpServer:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+class RoutedApp:
+    """An :class:`HttpApp` over a :class:`Router`: ``admit`` resolves the route (and
+    calls :meth:`check`, where a subclass refuses from the head), ``handle`` runs it
+    and turns a Ferry error into its answer.  Both tiers' V2 fronts are one."""
+
+    router: Router
+
+    def admit(self, request: Request) -> Response | None:
+        try:
+            request.route, request.params = self.router.resolve(request.method, request.path)
+            return self.check(request)
+        except HttpError as exc:
+            return http_error_response(exc)
+        except FerryError as exc:
+            return ferry_error_response(exc)
+
+    def check(self, request: Request) -> Response | None:
+        """What may be refused from the head, once routed (raise or return a refusal)."""
+        return None
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            return await request.route(request)
+        except FerryError as exc:
+            return ferry_error_response(exc)
+
+    def finished(self, request: Request) -> None:
+        return None
+
+
+def add_model_routes(router: Router, handlers: dict[str, Any]) -> None:
+    """The V2 per-model routes, with and without a version: ``""`` (metadata), ``ready``,
+    ``config``, ``stats`` and ``infer`` (POST), each where ``handlers`` has one."""
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        for suffix, handler in handlers.items():
+            method = "POST" if suffix == "infer" else "GET"
+            router.add(method, f"{base}/{suffix}" if suffix else base, handler)
+
+
 class Router:
     """Paths like ``/v2/models/{model}/versions/{version}/infer`` to handlers, by method.
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import sys
 from collections import deque
 
+from shared.buffered import FeedsBuffers
+
 #: where heads (and small bodies) are read; a large body is read straight into its own
 #: buffer, so what arrives with a head is copied twice at most this much
 _SCRATCH = 16 * 1024
@@ -159,7 +161,7 @@ def _content_length(head: Head) -> int | None:
     return int(raw)
 
 
-class _Reader:
+class _Reader(FeedsBuffers):
     """The part both parsers share: a head, then a body of known length, chunked, or to EOF."""
 
     def __init__(
@@ -210,15 +212,6 @@ class _Reader:
         self._buf += self._view[:nbytes]
         self._advance()
 
-    def feed(self, data: bytes) -> None:
-        """Take ``data`` as if it had been read into the buffers (tests, other shells)."""
-        view = memoryview(data)
-        while view:
-            target = self.get_buffer()
-            n = min(len(target), len(view))
-            target[:n] = view[:n]
-            self.buffer_updated(n)
-            view = view[n:]
 
     def skip_body(self) -> bool:
         """Drop the body of the message being read (it was refused from its head) and go

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from shared.buffered import FeedsBuffers
 from shared.mqtt.codec import MAX_VBI, MalformedPacket
 
 #: bodies at least this long get a buffer of their own (no copy)
@@ -40,7 +41,7 @@ class Oversized:
         self.length = length
 
 
-class PacketFramer:
+class PacketFramer(FeedsBuffers):
     def __init__(self, max_packet: int, keep_head: int = 64 * 1024) -> None:
         if max_packet < 2:
             raise ValueError("max_packet must allow a packet")
@@ -86,15 +87,6 @@ class PacketFramer:
         self._partial += self._view[:nbytes]
         self._cut()
 
-    def feed(self, data: bytes) -> None:
-        """Take ``data`` as if it had been read into the buffers (tests, other shells)."""
-        view = memoryview(data)
-        while view:
-            target = self.get_buffer()
-            n = min(len(target), len(view))
-            target[:n] = view[:n]
-            self.buffer_updated(n)
-            view = view[n:]
 
     # ---- cutting ----------------------------------------------------------------------------
     def _cut(self) -> None:

@@ -1,0 +1,29 @@
+"""Feeding bytes to a parser shaped like ``asyncio.BufferedProtocol`` (sans-IO).
+
+:class:`shared.http.wire` and :class:`shared.mqtt.framing` parsers hand out
+the buffer the next bytes should land in (a body's own buffer, once its
+length is known); this mixin lets tests and other shells push plain bytes
+through the same path.
+"""
+
+from __future__ import annotations
+
+
+class FeedsBuffers:
+    """``feed(data)`` for a class with ``get_buffer()`` and ``buffer_updated(n)``."""
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def buffer_updated(self, nbytes: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def feed(self, data: bytes) -> None:
+        """Take ``data`` as if it had been read into the buffers handed out."""
+        view = memoryview(data)
+        while view:
+            target = self.get_buffer()
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            self.buffer_updated(n)
+            view = view[n:]
