@@ -116,3 +116,6 @@ class SessionThread:
                 self._loop.call_soon_threadsafe(done, result, error)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 return
+            # Let go of this run while waiting for the next: the requests it held (and the
+            # body buffers their tensors view) must be free to be reused or released now.
+            del item, fn, args, done, result, error
