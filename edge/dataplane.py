@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -237,7 +237,7 @@ class EdgeDataPlane:
         # The app's id is echoed back but never used inside: apps reuse ids
         # ("1"), and the MQTT correlation, the deferred store and the cloud's
         # idempotency cache all need one unique per request.
-        client_id, request.id = request.id, uuid.uuid4().hex
+        client_id, request.id = request.id, os.urandom(16).hex()  # a fresh id (uuid4's bits)
         # The id is also the cloud's idempotency key on every offload (HTTP and MQTT):
         # a resend of this request is answered once, never run twice.
         request.parameters = {**request.parameters, "idempotency_key": request.id}

@@ -7,7 +7,6 @@ the tensors, and on a device aiohttp's import alone cost ~13 MiB.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import ssl
 import time
@@ -67,12 +66,10 @@ class HttpTransport:
     ) -> ClientResponse:  # fmt: skip
         if self._client is None:
             raise EndpointUnavailable("HTTP transport not started")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if deadline <= time.monotonic():
             raise DeadlineExceeded(f"deadline passed before {what} was sent")
         try:
-            async with asyncio.timeout(remaining):
-                return await self._client.request(method, path, body, headers or ())
+            return await self._client.request(method, path, body, headers or (), deadline=deadline)
         except TimeoutError:
             raise DeadlineExceeded(f"no reply to {what} within the deadline") from None
         except OSError as exc:
