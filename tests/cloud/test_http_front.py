@@ -13,7 +13,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.cloud.conftest import IDENTITY_TYPES
-from tests.support import linear_reference, write_linear_model
+from tests.support import cloud_server, linear_reference, write_linear_model, write_slow_model
 
 
 def _host(server) -> str:
@@ -112,31 +112,39 @@ def test_versions_serve_their_own_weights(server, tmp_path):
     assert latest["model_version"] == "2"
 
 
-def test_concurrent_clients_are_merged_into_batches(server):
-    """Asserted from the statistics extension, not from timing."""
-    host = _host(server)
+def test_concurrent_clients_queued_behind_a_run_are_merged_into_batches(tmp_path):
+    """Asserted from the statistics extension, not from timing.
 
-    def one(i: int) -> None:
-        client = triton.InferenceServerClient(host)
-        inp = triton.InferInput("x", [1, 4], "FP32")
-        inp.set_data_from_numpy(np.full((1, 4), i, np.float32))
-        client.infer("linear", [inp], model_version="1")
-
-    before = triton.InferenceServerClient(host).get_inference_statistics("linear", "1")[
-        "model_stats"
-    ][0]
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(one, range(64)))
-    after = triton.InferenceServerClient(host).get_inference_statistics("linear", "1")[
-        "model_stats"
-    ][0]
-    requests = (
-        after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
+    A tiny model answers a lone request in place, so batches only form from
+    requests that arrive while a run is going: the model here takes ~100 ms a
+    run, long enough that 16 concurrent clients must queue behind it.
+    """
+    write_slow_model(tmp_path / "slow" / "1" / "model.onnx")
+    (tmp_path / "slow" / "config.toml").write_text(
+        "max_batch_size = 16\n[dynamic_batching]\nmax_queue_delay_us = 1000\n"
+        "[runtime]\nthreads = 1\n"
     )
-    executions = after["execution_count"] - before["execution_count"]
-    assert requests == 64
-    assert executions < requests
-    assert any(b["batch_size"] > 1 for b in after["batch_stats"])
+    proc = cloud_server(tmp_path, "--node", "batching").start()
+    try:
+        host = _host(proc)
+
+        def one(i: int) -> np.ndarray:
+            client = triton.InferenceServerClient(host, network_timeout=60)
+            inp = triton.InferInput("x", [1, 4], "FP32")
+            inp.set_data_from_numpy(np.full((1, 4), i, np.float32))
+            return client.infer("slow", [inp]).as_numpy("y")
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(one, range(32)))
+        stats = triton.InferenceServerClient(host).get_inference_statistics("slow")
+        model = stats["model_stats"][0]
+    finally:
+        proc.terminate()
+    for i, y in enumerate(answers):
+        np.testing.assert_allclose(y, np.full((1, 4), i, np.float32), rtol=1e-3, atol=1e-6)
+    assert model["inference_stats"]["success"]["count"] == 32
+    assert model["execution_count"] < 32
+    assert any(b["batch_size"] > 1 for b in model["batch_stats"])
 
 
 def test_repository_load_unload_while_another_model_serves(server, test_repository):
