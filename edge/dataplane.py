@@ -320,20 +320,25 @@ class EdgeDataPlane:
     ) -> tuple[Action, InferResponse | None, InferResponse | None]:
         """Run locally and offload at once; the first answer goes back, the other teaches.
 
+        A race (``hedge.local_at``) starts the local run only when it is due,
+        or when the offload fails before then, unless the cloud answered first.
         Returns the flow's answer with the local and cloud responses so far;
         the half still running is awaited in the background (it ends by the
         offload's give-up time) and its outcome fed to the flow.
         """
         offload = hedge.offload
         transport = self.transports[offload.option.transport or ""]
-        local_t = asyncio.create_task(self._run_local(flow, request))
         cloud_t = asyncio.create_task(
             transport.infer(offload.cloud_model, request, offload.give_up_at)
         )
+        local_t: asyncio.Task[Any] | None = None
+        due = hedge.local_at  # a race's local run, not started yet
+        if due is None:
+            local_t = asyncio.create_task(self._run_local(flow, request))
         local_answer: InferResponse | None = None
         cloud: InferResponse | None = None
         local_error: BaseException | None = None
-        pending: set[asyncio.Task[Any]] = {local_t, cloud_t}
+        pending: set[asyncio.Task[Any]] = {cloud_t} if local_t is None else {local_t, cloud_t}
 
         def hand_over(tasks: set[asyncio.Task[Any]]) -> None:
             # What still runs (or ended in the same tick) is learnt from when it ends.
@@ -343,11 +348,20 @@ class EdgeDataPlane:
                 rest.add_done_callback(self._background.discard)
 
         while pending:
+            timeout = None if due is None else max(due - time.monotonic(), 0.0)
             try:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, pending = await asyncio.wait(
+                    pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
             except asyncio.CancelledError:
                 hand_over(pending)  # the caller left; the halves still teach
                 raise
+            if not done:  # the race's local run is due
+                due = None
+                if flow.race_due(time.monotonic()) is not None:
+                    local_t = asyncio.create_task(self._run_local(flow, request))
+                    pending.add(local_t)
+                continue
             ordered = sorted(done, key=lambda t: t is not local_t)  # local first on a tie
             for k, task in enumerate(ordered):
                 action: Action | None = None
@@ -358,6 +372,10 @@ class EdgeDataPlane:
                         action = flow.local_done(time.monotonic(), seconds)
                 else:
                     action, cloud = self._hedged_reply(flow, task)
+                    if isinstance(action, RunLocal):  # a race's cloud failed first
+                        due, action = None, None
+                        local_t = asyncio.create_task(self._run_local(flow, request))
+                        pending.add(local_t)
                 if action is not None:
                     hand_over(pending | set(ordered[k + 1 :]))
                     return action, local_answer, cloud

@@ -32,6 +32,8 @@ from edge.core.breaker import CircuitBreaker
 from edge.core.energy import RadioState, local_energy_j, wake_energy_j
 from edge.core.estimators import Estimators, signal_factor
 from edge.core.policy import (
+    FALLBACK_MIN_RESERVE_S,
+    FALLBACK_RESERVE,
     LOCAL,
     Context,
     Decision,
@@ -110,6 +112,9 @@ class Hedge:
 
     local: RunLocal
     offload: Offload
+    # A race: the local run starts only at this time (call RequestFlow.race_due
+    # then), or when the offload fails first; None runs it at once.
+    local_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +173,7 @@ class RequestFlow:
         "_fallback",
         "_hedging",
         "_local_option",
+        "_local_started",
         "_reason",
         "_was_fallback",
         "batch",
@@ -221,6 +227,7 @@ class RequestFlow:
         self._reason = ""
         self._was_fallback = False
         self._hedging = self._answered = False
+        self._local_started = True  # False while a race's local run waits for its time
         self.wants_confidence = mode == "cascade"
 
     # -- the context the policy reads --------------------------------------------
@@ -286,6 +293,8 @@ class RequestFlow:
         local = options[0] if options and options[0].transport is None else None
         if decision.hedge and local is not None and mp.local_model is not None:
             return self._hedge(now, choice, local, decision.reason)
+        if choice.race_s is not None and local is not None and mp.local_model is not None:
+            return self._hedge(now, choice, local, decision.reason, now + choice.race_s)
         if local is None and self.mode == "cloud":
             # Cloud by choice, but a local variant still beats an error when the cloud fails.
             local = self.policy.local_option(mp)
@@ -304,22 +313,49 @@ class RequestFlow:
         give_up = now + max(DEFERRED_SEND_S, 3 * choice.latency_q_s)
         return Offload(choice, self.mp.cloud_model, give_up, "deferred")
 
-    def _hedge(self, now: float, choice: Option, local: Option, reason: str) -> Hedge:
+    def _hedge(
+        self, now: float, choice: Option, local: Option, reason: str, local_at: float | None = None
+    ) -> Hedge:
         assert choice.transport is not None and self.mp.cloud_model is not None
-        run = self._run_local(local, reason)
+        run = self._run_local(local, reason, local_at is not None and local_at > now)
         self.core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback, self._hedging = choice, None, True
+        self._local_started = local_at is None or local_at <= now
+        if self._local_started:
+            local_at = None
         # The attempt runs its course (to the deadline): what it teaches is its point.
-        return Hedge(run, Offload(choice, self.mp.cloud_model, self.deadline, reason))
+        return Hedge(run, Offload(choice, self.mp.cloud_model, self.deadline, reason), local_at)
+
+    def race_due(self, now: float) -> RunLocal | None:
+        """A race's local run is due (its ``local_at``): the run, unless already answered."""
+        self.core._journal(("race_due", self.id, now))
+        if self._answered or self._local_started:
+            return None
+        self._local_started = True
+        attempt = self._attempt
+        assert attempt is not None
+        waited = (now - self.began) * 1000.0
+        why = f"{attempt.name}: no reply in {waited:.0f} ms, the local run races it"
+        return self._run_local(self._local_option, why, self._was_fallback)
 
     def _run_local(self, option: Option | None, reason: str, fallback: bool = False) -> RunLocal:
         # What the local answer will carry, kept for local_done.
         self._local_option, self._reason, self._was_fallback = option, reason, fallback
         return RunLocal(option, reason, fallback)
 
-    def _offload(self, now: float, choice: Option, local: Option | None, reason: str) -> Offload:
+    def _offload(
+        self, now: float, choice: Option, local: Option | None, reason: str
+    ) -> Offload | Hedge:
         assert choice.transport is not None and self.mp.cloud_model is not None
         give_up, local = fallback_plan(now, self.deadline, local, choice)
+        if local is not None and self.mp.local_model is not None:
+            # The local run starts when it must to make the deadline, and the offload
+            # is not abandoned then: it races the local run, and a late reply still
+            # answers if it comes first (an abandoned one is a wasted upload).  With
+            # nothing given up, the cloud's trusted tail need not delay the local run.
+            due = self.deadline - max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
+            if now < due < self.deadline:
+                return self._hedge(now, choice, local, reason, min(due, give_up))
         self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial
         self._attempt = choice
         self._fallback = local if self.mp.local_model is not None else None
@@ -343,7 +379,9 @@ class RequestFlow:
             assert attempt is not None
             extra.update(hedged=True, bytes_attempted=attempt.up_bytes)
             energy += attempt.energy_j
-            return Answer(LOCAL, self._local_option, self._reason, False, energy, 0, 0, extra)
+            return Answer(
+                LOCAL, self._local_option, self._reason, self._was_fallback, energy, 0, 0, extra
+            )
         attempt = self._attempt
         if attempt is not None:
             # The failed offload kept the radio on and sent bytes a metered link bills.
@@ -408,8 +446,11 @@ class RequestFlow:
                 return None  # the local run answered first: this reply only taught
             self._answered = True
             local = self._local_option
-            energy += local.energy_j if local is not None else 0.0
-            extra["hedged"] = True
+            if self._local_started:
+                energy += local.energy_j if local is not None else 0.0
+                extra["hedged"] = True
+            else:
+                extra["raced"] = True  # the cloud was in before the local run was due
         if self._cascade_local is not None:
             energy += self._cascade_local.energy_j
             extra["confidence"] = self._cascade_local.extra.get("confidence")
@@ -428,6 +469,11 @@ class RequestFlow:
         else:
             core.learn_failure(choice, self.mp.cloud_model or self.model, error, self.began, now)
         if self._hedging:
+            if not self._local_started and not self._answered:
+                # A race's cloud half failed before the local run was due: run it now.
+                self._local_started = True
+                why = f"{choice.name} failed ({error.code.value}: {error.message})"
+                return self._run_local(self._local_option, why, True)
             return None  # the local run answers (or has answered)
         why = f"{choice.name} failed ({error.code.value}: {error.message})"
         if self._cascade_local is None and isinstance(error, InvalidInput):
@@ -753,6 +799,8 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
             )
         elif kind == "offload_failed":
             flows[event[1]].offload_failed(event[2], error_from_code(event[3], event[4]))
+        elif kind == "race_due":
+            flows[event[1]].race_due(event[2])
         elif kind == "link":
             core.link_changed(event[1], event[2], event[3], event[4])
         elif kind == "warmed":

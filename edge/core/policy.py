@@ -97,6 +97,10 @@ class Option:
     p_fail: float = 0.0  # P(no reply) from the link's recent attempts
     strict_s: float | None = None  # strict_latency_s, once computed
     tail_s: float | None = None  # the radio tail it opens, at the request rate
+    # An offload raced against the local run (see Policy._race): the local run
+    # starts this many seconds after the decision unless the cloud has answered.
+    race_s: float | None = None
+    premium: float = 0.0  # what the race adds to the cost at the belief's median
 
 
 @dataclass(slots=True)
@@ -242,7 +246,7 @@ def exploration_value(o: Option, best_cost: float) -> tuple[float, float]:
     if slope <= 0 or sigma <= 0 or o.rate_bps <= 0:
         return 0.0, 0.0
     x_m = 1.0 / o.rate_bps
-    x_star = x_m - (o.cost - best_cost) / slope  # break-even 1/rate
+    x_star = x_m - (o.cost - o.premium - best_cost) / slope  # break-even 1/rate
     if x_star <= 0:
         return 0.0, 0.0  # even an infinitely fast link would not win
     d = math.log(x_star / x_m) / sigma
@@ -454,7 +458,12 @@ class Policy:
             if o.feasible and o.latency_q_s > ctx.deadline_s:
                 o.feasible, o.reason = False, "deadline"
             elif o.feasible and local is not None and o.transport is not None:
-                if not _safe_without_fallback(o, ctx.deadline_s) and not _fallback_fits(
+                due = ctx.deadline_s - max(
+                    local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S
+                )
+                if due > 0.0 and not low_battery:
+                    o.race_s = due
+                elif not _safe_without_fallback(o, ctx.deadline_s) and not _fallback_fits(
                     o, local, ctx.deadline_s
                 ):
                     o.feasible, o.reason = False, NO_ROOM
@@ -467,6 +476,12 @@ class Policy:
                     + w.data_mb * (o.up_bytes + o.down_bytes) / 1e6
                     + w.money * o.money
                 )
+                if o.race_s is not None:
+                    assert local is not None
+                    self._race(o, local, ctx.deadline_s)
+                    if o.feasible and (best is None or o.cost < best.cost):
+                        best = o
+                    continue
                 if o.p_fail and local is not None:
                     # A lost reply costs the wait until giving up, then the local run.
                     o.cost += o.p_fail * (w.latency_s * o.latency_q_s + local.cost)
@@ -528,8 +543,11 @@ class Policy:
             run = min(p_next / max(1.0 - p_next, 1e-9), horizon_requests(rate))
             price, hedge = o.cost - best.cost, False
             if not _fallback_fits(o, best, ctx.deadline_s):  # best: a feasible local run
-                # No room to fall back after it: hedge, running locally meanwhile.
-                price, hedge = self._hedge_price(o, best, best), True
+                # No room to fall back after it: hedge, running locally meanwhile,
+                # unless racing the local run (o.cost prices that) is cheaper.
+                hedged = self._hedge_price(o, best, best)
+                if o.race_s is None or hedged < price:
+                    price, hedge = hedged, True
             if saving * run <= price:
                 continue
             if pick is None or saving * run - price > pick[0]:
@@ -567,7 +585,7 @@ class Policy:
             # Even an infinitely fast link saves at most this per request: if that
             # cannot repay the price, the belief's details do not matter.
             if o.rate_bps > 0:
-                ceiling = best.cost - o.cost + o.cost_per_inv_bps / o.rate_bps
+                ceiling = best.cost - o.cost + o.premium + o.cost_per_inv_bps / o.rate_bps
                 if ceiling * horizon <= price:
                     continue
             p_better, saving = exploration_value(o, best.cost)
@@ -580,9 +598,9 @@ class Policy:
                 # may crawl past the time to give up on it), it is taken too.
                 hedged = self._hedge_price(o, local, best)
                 room = _fallback_fits(o, local, ctx.deadline_s)
-                if room:
+                if room and o.race_s is None:
                     price = self._plain_price(o, local, best, ctx.deadline_s)
-                if hedged < price or not room:
+                if hedged < price or not (room or o.race_s is not None):
                     price, hedge = hedged, True
             if value <= price:
                 continue
@@ -598,6 +616,53 @@ class Policy:
             f"{pick[0] + price:.4g} over {horizon:.0f} requests > price {price:.4g}"
         )
         return Decision(o, options, why, hedge)
+
+    def _race(self, o: Option, local: Option, deadline_s: float) -> None:
+        """Price ``o`` as a race against the local run (``o.race_s`` set); set its cost.
+
+        With a local run that makes the deadline, that run is the promise: it
+        starts at ``o.race_s``, the latest moment that still makes the
+        deadline, unless the cloud has answered by then, and the first answer
+        wins; the offload is never abandoned for it (a late reply that comes
+        first still answers).  Ruling out an offload whose tail is not trusted
+        leaves a lossy link's every fast reply unused, hedging at once pays the
+        local run every time, and giving up on a reply at the local run's start
+        wastes the upload.  So the race costs the cloud's answer when it is in
+        time (P from the rate belief), the local run's energy beside a reply
+        that comes near its tail when it is late, and the local answer after
+        the wait when the reply is lost (the link's recent losses); the radio
+        stays on while the attempt goes on.
+        """
+        w = self.config.weights
+        due = o.race_s if o.race_s is not None else 0.0
+        base = o.cost  # the cloud's cost at the belief's median, its losses not yet priced
+        lat = o.latency_s
+        window = due - (lat - o.bottleneck_s)
+        if window <= 0.0:
+            p_late = 1.0
+        elif o.bottleneck_s <= 0.0 or o.rate_sigma <= 0.0:
+            p_late = 0.0 if o.bottleneck_s <= window else 1.0
+        else:
+            p_late = _phi(math.log(o.bottleneck_s / window) / o.rate_sigma)
+        radio_w = 0.0  # cost per second of keeping the radio on
+        if o.bottleneck_s > 0.0 and o.rate_bps > 0.0:
+            per_s = o.cost_per_inv_bps / (o.bottleneck_s * o.rate_bps)
+            if per_s > w.latency_s:
+                radio_w = per_s - w.latency_s
+        local_j = w.energy_j * local.energy_j
+        answer_by = due + local.latency_s  # the local answer, if nothing came before
+        cost = base
+        if p_late > 0.0:
+            tail = o.latency_q_s if o.latency_q_s > due else due
+            slow = tail if tail < answer_by else answer_by
+            late = base + (w.latency_s + radio_w) * (slow - lat) + local_j
+            cost += p_late * (late - base)
+        if o.p_fail > 0.0:
+            on = deadline_s - lat if deadline_s > lat else 0.0
+            lost = base + w.latency_s * (answer_by - lat) + local_j + radio_w * on
+            cost += o.p_fail * (lost - cost)
+        o.cost = cost
+        o.premium = cost - base  # what the race costs beyond the median (exploration)
 
     def _plain_price(self, o: Option, local: Option, best: Option, deadline_s: float) -> float:
         """What offloading ``o`` alone costs beyond ``best``, its crawl risk included.
@@ -630,7 +695,8 @@ class Policy:
         most the local run's: the hedge costs the local run plus everything of
         the offload but its latency (radio energy, bytes, money).
         """
-        return local.cost + o.cost - self.config.weights.latency_s * o.latency_s - best.cost
+        base = o.cost - o.premium
+        return local.cost + base - self.config.weights.latency_s * o.latency_s - best.cost
 
     def cascade_offload(self, model: str, confidence: float) -> bool:
         """Sedna-style joint inference: offload when the local top-1 is unsure."""

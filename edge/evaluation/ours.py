@@ -136,7 +136,11 @@ class _Replay:
         if action is None:
             return  # a hedge's other half: what it taught is learnt, the answer stands
         if isinstance(action, Hedge):
-            self.step(i, t, flow, action.local, now, spent)
+            at = action.local_at
+            if at is None:
+                self.step(i, t, flow, action.local, now, spent)
+            else:  # a race: the local run is due at ``at`` unless answered by then
+                self.at(at, lambda: self.step(i, t, flow, flow.race_due(at), at, spent))
             self.step(i, t, flow, action.offload, now, spent)
         elif isinstance(action, RunLocal):
             compute = float(sim.local_s[i])

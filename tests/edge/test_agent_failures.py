@@ -108,9 +108,9 @@ async def test_a_cloud_only_choice_still_falls_back_to_its_local_variant(
         answer = await agent.infer("lin", {"x": X}, deadline_ms=1500)
         elapsed = time.monotonic() - t
     p = answer.parameters
-    assert p["where"] == "local" and p["fallback"] is True and "deadline_exceeded" in p["decision"]
+    assert p["where"] == "local" and p["fallback"] is True and "no reply in" in p["decision"]
     assert p["bytes_attempted"] > X.nbytes
-    assert elapsed < 1.5  # the cloud was given up on in time to answer locally
+    assert elapsed < 1.5  # the local run started in time to answer by the deadline
     assert answer.outputs[0].data.shape == (1, 3)
 
 

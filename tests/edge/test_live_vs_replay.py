@@ -114,11 +114,10 @@ async def test_the_live_agent_and_the_replay_make_every_decision_alike(tmp_path,
     assert "local" in where and "cloud-http" in where
 
 
-async def test_a_hedged_exploration_answers_first_and_the_replay_agrees(
-    tmp_path, edge_repos, cloud
-):
+async def test_a_raced_offload_answers_first_and_the_replay_agrees(tmp_path, edge_repos, cloud):
     # A 400 ms local run and a 700 ms deadline: an unmeasured link leaves no room to
-    # fall back after an offload, so the agent explores it beside a local run.
+    # fall back after an offload, so the agent races it against a local run that
+    # starts when it must for the deadline (or at once, hedged).
     x = np.ones((1, 4), np.float32)
     journalled = _journalled_agent(
         tmp_path,
@@ -137,10 +136,9 @@ async def test_a_hedged_exploration_answers_first_and_the_replay_agrees(
         live, events = list(core.decisions), list(core.events)
 
     params = [a.parameters for a in answers]
-    hedged = [p for p in params if p.get("hedged")]
-    assert hedged and any(p["where"] == "cloud-http" for p in hedged)  # the cloud won a race
+    raced = [p for p in params if p.get("hedged") or p.get("raced")]
+    assert raced and any(p["where"] == "cloud-http" for p in raced)  # the cloud won a race
     assert all(p["latency_ms"] < 700 for p in params)  # the local run guarded every deadline
-    assert all("hedged" in p["decision"] for p in hedged)
     kinds = [e[0] for e in events]
     assert kinds.count("begin") == 12 and kinds.count("start") == 12
     replayed = _replayed(config, events)

@@ -25,18 +25,55 @@ def _core(mode: str = "cost", journal: int = 0, **cfg):
     return core
 
 
+def _raced(core, deadline_ms: float = 3000):
+    flow = core.begin(
+        "m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=deadline_ms
+    )
+    action = flow.start()
+    assert isinstance(action, Hedge) and action.local_at is not None, action
+    assert 1.0 < action.local_at <= flow.deadline - 1.0  # room kept for the local run
+    assert action.offload.give_up_at == flow.deadline  # the offload is never abandoned
+    return flow, action
+
+
 def test_a_failed_offload_falls_back_locally_and_answers_once():
     core = _core(journal=100)
-    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=3000)
-    action = flow.start()
-    assert isinstance(action, Offload)
-    assert action.give_up_at <= flow.deadline - 1.0  # room kept for the local run
-    action = flow.offload_failed(action.give_up_at, DeadlineExceeded("no reply"))
-    assert isinstance(action, RunLocal) and action.fallback
-    answer = flow.local_done(action_end := 3.0, 1.0)
+    flow, action = _raced(core)
+    run = flow.offload_failed(1.5, DeadlineExceeded("no reply"))
+    assert isinstance(run, RunLocal) and run.fallback  # at once, not when it was due
+    assert flow.race_due(action.local_at) is None  # started already
+    answer = flow.local_done(action_end := 2.5, 1.0)
     assert isinstance(answer, Answer) and answer.where == "local" and answer.fallback
     assert answer.extra["bytes_attempted"] == 60_000
     assert core.radio.radio_idle_s(action_end) is not None  # the radio was on while waiting
+
+
+def test_a_raced_reply_in_before_the_local_run_is_due_answers_and_runs_nothing_locally():
+    core = _core(journal=100)
+    flow, action = _raced(core)
+    answer = flow.offload_done(1.4, sent=60_000, received=1_000, elapsed_s=0.4)
+    assert isinstance(answer, Answer) and answer.where == "cloud-http"
+    assert answer.extra.get("raced") and not answer.extra.get("hedged")
+    assert answer.energy_j == pytest.approx(answer.option.energy_j)  # no local run paid
+    assert flow.race_due(action.local_at) is None  # answered: the local run never starts
+
+
+def test_a_late_reply_races_the_local_run_and_the_first_answer_stands():
+    core = _core(journal=100)
+    flow, action = _raced(core)
+    run = flow.race_due(action.local_at)
+    assert isinstance(run, RunLocal) and run.fallback
+    # the reply is late but comes before the local run ends: it answers
+    answer = flow.offload_done(action.local_at + 0.2, sent=60_000, received=1_000, elapsed_s=1.0)
+    assert isinstance(answer, Answer) and answer.where == "cloud-http" and answer.extra["hedged"]
+    assert flow.local_done(action.local_at + 1.0, 1.0) is None  # it only teaches
+    # replayed, the same events make the same decisions
+    replica = _core(journal=100)
+    replica.events.clear()
+    core_events = [e for e in core.events if e[0] != "warmed"]
+    assert [d.where for d in replay_journal(core_events, replica)] == [
+        d.where for d in core.decisions
+    ]
 
 
 def test_a_cloud_only_model_runs_its_local_variant_when_no_link_is_usable():
@@ -62,11 +99,19 @@ def test_a_journal_replays_to_the_same_decisions():
     for i in range(30):
         flow = core.begin("m", now=t, in_bytes=60_000, connected={"http": True})
         action = flow.start()
-        if isinstance(action, Offload):
+        if isinstance(action, Hedge) and action.local_at is not None:  # a race
             if i % 7 == 3:
-                flow.offload_failed(action.give_up_at, DeadlineExceeded("lost"))
+                assert isinstance(flow.offload_failed(t + 0.2, DeadlineExceeded("lost")), RunLocal)
+                flow.local_done(t + 1.2, 1.0)
+            elif i % 5 == 1:
+                assert isinstance(flow.race_due(action.local_at), RunLocal)
+                late = action.local_at + 0.1
+                flow.offload_done(late, sent=60_000, received=1_000, elapsed_s=late - t)
+                flow.local_done(action.local_at + 1.0, 1.0)
             else:
                 flow.offload_done(t + 0.3, sent=60_000, received=1_000, elapsed_s=0.3)
+        elif isinstance(action, Offload):
+            flow.offload_done(t + 0.3, sent=60_000, received=1_000, elapsed_s=0.3)
         else:
             flow.local_done(t + 1.0, 1.0)
         t += 2.0
@@ -174,7 +219,7 @@ def test_a_breaker_trial_that_says_nothing_of_the_endpoint_is_given_back():
     assert breaker.state == "open"
     flow = core.begin("m", now=5.0, in_bytes=60_000, connected={"http": True}, deadline_ms=3000)
     action = flow.start()
-    assert isinstance(action, Offload)  # the request carries the half-open trial
+    assert isinstance(action, Hedge)  # the request carries the half-open trial
     flow.offload_failed(5.2, ModelNotFound("no such model"))
     assert core.usable(6.0, {"http": True}) == {"http": True}  # not stuck half-open
     assert core.breakers["http"].ready(6.0)

@@ -66,7 +66,7 @@ def test_slow_local_model_and_good_link_go_to_the_cloud():
 
 
 def test_tight_deadline_rules_out_the_slow_option():
-    p = _policy(local_ms=400, up_mbps=20, rtt_ms=20)
+    p = _policy(local_ms=600, up_mbps=20, rtt_ms=20)
     assert p.decide("m", _ctx(deadline_ms=2000)).where.startswith("cloud-")
     p2 = _policy(local_ms=30, up_mbps=200, rtt_ms=1, cloud_ms=1)
     # cloud is cheaper on latency alone but misses a 20 ms deadline
@@ -267,12 +267,14 @@ def test_fallback_plan_keeps_room_for_a_local_answer():
     assert give_up == pytest.approx(10.08) and fallback is None
 
 
-def test_an_exploration_without_room_to_fall_back_runs_locally_beside_it():
+def test_an_exploration_without_room_to_fall_back_races_the_local_run():
     p = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)  # local q ~300 ms
     # Deadline 440 ms: the cloud (~135 ms) alone fits, but not with the local reserve after it:
-    # the exploration is hedged (the local run starts at once, the first answer stands).
+    # the exploration races the local run, which starts when it must to make the deadline
+    # (or at once, hedged, when that is cheaper); the first answer stands.
     d = p.decide("m", _ctx(deadline_ms=440, in_bytes=100_000, rate_per_s=1.0))
-    assert "explore" not in d.reason or (d.hedge and "(hedged)" in d.reason)
+    assert "explore" in d.reason
+    assert d.hedge or d.choice.race_s == pytest.approx(0.44 - 0.3 * 1.15)
     roomy = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)
     d = roomy.decide("m", _ctx(deadline_ms=3000, in_bytes=100_000, rate_per_s=1.0))
     assert "explore" in d.reason and not d.hedge  # room to fall back: a plain exploration
