@@ -463,6 +463,12 @@ class Policy:
                 )
                 if due > 0.0 and not low_battery:
                     o.race_s = due
+                    if o.measured:
+                        # A reply long past its measured tail is more likely lost than
+                        # late: the local run need not wait for the last moment.
+                        overdue = max(GIVE_UP_AFTER * o.latency_q_s, FALLBACK_MIN_RESERVE_S)
+                        if overdue < due:
+                            o.race_s = overdue
                 elif not _safe_without_fallback(o, ctx.deadline_s) and not _fallback_fits(
                     o, local, ctx.deadline_s
                 ):
