@@ -131,4 +131,5 @@ class RadioState:
         """Seconds since the last transfer ended, or None if there has been none."""
         if self._last_end is None:
             return None
-        return max(now - self._last_end, 0.0)
+        idle = now - self._last_end
+        return idle if idle > 0.0 else 0.0

@@ -339,7 +339,8 @@ class LinkEstimator:
         a, b = self.FAIL_PRIOR
         if self._tried_at is None:
             return a / (a + b)
-        fade = math.exp(-max(now - self._tried_at, 0.0) / LogRate.REVERT_S)
+        age = now - self._tried_at
+        fade = math.exp(-age / LogRate.REVERT_S) if age > 0.0 else 1.0
         return (self._lost * fade + a) / (self._tries * fade + a + b)
 
     def _attempt(self, lost: bool, now: float) -> None:

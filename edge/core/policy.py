@@ -446,6 +446,12 @@ class Policy:
         local = options[0] if options and options[0].transport is None else None
         if local is not None and local.latency_q_s > ctx.deadline_s:
             local = None
+        due = 0.0  # when a race's local run must start (the same for every offload)
+        if local is not None:
+            reserve = local.latency_q_s * FALLBACK_RESERVE
+            due = ctx.deadline_s - (
+                reserve if reserve > FALLBACK_MIN_RESERVE_S else FALLBACK_MIN_RESERVE_S
+            )
         for o in options:
             if o.transport is not None:
                 if not ctx.connected.get(o.transport, False):
@@ -458,16 +464,13 @@ class Policy:
             if o.feasible and o.latency_q_s > ctx.deadline_s:
                 o.feasible, o.reason = False, "deadline"
             elif o.feasible and local is not None and o.transport is not None:
-                due = ctx.deadline_s - max(
-                    local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S
-                )
                 if due > 0.0 and not low_battery:
                     o.race_s = due
                     if o.measured:
                         # A reply long past its measured tail is more likely lost than
                         # late: the local run need not wait for the last moment.
-                        overdue = max(GIVE_UP_AFTER * o.latency_q_s, FALLBACK_MIN_RESERVE_S)
-                        if overdue < due:
+                        overdue = GIVE_UP_AFTER * o.latency_q_s
+                        if FALLBACK_MIN_RESERVE_S < overdue < due:
                             o.race_s = overdue
                 elif not _safe_without_fallback(o, ctx.deadline_s) and not _fallback_fits(
                     o, local, ctx.deadline_s
@@ -546,7 +549,12 @@ class Policy:
                 o.tail_s if o.tail_s is not None else expected_tail_s(self.links[o.transport], rate)
             )
             p_next = rate * tail if rate * tail < 1.0 else 1.0
-            run = min(p_next / max(1.0 - p_next, 1e-9), horizon_requests(rate))
+            gap = 1.0 - p_next
+            run = p_next / gap if gap > 1e-9 else 1e9
+            horizon = rate * HORIZON_S
+            horizon = 1.0 if horizon < 1.0 else MAX_HORIZON if horizon > MAX_HORIZON else horizon
+            if horizon < run:
+                run = horizon
             price, hedge = o.cost - best.cost, False
             if not _fallback_fits(o, best, ctx.deadline_s):  # best: a feasible local run
                 # No room to fall back after it: hedge, running locally meanwhile,
