@@ -23,7 +23,7 @@ from shared.aio.http_server import (
     Response,
     RoutedApp,
     Router,
-    add_model_routes,
+    add_v2_routes,
     ferry_error_response,
     json_response,
 )
@@ -70,23 +70,9 @@ class HttpFront(RoutedApp):
         self.open_metrics = open_metrics
         self.metrics = metrics
         r = self.router = Router()
-        r.add("GET", "/v2", self.server_metadata)
-        r.add("GET", "/v2/health/live", self.live)
-        r.add("GET", "/v2/health/ready", self.ready)
-        r.add("POST", "/v2/repository/index", self.repository_index)
+        add_v2_routes(r, self)
         r.add("POST", "/v2/repository/models/{model}/load", self.load)
         r.add("POST", "/v2/repository/models/{model}/unload", self.unload)
-        r.add("GET", "/v2/models/stats", self.stats)
-        add_model_routes(
-            r,
-            {
-                "": self.model_metadata,
-                "ready": self.model_ready,
-                "config": self.model_config,
-                "stats": self.stats,
-                "infer": self.infer,
-            },
-        )
         if metrics is not None:
             r.add("GET", "/metrics", self.render_metrics)
 
@@ -136,7 +122,9 @@ class HttpFront(RoutedApp):
 
     # ---- routes -------------------------------------------------------------------------------
     async def server_metadata(self, request: Request) -> Response:
-        return json_response({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})
+        return json_response(
+            {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS}
+        )
 
     async def live(self, request: Request) -> Response:
         return json_response({"live": True})
@@ -196,7 +184,10 @@ class HttpFront(RoutedApp):
         m = request.params
         decoded = await decode_infer(request, self.limits)
         response = await self.dataplane.infer(
-            m["model"], decoded, version=m.get("version"), principal=request.state.get(PRINCIPAL, "")
+            m["model"],
+            decoded,
+            version=m.get("version"),
+            principal=request.state.get(PRINCIPAL, ""),
         )
         return await encode_infer(response, decoded)
 

@@ -31,7 +31,7 @@ from shared.aio.http_server import (
     RoutedApp,
     Router,
     ServerOptions,
-    add_model_routes,
+    add_v2_routes,
 )
 from shared.aio.v2http import decode_infer, encode_infer
 from shared.errors import InvalidInput, PermissionDenied, Unauthenticated
@@ -79,24 +79,10 @@ class LocalApi(RoutedApp):
         self.limits = limits or Limits()
         self.tokens = tokens
         r = self.router = Router()
-        r.add("GET", "/v2", self.server_metadata)
-        r.add("GET", "/v2/health/live", self.live)
-        r.add("GET", "/v2/health/ready", self.ready)
+        add_v2_routes(r, self)
         r.add("GET", "/v2/agent/status", self.status)
         r.add("POST", "/v2/agent/link", self.set_link)
         r.add("GET", "/v2/deferred/{request_id}", self.deferred)
-        r.add("POST", "/v2/repository/index", self.repository_index)
-        r.add("GET", "/v2/models/stats", self.stats)
-        add_model_routes(
-            r,
-            {
-                "": self.model_metadata,
-                "ready": self.model_ready,
-                "config": self.model_config,
-                "stats": self.stats,
-                "infer": self.infer,
-            },
-        )
 
     # ---- HttpApp ------------------------------------------------------------------------
     def check(self, request: Request) -> Response | None:

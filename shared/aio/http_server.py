@@ -107,7 +107,9 @@ class Response:
         self.close = close
 
 
-def json_response(data: Any, status: int = 200, headers: Sequence[tuple[str, str]] = ()) -> Response:
+def json_response(
+    data: Any, status: int = 200, headers: Sequence[tuple[str, str]] = ()
+) -> Response:
     return Response(status, json.dumps(data).encode(), content_type=JSON, headers=headers)
 
 
@@ -544,6 +546,29 @@ def add_model_routes(router: Router, handlers: dict[str, Any]) -> None:
         for suffix, handler in handlers.items():
             method = "POST" if suffix == "infer" else "GET"
             router.add(method, f"{base}/{suffix}" if suffix else base, handler)
+
+
+def add_v2_routes(router: Router, front: Any) -> None:
+    """The V2 routes both tiers serve, to ``front``'s methods of the same names.
+
+    Server metadata, health, the repository index, statistics and the
+    per-model routes (:func:`add_model_routes`); each front adds its own.
+    """
+    router.add("GET", "/v2", front.server_metadata)
+    router.add("GET", "/v2/health/live", front.live)
+    router.add("GET", "/v2/health/ready", front.ready)
+    router.add("POST", "/v2/repository/index", front.repository_index)
+    router.add("GET", "/v2/models/stats", front.stats)
+    add_model_routes(
+        router,
+        {
+            "": front.model_metadata,
+            "ready": front.model_ready,
+            "config": front.model_config,
+            "stats": front.stats,
+            "infer": front.infer,
+        },
+    )
 
 
 class Router:

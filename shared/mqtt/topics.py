@@ -25,13 +25,17 @@ def shared_request_topic(model: str) -> str:
     return f"$share/{SHARE_GROUP}/{request_topic(model)}"
 
 
+def _one_level(topic: str, head: str, tail: str) -> str | None:
+    """The single topic level between ``head`` and ``tail``, or None."""
+    if topic.startswith(head) and topic.endswith(tail) and len(topic) > len(head) + len(tail):
+        name = topic[len(head) : -len(tail)]
+        return name if "/" not in name else None
+    return None
+
+
 def model_from_topic(topic: str) -> str | None:
     """The model name in a request topic, or None when the topic is not one."""
-    head = f"{PREFIX}/models/"
-    if topic.startswith(head) and topic.endswith("/infer"):
-        model = topic[len(head) : -len("/infer")]
-        return model if model and "/" not in model else None
-    return None
+    return _one_level(topic, f"{PREFIX}/models/", "/infer")
 
 
 def reply_topic(client_id: str, username: str | None = None) -> str:
@@ -62,11 +66,7 @@ def status_topic(node: str) -> str:
 
 def node_from_status_topic(topic: str) -> str | None:
     """The node name in a status topic, or None when the topic is not one."""
-    head = f"{PREFIX}/nodes/"
-    if topic.startswith(head) and topic.endswith("/status"):
-        node = topic[len(head) : -len("/status")]
-        return node if node and "/" not in node else None
-    return None
+    return _one_level(topic, f"{PREFIX}/nodes/", "/status")
 
 
 @dataclass(frozen=True)
