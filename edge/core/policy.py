@@ -255,6 +255,9 @@ def exploration_value(o: Option, best_cost: float) -> tuple[float, float]:
     return p, max(saving, 0.0)
 
 
+_SQRT_HALF = math.sqrt(0.5)
+
+
 def _phi(z: float) -> float:
     return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
@@ -648,33 +651,34 @@ class Policy:
         stays on while the attempt goes on.
         """
         w = self.config.weights
+        w_lat = w.latency_s
         due = o.race_s if o.race_s is not None else 0.0
         base = o.cost  # the cloud's cost at the belief's median, its losses not yet priced
-        lat = o.latency_s
-        window = due - (lat - o.bottleneck_s)
+        lat, bottleneck, sigma = o.latency_s, o.bottleneck_s, o.rate_sigma
+        window = due - (lat - bottleneck)
         if window <= 0.0:
             p_late = 1.0
-        elif o.bottleneck_s <= 0.0 or o.rate_sigma <= 0.0:
-            p_late = 0.0 if o.bottleneck_s <= window else 1.0
-        else:
-            p_late = _phi(math.log(o.bottleneck_s / window) / o.rate_sigma)
+        elif bottleneck <= 0.0 or sigma <= 0.0:
+            p_late = 0.0 if bottleneck <= window else 1.0
+        else:  # P(rate < the rate that is in by then), as _phi (inline: a hot path)
+            p_late = 0.5 * math.erfc(-math.log(bottleneck / window) / sigma * _SQRT_HALF)
         radio_w = 0.0  # cost per second of keeping the radio on
-        if o.bottleneck_s > 0.0 and o.rate_bps > 0.0:
-            per_s = o.cost_per_inv_bps / (o.bottleneck_s * o.rate_bps)
-            if per_s > w.latency_s:
-                radio_w = per_s - w.latency_s
+        if bottleneck > 0.0 and o.rate_bps > 0.0:
+            per_s = o.cost_per_inv_bps / (bottleneck * o.rate_bps)
+            if per_s > w_lat:
+                radio_w = per_s - w_lat
         local_j = w.energy_j * local.energy_j
         answer_by = due + local.latency_s  # the local answer, if nothing came before
         cost = base
         if p_late > 0.0:
             tail = o.latency_q_s if o.latency_q_s > due else due
             slow = tail if tail < answer_by else answer_by
-            late = base + (w.latency_s + radio_w) * (slow - lat) + local_j
-            cost += p_late * (late - base)
-        if o.p_fail > 0.0:
+            cost += p_late * ((w_lat + radio_w) * (slow - lat) + local_j)
+        p_fail = o.p_fail
+        if p_fail > 0.0:
             on = deadline_s - lat if deadline_s > lat else 0.0
-            lost = base + w.latency_s * (answer_by - lat) + local_j + radio_w * on
-            cost += o.p_fail * (lost - cost)
+            lost = base + w_lat * (answer_by - lat) + local_j + radio_w * on
+            cost += p_fail * (lost - cost)
         o.cost = cost
         o.premium = cost - base  # what the race costs beyond the median (exploration)
 
