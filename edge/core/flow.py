@@ -32,8 +32,6 @@ from edge.core.breaker import CircuitBreaker
 from edge.core.energy import RadioState, local_energy_j, wake_energy_j
 from edge.core.estimators import Estimators, signal_factor
 from edge.core.policy import (
-    FALLBACK_MIN_RESERVE_S,
-    FALLBACK_RESERVE,
     LOCAL,
     Context,
     Decision,
@@ -42,6 +40,7 @@ from edge.core.policy import (
     Policy,
     PolicyConfig,
     fallback_plan,
+    fallback_reserve_s,
 )
 from shared.errors import (
     DeadlineExceeded,
@@ -353,7 +352,7 @@ class RequestFlow:
             # is not abandoned then: it races the local run, and a late reply still
             # answers if it comes first (an abandoned one is a wasted upload).  With
             # nothing given up, the cloud's trusted tail need not delay the local run.
-            due = self.deadline - max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
+            due = self.deadline - fallback_reserve_s(local)
             if now < due < self.deadline:
                 return self._hedge(now, choice, local, reason, min(due, give_up))
         self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial

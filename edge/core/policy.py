@@ -160,6 +160,12 @@ HORIZON_S = 30.0
 MAX_HORIZON = 20.0
 
 
+def fallback_reserve_s(local: Option) -> float:
+    """Time to keep for the local run after an offload: its latency quantile and 15%."""
+    reserve = local.latency_q_s * FALLBACK_RESERVE
+    return reserve if reserve > FALLBACK_MIN_RESERVE_S else FALLBACK_MIN_RESERVE_S
+
+
 def horizon_requests(rate_per_s: float | None) -> float:
     """Requests expected within HORIZON_S (at least 1, at most MAX_HORIZON)."""
     if not rate_per_s:
@@ -179,7 +185,7 @@ def fallback_plan(
     """
     if local is None:
         return max(deadline, now + choice.latency_q_s), None
-    reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
+    reserve = fallback_reserve_s(local)
     if reserve >= deadline - now:
         return deadline, local
     # The cloud gets at least its own tail (the one the deadline check trusted
@@ -229,7 +235,7 @@ def strict_latency_s(cloud: Option) -> float:
 
 def _fallback_fits(cloud: Option, local: Option, deadline_s: float) -> bool:
     """Whether giving ``cloud`` its predicted time still leaves room to answer locally."""
-    reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
+    reserve = fallback_reserve_s(local)
     return cloud.latency_q_s + reserve <= deadline_s
 
 
@@ -451,10 +457,7 @@ class Policy:
             local = None
         due = 0.0  # when a race's local run must start (the same for every offload)
         if local is not None:
-            reserve = local.latency_q_s * FALLBACK_RESERVE
-            due = ctx.deadline_s - (
-                reserve if reserve > FALLBACK_MIN_RESERVE_S else FALLBACK_MIN_RESERVE_S
-            )
+            due = ctx.deadline_s - fallback_reserve_s(local)
         for o in options:
             if o.transport is not None:
                 if not ctx.connected.get(o.transport, False):
@@ -690,7 +693,7 @@ class Policy:
         request pays that wait, the local run, and the offload's energy and
         bytes.  ``o.cost`` alone prices only the mean.
         """
-        reserve = max(local.latency_q_s * FALLBACK_RESERVE, FALLBACK_MIN_RESERVE_S)
+        reserve = fallback_reserve_s(local)
         window = deadline_s - reserve - (o.latency_s - o.bottleneck_s)
         slow_cost = (
             self.config.weights.latency_s * (deadline_s - reserve)
