@@ -41,6 +41,7 @@ from edge.core.policy import (
     PolicyConfig,
     fallback_plan,
     fallback_reserve_s,
+    race_start_s,
 )
 from shared.errors import (
     DeadlineExceeded,
@@ -352,9 +353,9 @@ class RequestFlow:
             # is not abandoned then: it races the local run, and a late reply still
             # answers if it comes first (an abandoned one is a wasted upload).  With
             # nothing given up, the cloud's trusted tail need not delay the local run.
-            due = self.deadline - fallback_reserve_s(local)
-            if now < due < self.deadline:
-                return self._hedge(now, choice, local, reason, min(due, give_up))
+            due = self.deadline - now - fallback_reserve_s(local)
+            if due > 0.0:
+                return self._hedge(now, choice, local, reason, now + race_start_s(choice, due))
         self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial
         self._attempt = choice
         self._fallback = local if self.mp.local_model is not None else None

@@ -166,11 +166,23 @@ def fallback_reserve_s(local: Option) -> float:
     return reserve if reserve > FALLBACK_MIN_RESERVE_S else FALLBACK_MIN_RESERVE_S
 
 
+def race_start_s(cloud: Option, due_s: float) -> float:
+    """Seconds from now at which a race's local run starts (``due_s``: the latest that
+    still makes the deadline).  On a measured link a reply long past its tail is more
+    likely lost than late, so the local run need not wait for the last moment."""
+    if cloud.measured:
+        overdue = GIVE_UP_AFTER * cloud.latency_q_s
+        if FALLBACK_MIN_RESERVE_S < overdue < due_s:
+            return overdue
+    return due_s
+
+
 def horizon_requests(rate_per_s: float | None) -> float:
     """Requests expected within HORIZON_S (at least 1, at most MAX_HORIZON)."""
     if not rate_per_s:
         return 1.0
-    return min(max(rate_per_s * HORIZON_S, 1.0), MAX_HORIZON)
+    n = rate_per_s * HORIZON_S  # (plain comparisons: the decision's hot path)
+    return 1.0 if n < 1.0 else MAX_HORIZON if n > MAX_HORIZON else n
 
 
 def fallback_plan(
@@ -471,13 +483,7 @@ class Policy:
                 o.feasible, o.reason = False, "deadline"
             elif o.feasible and local is not None and o.transport is not None:
                 if due > 0.0 and not low_battery:
-                    o.race_s = due
-                    if o.measured:
-                        # A reply long past its measured tail is more likely lost than
-                        # late: the local run need not wait for the last moment.
-                        overdue = GIVE_UP_AFTER * o.latency_q_s
-                        if FALLBACK_MIN_RESERVE_S < overdue < due:
-                            o.race_s = overdue
+                    o.race_s = race_start_s(o, due)
                 elif not _safe_without_fallback(o, ctx.deadline_s) and not _fallback_fits(
                     o, local, ctx.deadline_s
                 ):
@@ -557,8 +563,7 @@ class Policy:
             p_next = rate * tail if rate * tail < 1.0 else 1.0
             gap = 1.0 - p_next
             run = p_next / gap if gap > 1e-9 else 1e9
-            horizon = rate * HORIZON_S
-            horizon = 1.0 if horizon < 1.0 else MAX_HORIZON if horizon > MAX_HORIZON else horizon
+            horizon = horizon_requests(rate)
             if horizon < run:
                 run = horizon
             price, hedge = o.cost - best.cost, False
