@@ -120,7 +120,9 @@ class HttpClient:
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.prefix = parts.path.rstrip("/")
         self.authority = parts.netloc.rpartition("@")[2]
-        self.tls = (tls_context or ssl.create_default_context()) if parts.scheme == "https" else None
+        self.tls = (
+            (tls_context or ssl.create_default_context()) if parts.scheme == "https" else None
+        )
         self.headers = list(headers)
         self.max_idle = max_idle
         self.max_body = max_body
@@ -156,7 +158,10 @@ class HttpClient:
             size if (chunks or method in ("POST", "PUT")) else None,
         )
         for attempt in (0, 1):
-            if deadline is None:
+            conn = self._idle_connection()
+            if conn is not None:  # the usual case: no task, no timer, no loop turn
+                reused = True
+            elif deadline is None:
                 conn, reused = await self._connection()
             else:
                 remaining = deadline - time.monotonic()
@@ -213,13 +218,20 @@ class HttpClient:
             self._idle.append(conn)
         return response
 
-    async def _connection(self) -> tuple[_Connection, bool]:
+    def _idle_connection(self) -> _Connection | None:
+        """A kept-alive connection still fresh enough to reuse, if one is idle."""
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < IDLE_S:
-                return conn, True
+                return conn
             self._drop(conn)
+        return None
+
+    async def _connection(self) -> tuple[_Connection, bool]:
+        conn = self._idle_connection()
+        if conn is not None:
+            return conn, True
         loop = asyncio.get_running_loop()
         conn = _Connection(self.max_body)
         await loop.create_connection(
