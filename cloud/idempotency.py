@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import xxhash
 
+from shared.aio.eager import eager_future
 from shared.errors import IdempotencyConflict, InvalidInput
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import array_to_buffer
@@ -80,7 +81,7 @@ class IdempotencyCache(Generic[T]):
         return len(self._entries)
 
     async def run(
-        self, key: Key, factory: Callable[[], Awaitable[T]], fingerprint: bytes = b""
+        self, key: Key, factory: Callable[[], Coroutine[Any, Any, T]], fingerprint: bytes = b""
     ) -> tuple[T, bool]:
         """``(result, duplicate)``: run ``factory`` once per key, or share its result."""
         entry = self._entries.get(key)
@@ -93,9 +94,14 @@ class IdempotencyCache(Generic[T]):
                 self._entries.move_to_end(key)
                 return await asyncio.shield(entry.task), True
             self._drop(key)
-        task = asyncio.ensure_future(factory())
+        # Started in place: a request that runs without waiting (a lone one on an
+        # idle model) is answered without a task, a shield or a loop turn.
+        task = eager_future(asyncio.get_running_loop(), factory())
         entry = _Entry(task, fingerprint)
         self._entries[key] = entry
+        if task.done():
+            self._settle(key, entry, task)
+            return task.result(), False
         task.add_done_callback(lambda t: self._settle(key, entry, t))
         self._trim()
         return await asyncio.shield(task), False

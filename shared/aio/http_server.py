@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import unquote
 
+from shared.aio.eager import start_eagerly
 from shared.errors import FerryError
 from shared.http.wire import CONTINUE, BodyPool, Head, HttpError, RequestParser, response_head
 
@@ -175,6 +176,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.remote: str | None = None
         self.request: Request | None = None
         self.task: asyncio.Task[None] | None = None
+        self._eager = False  # a handler is running in place, in this turn of the loop
         self.state = _IDLE
         self.since = time.monotonic()
         self.closing = False
@@ -253,7 +255,19 @@ class _Connection(asyncio.BufferedProtocol):
             assert request is not None
             request.body = item
             self.state, self.since = _HANDLING, time.monotonic()
-            self.task = asyncio.get_running_loop().create_task(self._run(request))
+            loop = asyncio.get_running_loop()
+            if self._eager:  # a pipelined request, reached from the end of the one before
+                self.task = loop.create_task(self._run(request))
+                continue
+            self._eager = True
+            try:
+                # Most handlers answer without waiting (an idle model runs a lone
+                # request in place): no task and no extra loop turn for those.
+                task = start_eagerly(loop, self._run(request))
+            finally:
+                self._eager = False
+            if task is not None:  # it waits; had it ended, its end may have set the next task
+                self.task = task
         if (
             self.parser.paused
             and self.parser.buffered > _PAUSE_ABOVE

@@ -42,14 +42,27 @@ async def test_a_duplicate_in_flight_awaits_the_same_run():
 async def test_errors_are_shared_in_flight_but_not_cached():
     cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
     failing = Counter(fail=True)
+    first = asyncio.ensure_future(cache.run("k", failing))
+    second = asyncio.ensure_future(cache.run("k", failing))
+    await asyncio.sleep(0)  # both in flight: the second shares the first's run
     failing.release.set()
-    results = await asyncio.gather(
-        cache.run("k", failing), cache.run("k", failing), return_exceptions=True
-    )
+    results = await asyncio.gather(first, second, return_exceptions=True)
     assert all(isinstance(r, InternalError) for r in results) and failing.runs == 1
     fine = Counter()
     fine.release.set()
     assert await cache.run("k", fine) == ("result-1", False)  # runs afresh
+
+
+async def test_a_run_that_needs_no_wait_is_answered_in_place_and_cached():
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
+    work = Counter()
+    work.release.set()  # the run will not wait: it ends before run() returns
+    assert await cache.run("k", work) == ("result-1", False)
+    assert await cache.run("k", work) == (
+        "result-1",
+        True,
+    )  # settled at once, not a loop turn later
+    assert work.runs == 1
 
 
 async def test_entries_expire_after_the_ttl():

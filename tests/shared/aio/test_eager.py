@@ -1,0 +1,84 @@
+"""start_eagerly / eager_future: a coroutine runs in place, and a task carries on only if it waits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+
+import pytest
+
+from shared.aio.eager import eager_future, start_eagerly
+
+seen: contextvars.ContextVar[str] = contextvars.ContextVar("seen", default="")
+
+
+async def test_a_coroutine_that_never_waits_finishes_before_start_eagerly_returns():
+    done = []
+
+    async def work() -> None:
+        done.append(asyncio.current_task())
+
+    assert start_eagerly(asyncio.get_running_loop(), work()) is None
+    assert done == [asyncio.current_task()]  # ran in the caller's turn, no task of its own
+
+
+async def test_a_coroutine_that_waits_is_carried_on_by_a_task_with_its_result():
+    gate = asyncio.get_running_loop().create_future()
+    steps = []
+
+    async def work() -> str:
+        steps.append("before")
+        value = await gate
+        steps.append(value)
+        await asyncio.sleep(0)  # a bare yield is passed on too
+        return value * 2
+
+    fut = eager_future(asyncio.get_running_loop(), work())
+    assert steps == ["before"] and not fut.done()
+    gate.set_result("x")
+    assert await fut == "xx" and steps == ["before", "x"]
+
+
+async def test_eager_future_carries_errors_raised_before_and_after_the_first_wait():
+    async def early() -> None:
+        raise ValueError("early")
+
+    async def late() -> None:
+        await asyncio.sleep(0)
+        raise KeyError("late")
+
+    loop = asyncio.get_running_loop()
+    before = eager_future(loop, early())
+    assert before.done()
+    with pytest.raises(ValueError):
+        await before
+    with pytest.raises(KeyError):
+        await eager_future(loop, late())
+
+
+async def test_cancelling_the_task_cancels_the_coroutine_where_it_waits():
+    cleaned = []
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            cleaned.append(True)
+
+    task = start_eagerly(asyncio.get_running_loop(), work())
+    assert task is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned == [True]
+
+
+async def test_context_changes_stay_with_the_coroutine_and_its_task():
+    async def work() -> str:
+        seen.set("inside")
+        await asyncio.sleep(0)
+        return seen.get()
+
+    fut = eager_future(asyncio.get_running_loop(), work())
+    assert seen.get() == ""  # the caller's context is untouched
+    assert await fut == "inside"
