@@ -65,6 +65,9 @@ class Setup:
     rate: float
     seeds: int
     transports: tuple[str, ...]
+    # The local model's runtime takes a cancel (the example's ONNX Runtime does):
+    # a race's local run stops when the cloud answers first.
+    local_cancellable: bool = False
 
 
 _SETUP: Setup | None = None
@@ -138,6 +141,7 @@ def _evaluate(setup: Setup, cell: Cell, seed: int) -> Any:
         tuple(x * k for x in setup.cloud_s),
         setup.confidences,
         device.speed_factor,
+        setup.local_cancellable,
     )
     config = replace(setup.policy, weights=replace(setup.policy.weights, energy_j=cell.energy_j))
     up, down = setup.pairs[cell.trace]

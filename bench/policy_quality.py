@@ -239,14 +239,17 @@ def main(argv: list[str] | None = None) -> int:
         doc = read_profile(args.profile)
         local_s, cloud_s = list(doc.local_s), list(doc.cloud_s)
         confidences = list(doc.confidences)
+        stoppable = doc.local_cancellable
         print(f"compute profile from {args.profile}")
     else:
         print("measuring the compute profile on the real runtimes ...")
-        local_s, confidences = measure(args.repository, "orientation-int8", args.runs, threads=1)
-        cloud_s, _ = measure(args.repository, "orientation", args.runs)
+        local = measure(args.repository, "orientation-int8", args.runs, threads=1)
+        local_s, confidences, stoppable = local
+        cloud_s = measure(args.repository, "orientation", args.runs).latencies
         if args.profile is not None:
             args.profile.parent.mkdir(parents=True, exist_ok=True)
-            write_profile(args.profile, local_s, cloud_s, confidences, {"runs": args.runs})
+            meta = {"runs": args.runs, "local_cancellable": stoppable}
+            write_profile(args.profile, local_s, cloud_s, confidences, meta)
     low = float(np.mean(np.array(confidences) < 0.8)) if confidences else 0.0
     print(
         f"  local int8, 1 thread: p50 {np.median(local_s) * 1e3:.1f} ms on this host "
@@ -265,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rate,
         args.seeds,
         tuple(args.transports.split(",")),
+        stoppable,
     )
     grid.install(setup)
     real = [n for n in pairs if not n.startswith("synth-")]

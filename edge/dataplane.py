@@ -43,6 +43,7 @@ from edge.transports.base import TransferResult, Transport
 from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotFound, ModelNotReady
 from shared.messages import InferRequest, InferResponse
 from shared.repository import triton_model_config, v2_model_metadata
+from shared.runtimes.base import Cancel
 from shared.tensors import Tensor
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class EdgeDataPlane:
             deadline_ms=deadline_ms,
             batch=batch_rows(request),
             local_backlog=self.local.backlog(local_model) if local_model else 0,
+            local_cancellable=local_model is not None and self.local.cancellable(local_model),
             battery=self.battery() if self.battery else None,
             deferrable=deferrable,
             mode=mode,
@@ -332,9 +334,10 @@ class EdgeDataPlane:
             transport.infer(offload.cloud_model, request, offload.give_up_at)
         )
         local_t: asyncio.Task[Any] | None = None
+        cancel = Cancel()  # stops the local run when the cloud answers first (flow's call)
         due = hedge.local_at  # a race's local run, not started yet
         if due is None:
-            local_t = asyncio.create_task(self._run_local(flow, request))
+            local_t = asyncio.create_task(self._run_local(flow, request, cancel))
         local_answer: InferResponse | None = None
         cloud: InferResponse | None = None
         local_error: BaseException | None = None
@@ -359,7 +362,7 @@ class EdgeDataPlane:
             if not done:  # the race's local run is due
                 due = None
                 if flow.race_due(time.monotonic()) is not None:
-                    local_t = asyncio.create_task(self._run_local(flow, request))
+                    local_t = asyncio.create_task(self._run_local(flow, request, cancel))
                     pending.add(local_t)
                 continue
             ordered = sorted(done, key=lambda t: t is not local_t)  # local first on a tie
@@ -374,9 +377,11 @@ class EdgeDataPlane:
                     action, cloud = self._hedged_reply(flow, task)
                     if isinstance(action, RunLocal):  # a race's cloud failed first
                         due, action = None, None
-                        local_t = asyncio.create_task(self._run_local(flow, request))
+                        local_t = asyncio.create_task(self._run_local(flow, request, cancel))
                         pending.add(local_t)
                 if action is not None:
+                    if isinstance(action, Answer) and action.cancel_local:
+                        cancel.cancel()  # its end (RunCancelled) teaches nothing
                     hand_over(pending | set(ordered[k + 1 :]))
                     return action, local_answer, cloud
         # Neither half answered: the cloud failed and so did the local run.
@@ -408,12 +413,14 @@ class EdgeDataPlane:
             log.exception("learning from a hedge's late half failed")
 
     async def _run_local(
-        self, flow: RequestFlow, request: InferRequest
+        self, flow: RequestFlow, request: InferRequest, cancel: Cancel | None = None
     ) -> tuple[InferResponse, float]:
         name = flow.mp.local_model
         assert name is not None
         local = self.local.get(name)
-        outputs, seconds = await self.local.run(name, request.input_dict(), request.output_names())
+        outputs, seconds = await self.local.run(
+            name, request.input_dict(), request.output_names(), cancel
+        )
         names = request.output_names() or list(outputs)
         specs = {t.name: t.datatype for t in local.config.outputs}
         tensors = [

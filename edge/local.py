@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.aio.threads import SessionThread
-from shared.errors import ModelNotFound, Overloaded
+from shared.errors import ModelNotFound, Overloaded, RunCancelled
 from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
 from shared.runtimes import RuntimeOptions, Session
+from shared.runtimes.base import Cancel, cancellable
 from shared.runtimes.inline import InlineGate, input_bytes
 
 
@@ -33,10 +34,13 @@ class LocalModel:
     thread: SessionThread | None = None  # started on the first run that needs it
 
     def run_sync(
-        self, inputs: dict[str, np.ndarray], outputs: list[str] | None
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, cancel: Cancel | None = None
     ) -> tuple[dict[str, np.ndarray], float]:
         start = time.perf_counter()
-        result = self.session.run(inputs, outputs)
+        if cancel is not None and cancellable(self.session):
+            result = self.session.run_cancellable(inputs, outputs, cancel)  # type: ignore[attr-defined]
+        else:
+            result = self.session.run(inputs, outputs)
         return result, time.perf_counter() - start
 
 
@@ -69,6 +73,11 @@ class LocalModels:
 
     def has(self, name: str) -> bool:
         return name in self._models
+
+    def cancellable(self, name: str) -> bool:
+        """Whether a run of ``name`` can be stopped halfway (its runtime takes a cancel)."""
+        model = self._models.get(name)
+        return model is not None and cancellable(model.session)
 
     def get(self, name: str) -> LocalModel:
         model = self._models.get(name)
@@ -106,8 +115,13 @@ class LocalModels:
         return model
 
     async def run(
-        self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+        self,
+        name: str,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str] | None = None,
+        cancel: Cancel | None = None,
     ) -> tuple[dict[str, np.ndarray], float]:
+        """Outputs and compute seconds; RunCancelled when ``cancel`` stopped it."""
         model = self.get(name)
         loop = asyncio.get_running_loop()
         waiting = self._backlog.get(name, 0)
@@ -126,7 +140,7 @@ class LocalModels:
             else:
                 if model.thread is None:
                     model.thread = SessionThread(f"local-{name}", loop)
-                result, seconds = await model.thread.run(model.run_sync, inputs, outputs)
+                result, seconds = await model.thread.run(model.run_sync, inputs, outputs, cancel)
             model.gate.record(int(seconds * 1e9), nbytes)
             # Device emulation (AgentConfig.local_slowdown and local_latency_ms):
             # the emulated device runs one request at a time, as the real one would.
@@ -134,7 +148,10 @@ class LocalModels:
             if emulated > seconds:
                 lock = self._emulated.setdefault(name, asyncio.Lock())
                 async with lock:
-                    await asyncio.sleep(emulated - seconds)
+                    if cancel is not None and cancellable(model.session):
+                        await _emulated_run(loop, emulated - seconds, cancel)
+                    else:
+                        await asyncio.sleep(emulated - seconds)
                 seconds = emulated
         finally:
             self._backlog[name] -= 1
@@ -147,3 +164,15 @@ class LocalModels:
                 model.thread.join()
             model.session.close()
         self._models.clear()
+
+
+async def _emulated_run(loop: asyncio.AbstractEventLoop, seconds: float, cancel: Cancel) -> None:
+    """The emulated device's extra run time, stopped by ``cancel`` as the runtime would be."""
+    stopped = asyncio.Event()
+    if not cancel.bind(lambda: loop.call_soon_threadsafe(stopped.set)):
+        raise RunCancelled("the emulated local run was cancelled before it started")
+    try:
+        await asyncio.wait_for(stopped.wait(), seconds)
+    except TimeoutError:
+        return  # ran its course
+    raise RunCancelled("the emulated local run was cancelled")

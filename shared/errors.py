@@ -29,6 +29,7 @@ class ErrorCode(str, Enum):
     CONFLICT = "conflict"
     INVALID_CONFIG = "invalid_config"
     BACKEND_MISSING = "backend_missing"
+    CANCELLED = "cancelled"
     INTERNAL = "internal"
 
 
@@ -47,6 +48,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CONFLICT: 409,
     ErrorCode.INVALID_CONFIG: 400,
     ErrorCode.BACKEND_MISSING: 501,
+    ErrorCode.CANCELLED: 499,  # as gRPC's CANCELLED maps to HTTP (nginx's "client closed")
     ErrorCode.INTERNAL: 500,
 }
 
@@ -162,6 +164,13 @@ class BackendMissing(FerryError):
     code = ErrorCode.BACKEND_MISSING
 
 
+class RunCancelled(FerryError):
+    """A run stopped halfway because its answer was no longer wanted (see
+    :class:`shared.runtimes.base.Cancel`); no client is ever answered with it."""
+
+    code = ErrorCode.CANCELLED
+
+
 class InternalError(FerryError):
     code = ErrorCode.INTERNAL
 
@@ -182,6 +191,7 @@ _BY_CODE: dict[str, type[FerryError]] = {
         IdempotencyConflict,
         ConfigError,
         BackendMissing,
+        RunCancelled,
         InternalError,
     )
 }

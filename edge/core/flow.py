@@ -77,6 +77,10 @@ BLIND_PROBE_S = 60.0
 SIGNAL_JUMP_DB = 6.0
 # Events kept for replay by default (a bounded ring; 0 keeps none).
 JOURNAL_EVENTS = 0
+# Finished local runs (the warm-up's included) before a race's local run may be
+# stopped when the cloud answers first: a stopped run teaches nothing, and the
+# race starts its local run by the latency those runs taught.
+LOCAL_RUNS_TO_CANCEL = 20
 
 
 # ---- actions -------------------------------------------------------------------
@@ -137,6 +141,9 @@ class Answer:
     sent: int = 0
     received: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # The cloud answered a race or hedge while its local run still goes on: stop it
+    # (its runtime takes a cancel; the energy above is what it ran until now).
+    cancel_local: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +181,7 @@ class RequestFlow:
         "_hedging",
         "_local_option",
         "_local_started",
+        "_local_started_at",
         "_reason",
         "_was_fallback",
         "batch",
@@ -188,6 +196,7 @@ class RequestFlow:
         "id",
         "in_bytes",
         "local_backlog",
+        "local_cancellable",
         "mode",
         "model",
         "mp",
@@ -212,12 +221,14 @@ class RequestFlow:
         deferrable: bool,
         mode: str,
         budget_ms: float,
+        local_cancellable: bool = False,
     ) -> None:
         self.core, self.id, self.model, self.mp = core, fid, model, mp
         self.began, self.deadline = start, deadline
         self.in_bytes, self.batch = in_bytes, batch
         self.connected, self.local_backlog, self.battery = connected, local_backlog, battery
         self.deferrable, self.mode, self.budget_ms = deferrable, mode, budget_ms
+        self.local_cancellable = local_cancellable
         self.policy = core.policy  # one snapshot for the whole request
         self.decision: Decision | None = None
         self._attempt: Option | None = None  # the offload in flight or given up on
@@ -228,6 +239,7 @@ class RequestFlow:
         self._was_fallback = False
         self._hedging = self._answered = False
         self._local_started = True  # False while a race's local run waits for its time
+        self._local_started_at = start  # when a hedge's or race's local run started
         self.wants_confidence = mode == "cascade"
 
     # -- the context the policy reads --------------------------------------------
@@ -246,7 +258,19 @@ class RequestFlow:
             batch=self.batch,
             local_backlog=self.local_backlog if mp.local_model else 0,
             rate_per_s=core.rate_per_s(self.model),
+            local_cancellable=self._cancels_local(mp),
         )
+
+    def _cancels_local(self, mp: ModelPolicy) -> bool:
+        """Whether a race's local run is stopped when the cloud answers first.
+
+        Only once the local latency rests on ``LOCAL_RUNS_TO_CANCEL`` finished
+        runs: a stopped run teaches nothing of it, and a race starts its local
+        run by that estimate, so the estimate must not starve while young.
+        """
+        if not self.local_cancellable or mp.local_model is None:
+            return False
+        return self.core.est.local(mp.local_model, self.batch).count >= LOCAL_RUNS_TO_CANCEL
 
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
@@ -323,6 +347,7 @@ class RequestFlow:
         self._local_started = local_at is None or local_at <= now
         if self._local_started:
             local_at = None
+            self._local_started_at = now
         # The attempt runs its course (to the deadline): what it teaches is its point.
         return Hedge(run, Offload(choice, self.mp.cloud_model, self.deadline, reason), local_at)
 
@@ -331,7 +356,7 @@ class RequestFlow:
         self.core._journal(("race_due", self.id, now))
         if self._answered or self._local_started:
             return None
-        self._local_started = True
+        self._local_started, self._local_started_at = True, now
         attempt = self._attempt
         assert attempt is not None
         waited = (now - self.began) * 1000.0
@@ -440,14 +465,21 @@ class RequestFlow:
         core.usage.add(sent + received, now)
         core.out_bytes[self.model] = received
         reason = self.decision.reason if self.decision else ""
-        energy, extra = choice.energy_j, {}
+        energy, extra, cancel = choice.energy_j, {}, False
         if self._hedging:
             if self._answered:
                 return None  # the local run answered first: this reply only taught
             self._answered = True
             local = self._local_option
             if self._local_started:
-                energy += local.energy_j if local is not None else 0.0
+                if local is not None:
+                    if self._cancels_local(self.mp):
+                        # Stopped now: it cost what it ran (at most the whole run).
+                        ran = local_energy_j(self.policy.device, now - self._local_started_at)
+                        energy += ran if ran < local.energy_j else local.energy_j
+                        cancel = extra["local_cancelled"] = True
+                    else:
+                        energy += local.energy_j
                 extra["hedged"] = True
             else:
                 extra["raced"] = True  # the cloud was in before the local run was due
@@ -457,7 +489,7 @@ class RequestFlow:
             reason = (
                 f"cascade: local confidence {extra['confidence']} < {self.mp.cascade_threshold}"
             )
-        return Answer(choice.name, choice, reason, False, energy, sent, received, extra)
+        return Answer(choice.name, choice, reason, False, energy, sent, received, extra, cancel)
 
     def offload_failed(self, now: float, error: FerryError) -> Action | None:
         """The offload ended at ``now`` without an answer (``error`` says why)."""
@@ -471,7 +503,7 @@ class RequestFlow:
         if self._hedging:
             if not self._local_started and not self._answered:
                 # A race's cloud half failed before the local run was due: run it now.
-                self._local_started = True
+                self._local_started, self._local_started_at = True, now
                 why = f"{choice.name} failed ({error.code.value}: {error.message})"
                 return self._run_local(self._local_option, why, True)
             return None  # the local run answers (or has answered)
@@ -611,6 +643,7 @@ class EdgeCore:
         mode: str | None = None,
         cloud_only: bool = False,
         record: bool = True,
+        local_cancellable: bool = False,
     ) -> RequestFlow:
         """A new request's flow; raises the request's own errors (unknown model, bad deadline).
 
@@ -647,6 +680,7 @@ class EdgeCore:
                     deferrable,
                     mode,
                     cloud_only,
+                    local_cancellable,
                 )
             )
         run_mode = mode or (mp.mode if mp.local_model is not None else "cloud")
@@ -665,6 +699,7 @@ class EdgeCore:
             deferrable=deferrable,
             mode=run_mode,
             budget_ms=budget_ms,
+            local_cancellable=local_cancellable,
         )
 
     def learn_failure(
@@ -767,7 +802,7 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
         kind = event[0]
         if kind == "begin":
             (_, fid, model, now, in_bytes, links, local_ok, deadline_ms, batch) = event[:9]
-            backlog, battery, deferrable, mode, cloud_only = event[9:]
+            backlog, battery, deferrable, mode, cloud_only, cancellable = event[9:]
             flow = core.begin(
                 model,
                 now=now,
@@ -781,6 +816,7 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
                 deferrable=deferrable,
                 mode=mode,
                 cloud_only=cloud_only,
+                local_cancellable=cancellable,
             )
             flows[fid] = flow
         elif kind == "start":

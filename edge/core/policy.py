@@ -118,6 +118,9 @@ class Context:
     batch: int = 1  # rows in the request (local latency is learnt per batch size)
     local_backlog: int = 0  # requests already waiting for or running on the local model
     rate_per_s: float | None = None  # the model's recent request rate (exploration's horizon)
+    # The local run can be stopped halfway (its runtime takes a cancel): a race or
+    # hedge whose cloud answers first pays only the part of the local run it made.
+    local_cancellable: bool = False
 
 
 @dataclass(slots=True)
@@ -499,7 +502,7 @@ class Policy:
                 )
                 if o.race_s is not None:
                     assert local is not None
-                    self._race(o, local, ctx.deadline_s)
+                    self._race(o, local, ctx.deadline_s, ctx.local_cancellable)
                     if o.feasible and (best is None or o.cost < best.cost):
                         best = o
                     continue
@@ -570,7 +573,7 @@ class Policy:
             if not _fallback_fits(o, best, ctx.deadline_s):  # best: a feasible local run
                 # No room to fall back after it: hedge, running locally meanwhile,
                 # unless racing the local run (o.cost prices that) is cheaper.
-                hedged = self._hedge_price(o, best, best)
+                hedged = self._hedge_price(o, best, best, ctx.local_cancellable)
                 if o.race_s is None or hedged < price:
                     price, hedge = hedged, True
             if saving * run <= price:
@@ -621,7 +624,7 @@ class Policy:
                 # fall back afterwards, the local run goes at once, beside the attempt;
                 # and where a hedge is the cheaper way to learn (a doubtful link that
                 # may crawl past the time to give up on it), it is taken too.
-                hedged = self._hedge_price(o, local, best)
+                hedged = self._hedge_price(o, local, best, ctx.local_cancellable)
                 room = _fallback_fits(o, local, ctx.deadline_s)
                 if room and o.race_s is None:
                     price = self._plain_price(o, local, best, ctx.deadline_s)
@@ -642,7 +645,7 @@ class Policy:
         )
         return Decision(o, options, why, hedge)
 
-    def _race(self, o: Option, local: Option, deadline_s: float) -> None:
+    def _race(self, o: Option, local: Option, deadline_s: float, cancellable: bool = False) -> None:
         """Price ``o`` as a race against the local run (``o.race_s`` set); set its cost.
 
         With a local run that makes the deadline, that run is the promise: it
@@ -656,7 +659,8 @@ class Policy:
         time (P from the rate belief), the local run's energy beside a reply
         that comes near its tail when it is late, and the local answer after
         the wait when the reply is lost (the link's recent losses); the radio
-        stays on while the attempt goes on.
+        stays on while the attempt goes on.  A local run that can be cancelled
+        stops when the late reply comes: it costs only its part until then.
         """
         w = self.config.weights
         w_lat = w.latency_s
@@ -681,7 +685,10 @@ class Policy:
         if p_late > 0.0:
             tail = o.latency_q_s if o.latency_q_s > due else due
             slow = tail if tail < answer_by else answer_by
-            cost += p_late * ((w_lat + radio_w) * (slow - lat) + local_j)
+            ran_j = local_j
+            if cancellable and local.latency_s > 0.0:
+                ran_j *= (slow - due) / local.latency_s  # slow <= answer_by: at most all of it
+            cost += p_late * ((w_lat + radio_w) * (slow - lat) + ran_j)
         p_fail = o.p_fail
         if p_fail > 0.0:
             on = deadline_s - lat if deadline_s > lat else 0.0
@@ -714,7 +721,9 @@ class Policy:
             p_slow = _phi(math.log(o.bottleneck_s / window) / o.rate_sigma)
         return (1.0 - p_slow) * o.cost + p_slow * slow_cost - best.cost
 
-    def _hedge_price(self, o: Option, local: Option, best: Option) -> float:
+    def _hedge_price(
+        self, o: Option, local: Option, best: Option, cancellable: bool = False
+    ) -> float:
         """What running ``local`` and offloading ``o`` at once costs beyond ``best``.
 
         The answer comes from whichever finishes first, so its latency is at
@@ -722,7 +731,12 @@ class Policy:
         the offload but its latency (radio energy, bytes, money).
         """
         base = o.cost - o.premium
-        return local.cost + base - self.config.weights.latency_s * o.latency_s - best.cost
+        w = self.config.weights
+        price = local.cost + base - w.latency_s * o.latency_s - best.cost
+        if cancellable and o.latency_s < local.latency_s:
+            # The reply usually comes first and stops the local run there.
+            price -= w.energy_j * local.energy_j * (1.0 - o.latency_s / local.latency_s)
+        return price
 
     def cascade_offload(self, model: str, confidence: float) -> bool:
         """Sedna-style joint inference: offload when the local top-1 is unsure."""

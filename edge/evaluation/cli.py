@@ -139,14 +139,21 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    local, confidences = measure(args.repository, args.local_model, args.runs, threads=args.threads)
-    cloud, _ = measure(args.cloud_repository or args.repository, args.cloud_model, args.runs)
+    local = measure(args.repository, args.local_model, args.runs, threads=args.threads)
+    cloud = measure(args.cloud_repository or args.repository, args.cloud_model, args.runs)
     write_profile(
         args.out,
-        local,
-        cloud,
-        confidences,
-        {"local_model": args.local_model, "cloud_model": args.cloud_model},
+        local.latencies,
+        cloud.latencies,
+        local.confidences,
+        {
+            "local_model": args.local_model,
+            "cloud_model": args.cloud_model,
+            # whether a race's local run can be stopped when the cloud answers first
+            "local_cancellable": local.cancellable,
+        },
     )
-    print(f"wrote {args.out}: {len(local)} local and {len(cloud)} cloud samples")
+    print(
+        f"wrote {args.out}: {len(local.latencies)} local and {len(cloud.latencies)} cloud samples"
+    )
     return 0

@@ -98,6 +98,7 @@ class _Replay:
         self._events: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._overhead = _Spent()
+        self._local_runs: dict[int, list[float]] = {}  # request -> [start, compute] running
         self.outcomes: list[Outcome | None] = [None] * len(sim.requests)
 
     def at(self, when: float, fn: Callable[[], None], prio: int = _DONE) -> None:
@@ -125,6 +126,7 @@ class _Replay:
             local_available=mp.local_model is not None,
             deadline_ms=float(req.deadlines_s[i]) * 1000.0,
             battery=self.battery_now(t),
+            local_cancellable=self.sim.profile.local_cancellable,
         )
         self.step(i, t, flow, flow.start(), t, spent)
 
@@ -147,10 +149,14 @@ class _Replay:
             spent.energy_j += local_energy_j(sim.device, compute)
             done = now + compute
             conf = float(sim.confidence[i])
-            self.at(
-                done,
-                lambda: self.step(i, t, flow, flow.local_done(done, compute, conf), done, spent),
-            )
+            self._local_runs[i] = [now, compute]
+
+            def local_end() -> None:
+                if self._local_runs.pop(i, None) is None:
+                    return  # cancelled: it never finished, and taught nothing
+                self.step(i, t, flow, flow.local_done(done, compute, conf), done, spent)
+
+            self.at(done, local_end)
         elif isinstance(action, Offload):
             a = sim.offload(i, now, action.give_up_at, self.radio, flow.in_bytes)
             spent.energy_j += a.energy_j
@@ -178,6 +184,10 @@ class _Replay:
                     end, lambda: self.step(i, t, flow, flow.offload_failed(end, error), end, spent)
                 )
         elif isinstance(action, (Answer, Fail, Defer)):
+            if isinstance(action, Answer) and action.cancel_local:
+                run = self._local_runs.pop(i, None)
+                if run is not None:  # stopped now: the part it did not run is not spent
+                    spent.energy_j -= local_energy_j(sim.device, run[0] + run[1] - now)
             self.finish(i, t, action, now, spent)
 
     def finish(self, i: int, t: float, action: Action, now: float, spent: _Spent) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from shared.errors import ConfigError
 from shared.pipeline import PipelineSession, open_session, sample_inputs
 from shared.repository import ModelRepository, complete_config
 from shared.runtimes import RuntimeOptions
+from shared.runtimes.base import cancellable
 
 
 def _inputs(config, n: int, seed: int, session=None) -> list[dict[str, np.ndarray]]:
@@ -48,9 +50,13 @@ def _inputs(config, n: int, seed: int, session=None) -> list[dict[str, np.ndarra
     return out
 
 
-def measure(
-    repository: Path, model: str, runs: int, threads: int = 0, seed: int = 0
-) -> tuple[list[float], list[float]]:
+class Samples(NamedTuple):
+    latencies: list[float]  # seconds per batch-1 run
+    confidences: list[float]  # top-1 confidence of each answer (classifiers)
+    cancellable: bool  # the runtime can stop a run halfway (races stop the local run)
+
+
+def measure(repository: Path, model: str, runs: int, threads: int = 0, seed: int = 0) -> Samples:
     """Latency samples (s) and top-1 confidences of ``model`` on batch-1 inputs."""
     repo = ModelRepository(repository)
     config = repo.read_config(model)
@@ -69,8 +75,9 @@ def measure(
         scores = np.asarray(next(iter(out.values()))).reshape(-1)
         if scores.size > 1:
             confidences.append(confidence(scores))
+    stoppable = cancellable(session)
     session.close()
-    return latencies, confidences
+    return Samples(latencies, confidences, stoppable)
 
 
 def write_profile(
@@ -91,6 +98,7 @@ def read_profile(path: Path, speed_factor: float = 1.0) -> ComputeProfile:
             cloud_s=tuple(float(x) for x in doc["cloud_s"]),
             confidences=tuple(float(x) for x in doc.get("confidences", ())),
             local_speed_factor=speed_factor,
+            local_cancellable=bool(doc.get("local_cancellable", False)),
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path}: not a compute profile ({exc})") from None

@@ -68,6 +68,9 @@ class ComputeProfile:
     cloud_s: tuple[float, ...]
     confidences: tuple[float, ...] = ()
     local_speed_factor: float = 1.0  # device slowdown applied to local samples
+    # The local model's runtime takes a cancel (ONNX Runtime, OpenVINO; not LiteRT):
+    # the agent then stops a race's local run when the cloud answers first.
+    local_cancellable: bool = False
 
 
 @dataclass

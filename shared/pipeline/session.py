@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from shared.datatypes import numpy_dtype
-from shared.errors import ConfigError, InvalidInput
+from shared.errors import ConfigError, InternalError, InvalidInput
 from shared.pipeline import images
 from shared.pipeline.post import argmax, read_labels, softmax, top_k
 from shared.pipeline.spec import ImageInput, OutputStage
 from shared.runtimes._common import check_inputs, check_outputs
-from shared.runtimes.base import Session, TensorSpec, available_cpus
+from shared.runtimes.base import Cancel, Session, TensorSpec, available_cpus, cancellable
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -89,15 +89,35 @@ class PipelineSession:
             }
         )
 
+    @property
+    def cancellable(self) -> bool:
+        return cancellable(self.inner)
+
     def run(
         self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        return self._run(inputs, outputs, None)
+
+    def run_cancellable(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, cancel: Cancel
+    ) -> dict[str, np.ndarray]:
+        """:meth:`run`, the model's run stopped halfway by ``cancel`` (its runtime's)."""
+        if not self.cancellable:
+            raise InternalError(f"{self.inner.backend} cannot cancel a run")
+        return self._run(inputs, outputs, cancel)
+
+    def _run(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, cancel: Cancel | None
     ) -> dict[str, np.ndarray]:
         feed = check_inputs(self.inputs, inputs)
         for image in self._pre:
             feed[image.spec.name] = self._tensor(image, feed.pop(image.stage.input))
         wanted = check_outputs(self._output_names, outputs)
         needed = list(dict.fromkeys(self._source(name) for name in wanted))
-        raw = self.inner.run(feed, needed)
+        if cancel is None:
+            raw = self.inner.run(feed, needed)
+        else:
+            raw = self.inner.run_cancellable(feed, needed, cancel)  # type: ignore[attr-defined]
         result = {}
         for name in wanted:
             stage = self._post.get(name)

@@ -9,9 +9,11 @@ batching or transport code.  Sessions must release the GIL while computing
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -70,6 +72,45 @@ class Session(Protocol):
     def close(self) -> None:
         """Free the runtime's memory; the session is unusable afterwards."""
         ...
+
+
+class Cancel:
+    """A stop signal for one run, given from another thread (the event loop).
+
+    A session that can stop a run halfway (:func:`cancellable`) offers
+    ``run_cancellable(inputs, outputs, cancel)``: it binds a hook here before it
+    starts, and :meth:`cancel` calls it; the run then ends with
+    :class:`~shared.errors.RunCancelled`.  A run cancelled before it started
+    does not start.  The edge agent stops a race's local run this way when the
+    cloud answers first: the device then spends only the part it ran.
+    """
+
+    __slots__ = ("_hook", "_lock", "cancelled")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._hook: Callable[[], Any] | None = None
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
+
+    def bind(self, hook: Callable[[], Any]) -> bool:
+        """The runtime's way to stop the run about to start; False: cancelled already."""
+        with self._lock:
+            if self.cancelled:
+                return False
+            self._hook = hook
+            return True
+
+
+def cancellable(session: object) -> bool:
+    """Whether ``session`` can stop a run halfway (``run_cancellable``)."""
+    return bool(getattr(session, "cancellable", False))
 
 
 class Backend(Protocol):

@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 
 from shared.datatypes import bf16_dtype
-from shared.errors import BackendMissing, ConfigError, InternalError, InvalidInput, ModelNotFound
+from shared.errors import (
+    BackendMissing,
+    ConfigError,
+    FerryError,
+    InternalError,
+    InvalidInput,
+    ModelNotFound,
+    RunCancelled,
+)
 from shared.runtimes._common import (
     bytes_array,
     check_inputs,
@@ -27,7 +35,7 @@ from shared.runtimes._common import (
     closed_error,
     text_array,
 )
-from shared.runtimes.base import RuntimeOptions, TensorSpec
+from shared.runtimes.base import Cancel, RuntimeOptions, TensorSpec
 
 #: ONNX Runtime type strings -> V2 datatypes
 ORT_TYPES: dict[str, str] = {
@@ -147,8 +155,31 @@ class OnnxRuntimeSession:
             raise closed_error(self.backend)
         return list(self._session.get_providers())
 
+    #: ONNX Runtime stops a run between two nodes once its RunOptions say terminate
+    cancellable = True
+
     def run(
         self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        return self._run(inputs, outputs, None)
+
+    def run_cancellable(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, cancel: Cancel
+    ) -> dict[str, np.ndarray]:
+        """:meth:`run`, stopped halfway by ``cancel`` (then RunCancelled)."""
+        run_options = self._ort.RunOptions()
+        # ORT reads the flag before each node; the setter is safe from another thread.
+        if not cancel.bind(lambda: setattr(run_options, "terminate", True)):
+            raise RunCancelled("onnxruntime: the run was cancelled before it started")
+        try:
+            return self._run(inputs, outputs, run_options)
+        except FerryError:
+            if cancel.cancelled:
+                raise RunCancelled("onnxruntime: the run was cancelled") from None
+            raise
+
+    def _run(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, run_options: Any
     ) -> dict[str, np.ndarray]:
         session = self._session
         if session is None:
@@ -159,9 +190,9 @@ class OnnxRuntimeSession:
             feed[name] = text_array(feed[name], name, self.backend)
         try:
             if self._bf16:
-                result = self._run_ort_values(session, names, feed)
+                result = self._run_ort_values(session, names, feed, run_options)
             else:
-                result = session.run(names, feed)
+                result = session.run(names, feed, run_options)
         except self._bad_input_errors as exc:
             raise InvalidInput(f"onnxruntime rejected the inputs: {exc}") from None
         except self._node_failure as exc:
@@ -181,7 +212,7 @@ class OnnxRuntimeSession:
         return out
 
     def _run_ort_values(
-        self, session: Any, names: list[str], feed: dict[str, np.ndarray]
+        self, session: Any, names: list[str], feed: dict[str, np.ndarray], run_options: Any
     ) -> list[np.ndarray]:
         """numpy has no bfloat16 ONNX Runtime knows: pass raw 16-bit words as OrtValues."""
         ort_value = self._ort.OrtValue
@@ -194,7 +225,7 @@ class OnnxRuntimeSession:
             else:
                 values[name] = ort_value.ortvalue_from_numpy(array)
         out = []
-        for value in session.run_with_ort_values(names, values):
+        for value in session.run_with_ort_values(names, values, run_options):
             if value.data_type() == "tensor(bfloat16)":
                 shape = tuple(value.shape())
                 count = int(np.prod(shape, dtype=np.int64))

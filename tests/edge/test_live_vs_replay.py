@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 from devices.profiles import load_device, load_link
 from edge.agent import Agent
 from edge.config import AgentConfig, load_agent_config
-from edge.core.flow import fresh_core, replay_journal
+from edge.core.flow import LOCAL_RUNS_TO_CANCEL, fresh_core, replay_journal
 from edge.netem.linkemu import LinkEmulator
 from edge.netem.traces import from_phases, steady
 from tests.edge.conftest import agent_toml
@@ -32,12 +33,12 @@ LIN = '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
 
 @contextlib.asynccontextmanager
 async def _journalled_agent(
-    tmp_path: Path, edge_repos, cloud, policy: str, extra: str
+    tmp_path: Path, edge_repos, cloud, policy: str, extra: str, delay_ms: float = 2
 ) -> AsyncIterator[tuple[Agent, LinkEmulator, AgentConfig]]:
     """An agent with a journal, reaching the cloud through a live link emulator."""
     port = int(cloud.http_url.rsplit(":", 1)[1])
     emu = LinkEmulator(
-        ("127.0.0.1", 0), ("127.0.0.1", port), steady(100, 60), steady(100, 60), delay_ms=2
+        ("127.0.0.1", 0), ("127.0.0.1", port), steady(100, 60), steady(100, 60), delay_ms=delay_ms
     )
     await emu.start()
     cfg = agent_toml(
@@ -141,6 +142,48 @@ async def test_a_raced_offload_answers_first_and_the_replay_agrees(tmp_path, edg
     assert all(p["latency_ms"] < 700 for p in params)  # the local run guarded every deadline
     kinds = [e[0] for e in events]
     assert kinds.count("begin") == 12 and kinds.count("start") == 12
+    replayed = _replayed(config, events)
+    assert [(d.where, d.reason, d.predicted_s) for d in replayed] == [
+        (d.where, d.reason, d.predicted_s) for d in live
+    ]
+
+
+async def test_a_race_the_cloud_wins_late_stops_its_local_run_and_the_replay_agrees(
+    tmp_path, edge_repos, cloud
+):
+    # A 400 ms local run, a 700 ms deadline and a ~300 ms round trip: no room to fall
+    # back after an offload, so each offload races a local run that starts at ~240 ms;
+    # the reply comes after it started, and the local run (ONNX Runtime, and the
+    # emulated device's time after it) is stopped there, not run to its end.
+    x = np.ones((1, 4), np.float32)
+    journalled = _journalled_agent(
+        tmp_path,
+        edge_repos,
+        cloud,
+        "explore_after_s = 0.3\n",
+        "[emulation]\nlocal_latency_ms = 400\n",
+        delay_ms=150,
+    )
+    async with journalled as (agent, _, config):
+        core = agent.dataplane.core
+        # a device that has run its model often: its latency rests on enough runs for a
+        # race's local run to be stopped halfway (journalled, so the replay has them too)
+        for _ in range(LOCAL_RUNS_TO_CANCEL):
+            core.warmed("lin-local", 0.4, time.monotonic())
+        answers = []
+        for _ in range(8):
+            answers.append(await agent.infer("lin", {"x": x}, deadline_ms=700))
+        await asyncio.sleep(0.6)  # a stopped run would have ended by now
+        live, events = list(core.decisions), list(core.events)
+        local_runs = core.est.local("lin-local").count
+
+    params = [a.parameters for a in answers]
+    stopped = [p for p in params if p.get("local_cancelled")]
+    assert stopped and all(p["where"] == "cloud-http" and p["hedged"] for p in stopped)
+    assert all(p["latency_ms"] < 700 for p in params)
+    # a stopped run teaches nothing of the local latency: only finished runs were learnt
+    finished = sum(1 for e in events if e[0] in ("local_done", "warmed"))
+    assert local_runs == finished
     replayed = _replayed(config, events)
     assert [(d.where, d.reason, d.predicted_s) for d in replayed] == [
         (d.where, d.reason, d.predicted_s) for d in live

@@ -164,3 +164,47 @@ def test_an_outage_falls_back_at_the_planned_time_opens_the_breaker_and_probes_b
 def test_estimators_track_the_policys_deadline_quantile():
     est = make_estimators(PolicyConfig(deadline_quantile=0.99))
     assert getattr(est, "quantile", 0.99) == 0.99
+
+
+def test_a_race_the_cloud_wins_after_its_local_run_started_pays_only_the_part_it_ran():
+    # A device that has run its 1 s model often (the estimate rests on enough runs to
+    # stop one halfway) and a 1.4 s deadline: no room to fall back after an offload,
+    # so each offload races a local run due at ~0.25 s, and the reply (60 KB up at
+    # 2 Mbit/s, ~0.3 s) comes after it started.  A runtime that takes a cancel stops
+    # the local run there; one that cannot runs it out.
+    from dataclasses import replace
+
+    from edge.core.flow import LOCAL_RUNS_TO_CANCEL
+    from edge.evaluation.ours import make_core, run_ours
+    from edge.evaluation.sim import Simulator
+
+    device = load_device("raspberry-pi-4b")
+    config = _config()
+    workload = Workload(count=40, rate_per_s=1.0, input_bytes=60_000, deadline_ms=1400.0)
+    runs = {}
+    for cancellable in (False, True):
+        sim = Simulator(
+            up=steady(2, 120),
+            down=steady(20, 120),
+            link=load_link("lte"),
+            device=device,
+            profile=replace(SLOW_LOCAL, local_cancellable=cancellable),
+            weights=config.weights,
+            requests=workload.draw(1400.0),
+            output_bytes=workload.output_bytes,
+            miss_penalty=1.0,
+            seed=0,
+        )
+        core = make_core(sim, config, ("mqtt",))
+        for k in range(LOCAL_RUNS_TO_CANCEL):
+            core.warmed("m-local", 1.0, -1.0 - k)
+        runs[cancellable] = run_ours(sim, config, "m", core=core).outcomes
+    kept, stopped = runs[False], runs[True]
+    # energy is not weighed here, so the decisions are the same; only the spending differs
+    assert [o.where for o in kept] == [o.where for o in stopped]
+    assert not any(o.missed for o in stopped)
+    won = [i for i, o in enumerate(stopped) if o.where == "cloud-mqtt" and o.latency_s > 0.26]
+    assert len(won) > 20  # races the reply won after the local run had started
+    full_run_j = device.compute_power_w * 1.0
+    for i in won:  # each stopped well before its end (the reply took under 0.75 s)
+        assert kept[i].energy_j - stopped[i].energy_j > 0.5 * full_run_j
