@@ -19,9 +19,16 @@ from typing import Any
 import numpy as np
 
 from shared.datatypes import bf16_dtype
-from shared.errors import BackendMissing, ConfigError, InternalError, InvalidInput, ModelNotFound
+from shared.errors import (
+    BackendMissing,
+    ConfigError,
+    InternalError,
+    InvalidInput,
+    ModelNotFound,
+    RunCancelled,
+)
 from shared.runtimes._common import check_inputs, check_outputs, closed_error
-from shared.runtimes.base import RuntimeOptions, TensorSpec
+from shared.runtimes.base import Cancel, RuntimeOptions, TensorSpec
 
 #: OpenVINO element type names -> V2 datatypes
 OV_TYPES: dict[str, str] = {
@@ -111,8 +118,22 @@ class OpenVinoSession:
             raise closed_error(self.backend)
         return self._compiled.get_property(name)
 
+    #: an infer request started asynchronously can be cancelled while it runs
+    cancellable = True
+
     def run(
         self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        return self._run(inputs, outputs, None)
+
+    def run_cancellable(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, cancel: Cancel
+    ) -> dict[str, np.ndarray]:
+        """:meth:`run`, stopped halfway by ``cancel`` (then RunCancelled)."""
+        return self._run(inputs, outputs, cancel)
+
+    def _run(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, cancel: Cancel | None
     ) -> dict[str, np.ndarray]:
         feed = check_inputs(self.inputs, inputs)
         names = check_outputs(list(self._out_index), outputs or self._output_names)
@@ -134,11 +155,16 @@ class OpenVinoSession:
             if request is None:
                 raise closed_error(self.backend)
             try:
-                # share_inputs: the arrays are ours and checked; share_outputs=False:
-                # the results are copies the caller owns past the next run.
-                result = request.infer(data, share_inputs=True, share_outputs=False)
-                values = result.to_tuple()
+                if cancel is None:
+                    # share_inputs: the arrays are ours and checked; share_outputs=False:
+                    # the results are copies the caller owns past the next run.
+                    result = request.infer(data, share_inputs=True, share_outputs=False)
+                    values = result.to_tuple()
+                else:
+                    values = self._infer_cancellable(request, data, cancel)
             except (RuntimeError, TypeError, ValueError) as exc:
+                if cancel is not None and cancel.cancelled:
+                    raise RunCancelled("openvino: the run was cancelled") from None
                 raise InternalError(f"openvino failed: {exc}") from None
         out = {}
         for name in names:
@@ -149,6 +175,15 @@ class OpenVinoSession:
                 array = array.view(np.uint16).view(bf16_dtype())
             out[name] = array
         return out
+
+    def _infer_cancellable(self, request: Any, data: dict[int, Any], cancel: Cancel) -> tuple:
+        """Started asynchronously, so ``cancel`` can stop it (``InferRequest.cancel``)."""
+        if not cancel.bind(request.cancel):
+            raise RunCancelled("openvino: the run was cancelled before it started")
+        request.start_async(data, share_inputs=True)
+        request.wait()  # a cancelled request raises here
+        # copies the caller owns past the next run (the request's tensors are reused)
+        return tuple(np.array(t.data, copy=True) for t in request.output_tensors)
 
     def _bf16_tensor(self, array: np.ndarray) -> Any:
         tensor = self._ov.Tensor(self._ov.Type.bf16, self._ov.Shape(list(array.shape)))
