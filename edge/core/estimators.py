@@ -375,10 +375,16 @@ class LinkEstimator:
         if sent_bytes >= SMALL_BYTES and elapsed_s > 0:
             bound = sent_bytes * 8 / elapsed_s
             self._up_lo.add(bound)
-            if bound < self.up_bps:
+            # Against the rate believed now: the belief fades back to the prior while
+            # unobserved, so a link that keeps timing out at the same bound must keep
+            # saying so (compared with the faded-from mean, the same bound said nothing
+            # and the fading belief invited the same failed attempt again and again).
+            believed = self.up_belief.rate(self.up_bps, self.prior_up_bps, now)
+            if bound < believed:
                 self.up_belief.add(bound, now)
-                self._up.value = bound
-                self._up.count += 1
+                if bound < self.up_bps:
+                    self._up.value = bound
+                    self._up.count += 1
                 self.last_update = now
                 self._refresh()
             self.bandwidth_update = now

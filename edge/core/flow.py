@@ -73,6 +73,9 @@ STALE_PROBE_S = 30.0
 # prices as worth it carries the breaker's trial.
 PROBE_WAKE_J = 1.0
 BLIND_PROBE_S = 60.0
+# A blind probe is sent only if a request within this long would have offloaded
+# over the link, were it up (at any speed: what a probe could find out).
+WANTED_S = 300.0
 # A signal that moves this much is a new radio regime (a cell edge, a new cell).
 SIGNAL_JUMP_DB = 6.0
 # Events kept for replay by default (a bounded ring; 0 keeps none).
@@ -275,6 +278,21 @@ class RequestFlow:
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
         self.decision = decision
+        best, breakers = decision.choice, self.core.breakers
+        for o in decision.options:
+            # A link in trouble (its breaker not closed): would it pay were it up, even
+            # at any speed?  Only then is a blind probe from an idle radio worth its price.
+            if (
+                o.transport is not None
+                and breakers[o.transport].state != "closed"
+                and (
+                    best is None
+                    or o is best
+                    or o.rate_bps <= 0.0
+                    or o.cost - o.cost_per_inv_bps / o.rate_bps < best.cost
+                )
+            ):
+                self.core.wanted[o.transport] = now
         if self.core.decisions is not None:
             choice = decision.choice
             self.core.decisions.append(
@@ -553,6 +571,8 @@ class EdgeCore:
         self._arrived: dict[str, float] = {}  # model -> last arrival
         self._gap: dict[str, float] = {}  # model -> EWMA of the time between arrivals
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
+        # transport -> when a decision last found it would pay while its link was out
+        self.wanted: dict[str, float] = {}
 
     @property
     def est(self) -> Any:
@@ -737,8 +757,11 @@ class EdgeCore:
         A stale RTT is refreshed only while the radio is still in its tail
         from real traffic.  An open breaker gets its trial probe while the
         radio is up, where waking it is cheap (``PROBE_WAKE_J``), or after
-        ``BLIND_PROBE_S`` without one; otherwise the next request the policy
-        finds worth offloading carries the trial (see :meth:`usable`).  On a
+        ``BLIND_PROBE_S`` without one if a request in the last ``WANTED_S``
+        would have offloaded over it were it up (a link that could not pay
+        even at any speed is not worth a wake-up to learn it is back);
+        otherwise the next request the policy finds worth offloading carries
+        the trial (see :meth:`usable`).  On a
         cellular link a probe from idle costs a promotion and a whole tail
         (~13 J on LTE) to learn one RTT.
         """
@@ -754,6 +777,11 @@ class EdgeCore:
             else:
                 cheap = link is None or wake_energy_j(link) <= PROBE_WAKE_J
                 blind = breaker.opened_at is None or now - breaker.opened_at >= BLIND_PROBE_S
+                if blind and not cheap and not warm:
+                    # Waking the radio for it only when a recent request would have
+                    # used the link, had it been up (else the answer changes nothing).
+                    since = self.wanted.get(name)
+                    blind = since is not None and now - since <= WANTED_S
                 if not (warm or cheap or blind) or not breaker.allow(now):
                     continue
             out.append(name)

@@ -130,3 +130,13 @@ def test_the_policy_quantile_is_what_every_estimator_tracks(tmp_path):
     path = tmp_path / "estimates.json"
     est.save(path)
     assert Estimators.load(path, 0.0, quantile=0.99).local("m").q == 0.99
+
+
+def test_timeouts_at_the_same_bound_keep_a_faded_belief_down():
+    link = LinkEstimator(prior_up_bps=8e6, prior_down_bps=20e6, prior_rtt_s=0.05)
+    link.observe_timeout(600_000, 4.0, now=0.0)  # at most 1.2 Mbit/s
+    assert link.up_belief.rate(link.up_bps, link.prior_up_bps, 0.0) == pytest.approx(1.2e6)
+    faded = link.up_belief.rate(link.up_bps, link.prior_up_bps, 120.0)
+    assert faded > 3e6  # two minutes unobserved: back towards the prior
+    link.observe_timeout(600_000, 4.0, now=120.0)  # the same bound again: still true
+    assert link.up_belief.rate(link.up_bps, link.prior_up_bps, 120.0) == pytest.approx(1.2e6)

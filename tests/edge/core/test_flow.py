@@ -266,3 +266,77 @@ def test_a_model_the_cloud_cannot_load_cools_down_alone_and_the_transport_stays_
             flow.offload_failed(now + 0.1, EndpointUnavailable("connection refused"))
         now += 0.5
     assert core.breakers["http"].state == "open"
+
+
+def _begin_cancellable(core, deadline_ms: float = 3000):
+    flow = core.begin(
+        "m",
+        now=1.0,
+        in_bytes=60_000,
+        connected={"http": True},
+        deadline_ms=deadline_ms,
+        local_cancellable=True,
+    )
+    action = flow.start()
+    assert isinstance(action, Hedge) and action.local_at is not None, action
+    return flow, action
+
+
+def test_a_late_reply_stops_a_cancellable_local_run_and_pays_only_what_it_ran():
+    from edge.core.energy import local_energy_j
+    from edge.core.flow import LOCAL_RUNS_TO_CANCEL
+
+    core = _core(journal=100)
+    for k in range(LOCAL_RUNS_TO_CANCEL - 1):  # with the warm-up: enough finished runs
+        core.warmed("m-local", 1.0, 0.1 * k)
+    flow, action = _begin_cancellable(core)
+    assert flow.context(1.0).local_cancellable  # the policy prices the partial run too
+    flow.race_due(action.local_at)
+    answer = flow.offload_done(action.local_at + 0.2, sent=60_000, received=1_000, elapsed_s=1.0)
+    assert isinstance(answer, Answer) and answer.where == "cloud-http"
+    assert answer.cancel_local and answer.extra["local_cancelled"]
+    ran_j = local_energy_j(core.policy.device, 0.2)
+    assert answer.energy_j == pytest.approx(answer.option.energy_j + ran_j)
+    # replayed, the same events (the flag in "begin" included) decide alike
+    replica = _core(journal=100)
+    replica.events.clear()
+    events = [e for e in core.events if e[0] != "warmed" or e[3] > 0.0]
+    assert [d.where for d in replay_journal(events, replica)] == [d.where for d in core.decisions]
+
+
+def test_a_young_local_estimate_keeps_the_local_run_going_to_learn_from_it():
+    core = _core(journal=100)  # one warm-up run only
+    flow, action = _begin_cancellable(core)
+    flow.race_due(action.local_at)
+    answer = flow.offload_done(action.local_at + 0.2, sent=60_000, received=1_000, elapsed_s=1.0)
+    assert isinstance(answer, Answer) and not answer.cancel_local
+    assert answer.energy_j == pytest.approx(answer.option.energy_j + flow._local_option.energy_j)
+    assert flow.local_done(action.local_at + 1.0, 1.0) is None  # it ran out, and taught
+    assert core.est.local("m-local").count == 2
+
+
+def test_a_blind_probe_wakes_the_radio_only_for_a_link_a_request_would_have_used():
+    from edge.core.flow import BLIND_PROBE_S
+
+    def opened(core):
+        breaker = core.breakers["http"]
+        for _ in range(10):
+            breaker.record_failure(0.0)
+        assert breaker.state != "closed"
+        return breaker
+
+    # a 1 s local run: the cloud would pay had the link been up; a blind probe goes
+    core = _core()
+    opened(core)
+    core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}).start()
+    assert core.wanted.get("http") == 1.0
+    assert core.probes(BLIND_PROBE_S + 1.0) == ["http"]
+    # a 1 ms local run: no link at any speed beats it; no wake-up to learn it is back
+    core = _core()
+    core.est.local("m-local").add(0.001, 0.5)
+    for _ in range(30):
+        core.est.local("m-local").add(0.001, 0.5)
+    opened(core)
+    core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}).start()
+    assert "http" not in core.wanted
+    assert core.probes(BLIND_PROBE_S + 1.0) == []
