@@ -83,7 +83,7 @@ JOURNAL_EVENTS = 0
 # Finished local runs (the warm-up's included) before a race's local run may be
 # stopped when the cloud answers first: a stopped run teaches nothing, and the
 # race starts its local run by the latency those runs taught.
-LOCAL_RUNS_TO_CANCEL = 20
+LOCAL_RUNS_TO_CANCEL = 5
 
 
 # ---- actions -------------------------------------------------------------------
