@@ -16,7 +16,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -415,7 +417,11 @@ def cellular_trace_dir() -> Path:
 
     folder = Path(tempfile.mkdtemp(prefix="ferry-traces-"))
     for name, up, down in (
-        ("generated-fading", markov_fading(150, seed=11, bad_mbps=0.0), markov_fading(150, seed=12)),
+        (
+            "generated-fading",
+            markov_fading(150, seed=11, bad_mbps=0.0),
+            markov_fading(150, seed=12),
+        ),
         ("generated-commute", commute(150, seed=13), commute(150, seed=14)),
     ):
         write_mahimahi(up, folder / f"{name}.up")
@@ -464,3 +470,41 @@ def mqtt_request(broker_url: str, model: str, payload: bytes, timeout: float = 6
         client.loop_stop()
         client.disconnect()
     return got[0]
+
+
+def check_cancel_stops_a_run_halfway(load: Callable[[Path], Any], folder: Path) -> None:
+    """A backend's ``run_cancellable``: a cancel a tenth into a slow run stops it (it
+    ends with RunCancelled well before a whole run), the session serves on, and a run
+    cancelled before it starts never starts."""
+    import pytest
+
+    from shared.errors import RunCancelled
+    from shared.runtimes.base import Cancel, cancellable
+
+    path = folder / "slow.onnx"
+    write_slow_model(path, size=512, layers=120)
+    session = load(path)
+    assert cancellable(session)
+    x = np.ones((1, 4), np.float32)
+    session.run({"x": x})  # warm
+    started = time.perf_counter()
+    session.run({"x": x})
+    whole = time.perf_counter() - started
+    cancel = Cancel()
+    timer = threading.Timer(whole / 10, cancel.cancel)
+    timer.start()
+    started = time.perf_counter()
+    with pytest.raises(RunCancelled):
+        session.run_cancellable({"x": x}, None, cancel)
+    stopped = time.perf_counter() - started
+    timer.join()
+    assert stopped < whole  # it did not run to the end
+    out = session.run_cancellable({"x": x}, None, Cancel())  # a fresh run is unaffected
+    np.testing.assert_allclose(out["y"], x, rtol=1e-5)
+    first = out["y"].copy()
+    session.run({"x": 2 * x})
+    np.testing.assert_array_equal(out["y"], first)  # the caller's copy, not reused memory
+    done = Cancel()
+    done.cancel()
+    with pytest.raises(RunCancelled, match="before it started"):
+        session.run_cancellable({"x": x}, None, done)

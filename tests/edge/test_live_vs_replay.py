@@ -115,19 +115,25 @@ async def test_the_live_agent_and_the_replay_make_every_decision_alike(tmp_path,
     assert "local" in where and "cloud-http" in where
 
 
-async def test_a_raced_offload_answers_first_and_the_replay_agrees(tmp_path, edge_repos, cloud):
-    # A 400 ms local run and a 700 ms deadline: an unmeasured link leaves no room to
-    # fall back after an offload, so the agent races it against a local run that
-    # starts when it must for the deadline (or at once, hedged).
-    x = np.ones((1, 4), np.float32)
-    journalled = _journalled_agent(
+def _racing_agent(tmp_path: Path, edge_repos, cloud, delay_ms: float = 2):
+    """A journalled agent whose 400 ms local run leaves a 700 ms deadline no room to
+    fall back after an offload: its offloads race the local run."""
+    return _journalled_agent(
         tmp_path,
         edge_repos,
         cloud,
         "explore_after_s = 0.3\n",
         "[emulation]\nlocal_latency_ms = 400\n",
+        delay_ms=delay_ms,
     )
-    async with journalled as (agent, _, config):
+
+
+async def test_a_raced_offload_answers_first_and_the_replay_agrees(tmp_path, edge_repos, cloud):
+    # A 400 ms local run and a 700 ms deadline: an unmeasured link leaves no room to
+    # fall back after an offload, so the agent races it against a local run that
+    # starts when it must for the deadline (or at once, hedged).
+    x = np.ones((1, 4), np.float32)
+    async with _racing_agent(tmp_path, edge_repos, cloud) as (agent, _, config):
         answers = []
         for _ in range(12):
             answers.append(await agent.infer("lin", {"x": x}, deadline_ms=700))
@@ -156,15 +162,7 @@ async def test_a_race_the_cloud_wins_late_stops_its_local_run_and_the_replay_agr
     # the reply comes after it started, and the local run (ONNX Runtime, and the
     # emulated device's time after it) is stopped there, not run to its end.
     x = np.ones((1, 4), np.float32)
-    journalled = _journalled_agent(
-        tmp_path,
-        edge_repos,
-        cloud,
-        "explore_after_s = 0.3\n",
-        "[emulation]\nlocal_latency_ms = 400\n",
-        delay_ms=150,
-    )
-    async with journalled as (agent, _, config):
+    async with _racing_agent(tmp_path, edge_repos, cloud, delay_ms=150) as (agent, _, config):
         core = agent.dataplane.core
         # a device that has run its model often: its latency rests on enough runs for a
         # race's local run to be stopped halfway (journalled, so the replay has them too)

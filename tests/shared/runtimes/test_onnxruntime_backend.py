@@ -242,47 +242,7 @@ def test_real_orientation_model_reports_its_nchw_input(orientation_onnx: Path) -
 # ---- cancelling a run (the edge agent stops a race's local run this way) ----------------
 
 
-def _slow_session(tmp_path: Path):
-    from tests.support import write_slow_model
-
-    path = tmp_path / "slow.onnx"
-    write_slow_model(path, size=512, layers=120)
-    return load(path, ONE_THREAD)
-
-
 def test_a_cancel_stops_a_run_halfway_and_the_session_runs_on(tmp_path: Path) -> None:
-    import threading
-    import time
+    from tests.support import check_cancel_stops_a_run_halfway
 
-    from shared.errors import RunCancelled
-    from shared.runtimes.base import Cancel, cancellable
-
-    session = _slow_session(tmp_path)
-    assert cancellable(session)
-    x = np.ones((1, 4), np.float32)
-    session.run({"x": x})  # warm
-    started = time.perf_counter()
-    session.run({"x": x})
-    whole = time.perf_counter() - started
-    cancel = Cancel()
-    timer = threading.Timer(whole / 10, cancel.cancel)
-    timer.start()
-    started = time.perf_counter()
-    with pytest.raises(RunCancelled):
-        session.run_cancellable({"x": x}, None, cancel)
-    stopped = time.perf_counter() - started
-    timer.join()
-    assert stopped < whole  # it did not run to the end
-    out = session.run_cancellable({"x": x}, None, Cancel())  # a fresh run is unaffected
-    np.testing.assert_allclose(out["y"], x, rtol=1e-5)
-
-
-def test_a_run_cancelled_before_it_starts_never_starts(tmp_path: Path) -> None:
-    from shared.errors import RunCancelled
-    from shared.runtimes.base import Cancel
-
-    session = _slow_session(tmp_path)
-    cancel = Cancel()
-    cancel.cancel()
-    with pytest.raises(RunCancelled, match="before it started"):
-        session.run_cancellable({"x": np.ones((1, 4), np.float32)}, None, cancel)
+    check_cancel_stops_a_run_halfway(lambda path: load(path, ONE_THREAD), tmp_path)

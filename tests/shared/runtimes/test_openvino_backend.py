@@ -193,37 +193,6 @@ def test_real_cnn_agrees_with_onnxruntime(orientation_onnx: Path) -> None:
 
 
 def test_a_cancel_stops_a_run_halfway_and_the_session_runs_on(tmp_path: Path) -> None:
-    import threading
-    import time
+    from tests.support import check_cancel_stops_a_run_halfway
 
-    from shared.errors import RunCancelled
-    from shared.runtimes.base import Cancel, cancellable
-    from tests.support import write_slow_model
-
-    path = tmp_path / "slow.onnx"
-    write_slow_model(path, size=512, layers=120)
-    session = load(path, RuntimeOptions(threads=1))
-    assert cancellable(session)
-    x = np.ones((1, 4), np.float32)
-    session.run({"x": x})  # warm
-    started = time.perf_counter()
-    session.run({"x": x})
-    whole = time.perf_counter() - started
-    cancel = Cancel()
-    timer = threading.Timer(whole / 10, cancel.cancel)
-    timer.start()
-    started = time.perf_counter()
-    with pytest.raises(RunCancelled):
-        session.run_cancellable({"x": x}, None, cancel)
-    stopped = time.perf_counter() - started
-    timer.join()
-    assert stopped < whole
-    out = session.run_cancellable({"x": x}, None, Cancel())  # the request serves on
-    np.testing.assert_allclose(out["y"], x, rtol=1e-5)
-    first = out["y"].copy()
-    session.run({"x": 2 * x})
-    np.testing.assert_array_equal(out["y"], first)  # a copy, not the request's tensor
-    done = Cancel()
-    done.cancel()
-    with pytest.raises(RunCancelled, match="before it started"):
-        session.run_cancellable({"x": x}, None, done)
+    check_cancel_stops_a_run_halfway(lambda path: load(path, RuntimeOptions(threads=1)), tmp_path)
