@@ -273,7 +273,8 @@ class RequestFlow:
         """
         if not self.local_cancellable or mp.local_model is None:
             return False
-        return self.core.est.local(mp.local_model, self.batch).count >= LOCAL_RUNS_TO_CANCEL
+        est = self.core.est.local_known(mp.local_model, self.batch)  # (creates no entry)
+        return est is not None and est.count >= LOCAL_RUNS_TO_CANCEL
 
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
