@@ -279,21 +279,7 @@ class RequestFlow:
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
         self.decision = decision
-        best, breakers = decision.choice, self.core.breakers
-        for o in decision.options:
-            # A link in trouble (its breaker not closed): would it pay were it up, even
-            # at any speed?  Only then is a blind probe from an idle radio worth its price.
-            if (
-                o.transport is not None
-                and breakers[o.transport].state != "closed"
-                and (
-                    best is None
-                    or o is best
-                    or o.rate_bps <= 0.0
-                    or o.cost - o.cost_per_inv_bps / o.rate_bps < best.cost
-                )
-            ):
-                self.core.wanted[o.transport] = now
+        self.core.recent[self.model] = (now, decision)  # what a blind probe asks of
         if self.core.decisions is not None:
             choice = decision.choice
             self.core.decisions.append(
@@ -572,8 +558,8 @@ class EdgeCore:
         self._arrived: dict[str, float] = {}  # model -> last arrival
         self._gap: dict[str, float] = {}  # model -> EWMA of the time between arrivals
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
-        # transport -> when a decision last found it would pay while its link was out
-        self.wanted: dict[str, float] = {}
+        # model -> (when, decision): its last decision (one per model: bounded)
+        self.recent: dict[str, tuple[float, Decision]] = {}
 
     @property
     def est(self) -> Any:
@@ -781,12 +767,28 @@ class EdgeCore:
                 if blind and not cheap and not warm:
                     # Waking the radio for it only when a recent request would have
                     # used the link, had it been up (else the answer changes nothing).
-                    since = self.wanted.get(name)
-                    blind = since is not None and now - since <= WANTED_S
+                    blind = self._wanted(name, now)
                 if not (warm or cheap or blind) or not breaker.allow(now):
                     continue
             out.append(name)
         return out
+
+    def _wanted(self, transport: str, now: float) -> bool:
+        """Whether a decision within ``WANTED_S`` would have offloaded over ``transport``
+        were its link up, at any speed (its option's cost without the transfer time
+        beats the choice): all a probe could find out."""
+        for when, decision in self.recent.values():
+            if now - when > WANTED_S:
+                continue
+            best = decision.choice
+            for o in decision.options:
+                if o.transport != transport:
+                    continue
+                if best is None or o is best or o.rate_bps <= 0.0:
+                    return True
+                if o.cost - o.cost_per_inv_bps / o.rate_bps < best.cost:
+                    return True
+        return False
 
     def probe_done(self, transport: str, now: float, rtt_s: float) -> None:
         self._journal(("probe_done", transport, now, rtt_s))
