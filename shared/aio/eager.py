@@ -17,28 +17,16 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def start_eagerly(
-    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
-) -> asyncio.Task[None] | None:
-    """Run ``coro`` up to its first wait; None when it finished, else the task carrying it on.
+def eager_future(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]
+) -> asyncio.Future[T]:
+    """Run ``coro`` up to its first wait: its outcome as a future, already done when it
+    finished without waiting, else the task carrying it on.
 
     It runs in a copy of the current context, as a task would, and the task
     that carries it on keeps that context.  The caller must not be inside a
     coroutine that this one could wait for (it would wait for itself).
     """
-    context = contextvars.copy_context()
-    try:
-        waited = context.run(coro.send, None)
-    except StopIteration:
-        return None
-    return loop.create_task(_CarryOn(coro, waited), context=context)
-
-
-def eager_future(
-    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]
-) -> asyncio.Future[T]:
-    """``coro``'s outcome as a future: already done when it finished without waiting,
-    else the task carrying it on (see :func:`start_eagerly`)."""
     context = contextvars.copy_context()
     try:
         waited = context.run(coro.send, None)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import unquote
 
-from shared.aio.eager import start_eagerly
+from shared.aio.eager import eager_future
 from shared.errors import FerryError
 from shared.http.wire import CONTINUE, BodyPool, Head, HttpError, RequestParser, response_head
 
@@ -263,11 +263,13 @@ class _Connection(asyncio.BufferedProtocol):
             try:
                 # Most handlers answer without waiting (an idle model runs a lone
                 # request in place): no task and no extra loop turn for those.
-                task = start_eagerly(loop, self._run(request))
+                task = eager_future(loop, self._run(request))
             finally:
                 self._eager = False
-            if task is not None:  # it waits; had it ended, its end may have set the next task
+            if not task.done():  # it waits; had it ended, its end may have set the next task
                 self.task = task
+            else:
+                task.result()  # (_run answers every error itself: nothing is raised here)
         if (
             self.parser.paused
             and self.parser.buffered > _PAUSE_ABOVE

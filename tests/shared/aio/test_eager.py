@@ -1,4 +1,4 @@
-"""start_eagerly / eager_future: a coroutine runs in place, and a task carries on only if it waits."""
+"""eager_future: a coroutine runs in place, and a task carries on only if it waits."""
 
 from __future__ import annotations
 
@@ -7,18 +7,20 @@ import contextvars
 
 import pytest
 
-from shared.aio.eager import eager_future, start_eagerly
+from shared.aio.eager import eager_future
 
 seen: contextvars.ContextVar[str] = contextvars.ContextVar("seen", default="")
 
 
-async def test_a_coroutine_that_never_waits_finishes_before_start_eagerly_returns():
+async def test_a_coroutine_that_never_waits_finishes_before_eager_future_returns():
     done = []
 
-    async def work() -> None:
+    async def work() -> int:
         done.append(asyncio.current_task())
+        return 7
 
-    assert start_eagerly(asyncio.get_running_loop(), work()) is None
+    fut = eager_future(asyncio.get_running_loop(), work())
+    assert fut.done() and fut.result() == 7
     assert done == [asyncio.current_task()]  # ran in the caller's turn, no task of its own
 
 
@@ -65,8 +67,8 @@ async def test_cancelling_the_task_cancels_the_coroutine_where_it_waits():
         finally:
             cleaned.append(True)
 
-    task = start_eagerly(asyncio.get_running_loop(), work())
-    assert task is not None
+    task = eager_future(asyncio.get_running_loop(), work())
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
