@@ -280,7 +280,7 @@ _SQRT_HALF = math.sqrt(0.5)
 
 
 def _phi(z: float) -> float:
-    return 0.5 * math.erfc(-z / math.sqrt(2.0))
+    return 0.5 * math.erfc(-z * _SQRT_HALF)
 
 
 class Policy:
@@ -672,8 +672,8 @@ class Policy:
             p_late = 1.0
         elif bottleneck <= 0.0 or sigma <= 0.0:
             p_late = 0.0 if bottleneck <= window else 1.0
-        else:  # P(rate < the rate that is in by then), as _phi (inline: a hot path)
-            p_late = 0.5 * math.erfc(-math.log(bottleneck / window) / sigma * _SQRT_HALF)
+        else:  # P(rate < the rate that is in by then)
+            p_late = _phi(math.log(bottleneck / window) / sigma)
         radio_w = 0.0  # cost per second of keeping the radio on
         if bottleneck > 0.0 and o.rate_bps > 0.0:
             per_s = o.cost_per_inv_bps / (bottleneck * o.rate_bps)
