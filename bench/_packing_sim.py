@@ -1,16 +1,13 @@
 """bench/packing.py part (b): a discrete-event simulation of a packed node as Ferry serves it.
 
-A Ferry node runs one dynamic batcher per loaded model (``cloud/batcher.py``),
-each with one session: when its session is free a batcher dispatches all
-that is queued, up to ``max_batch``, at once, and when nothing is queued the
-next request starts a batch of its own (dispatch at idle: a queue delay is
-only waited while a batch runs, and with one session nothing else can run
-then).  Batches of different models run at the same time in their own worker
-threads and share the node's cores: each of ``n`` batches in flight advances
-at ``speed/n`` (processor sharing, work-conserving: the cores never idle while
-a batch is in flight).  A batch's work is ``l(b) = a + beta*b`` (plus Gaussian
-noise of the profile's ``spread_s``, when it has one).  A request is within
-its SLO when its batch finishes by ``arrival + L``.
+A Ferry node that follows a placement runs one dynamic batcher per loaded
+model (``cloud/batcher.py``) and lets one batch run at a time
+(``cloud/workers.py``'s turnstile): a batcher with requests queued waits for
+its turn in first-come order, and at its turn takes everything queued, up
+to ``max_batch``, and runs it with the node to itself.  A batch's work is
+``l(b) = a + beta*b`` (plus Gaussian noise of the profile's ``spread_s``,
+when it has one).  A request is within its SLO when its batch finishes by
+``arrival + L``.
 
 Each copy gets its own arrival stream at its planned rate: Poisson, or a
 Gamma renewal process with coefficient of variation ``cv`` (shape
@@ -19,11 +16,6 @@ model's traffic).  Nodes are independent, so each is simulated for as long as
 its least busy copy needs to see ``requests`` arrivals, and at least the window
 the objective is judged over (``Headroom.window_s``), at most 3,000 s: short
 for the busy nodes, without starving the rare models.
-
-Not modelled: a lone batch on a node of two cores with one intra-op thread
-per session (``cloud/loading.py`` gives each of several sessions
-``cores // sessions`` threads) uses one core, not the node; profiles measured
-with the threads a node gives each session make that exact.
 """
 
 from __future__ import annotations
@@ -31,6 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, bisect_right
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,47 +85,49 @@ def simulate_node(
 ) -> None:
     """``copies``: (model, rate, slo, max_batch, a, beta, spread).
 
-    Processor sharing by virtual time: every batch in flight advances at the same
-    rate, so one that starts when the shared clock reads ``V`` with work ``w``
-    ends when it reads ``V + w``; the clock runs at ``speed/n`` with ``n`` in
-    flight.  Events: the earliest end, or a request for an idle copy."""
+    Turns: a copy with requests queued waits for its turn in first-come order;
+    at its turn it takes what is queued (up to its max batch) and runs it with
+    the node to itself.  Events: the end of the batch running, or the first
+    request of a copy with nothing queued."""
     streams = [arrivals(rng, rate, cv, horizon).tolist() for _, rate, *_ in copies]
     heads = [0] * len(copies)  # first request not yet in a batch
-    starts = [0] * len(copies)  # first request of the batch in flight
     within = [0] * len(copies)
-    idle = [(s[0], c) for c, s in enumerate(streams) if s]
-    heapq.heapify(idle)
-    running: list[tuple[float, int]] = []  # (virtual end, copy)
-    clock = now = 0.0
+    quiet = [(s[0], c) for c, s in enumerate(streams) if s]  # (next request, copy)
+    heapq.heapify(quiet)
+    waiting: deque[int] = deque()
     speed = node.speed
+    running: tuple[float, int, int] | None = None  # (end, copy, first request)
 
-    def dispatch(c: int) -> None:
+    def turn(now: float) -> tuple[float, int, int] | None:
+        if not waiting:
+            return None
+        c = waiting.popleft()
         _, _, _, top, a, beta, spread = copies[c]
         h = heads[c]
         end = min(bisect_right(streams[c], now, h), h + top)  # what is queued, up to max batch
         work = a + beta * (end - h)
         if spread > 0:
             work = max(work + float(rng.normal(0.0, spread)), 1e-9)
-        starts[c], heads[c] = h, end
-        heapq.heappush(running, (clock + work, c))
+        heads[c] = end
+        return (now + work / speed, c, h)
 
-    while idle or running:
-        done_at = now + (running[0][0] - clock) * len(running) / speed if running else math.inf
-        if idle and idle[0][0] < done_at:
-            when, c = heapq.heappop(idle)
-            if running:
-                clock += (when - now) * speed / len(running)
-            now = when
-            dispatch(c)
+    while quiet or running is not None:
+        done_at = running[0] if running is not None else math.inf
+        if quiet and quiet[0][0] < done_at:
+            now, c = heapq.heappop(quiet)
+            waiting.append(c)
+            if running is None:
+                running = turn(now)
             continue
-        clock, c = heapq.heappop(running)
-        now = done_at
-        stream, h, e = streams[c], starts[c], heads[c]
+        assert running is not None
+        now, c, h = running
+        stream, e = streams[c], heads[c]
         within[c] += e - max(h, bisect_left(stream, now - copies[c][2], h, e))
         if e < len(stream) and stream[e] <= now:
-            dispatch(c)
+            waiting.append(c)  # more came meanwhile: the back of the line
         elif e < len(stream):
-            heapq.heappush(idle, (stream[e], c))
+            heapq.heappush(quiet, (stream[e], c))
+        running = turn(now)
     for (model, *_), stream, good in zip(copies, streams, within, strict=True):
         result.sent[model] = result.sent.get(model, 0) + len(stream)
         result.within[model] = result.within.get(model, 0) + good

@@ -13,15 +13,14 @@ the same copies, so compute fits too), one copy per node, and ModelMesh's
 rule (one copy, a second for a model in regular use, more above 2,000
 req/min per copy; copies to servers with room, then fewest models, then most
 free memory; nodes added until every node's copies fit).  "floor" is the
-node time Ferry's nodes need for our copies if packing cost nothing and
-bursts never came (each copy at the least share its objective allows, summed,
-rounded up): what separates it from the bound is how a node serves, what
-separates ours from it is packing and the burst allowance.  Target: ours <=
-1.10x the bound.
+node time our copies need at the least (each copy's work, and one overhead
+per cycle it has requests in, cycles as long as its objective; summed,
+rounded up): what separates ours from it is the margins a node's turns are
+planned with and packing.  Target: ours <= 1.10x the bound.
 
 (b) A discrete-event simulation (``bench/_packing_sim.py``) of each compute-bound
-fleet's packing as Ferry's nodes serve it: one dynamic batcher per model
-dispatching at idle, batches of all models sharing the cores.  Target rows
+fleet's packing as Ferry's nodes serve it: one dynamic batcher per model,
+the models taking turns, one batch at a time with the node to itself.  Target rows
 (*): the packing of (a) under Poisson arrivals, and the packing planned for
 the measured burstiness (``Headroom(cv=2)``, the controller's ``--burst-cv``)
 under Gamma (CV 2) arrivals: >= 99% of every model's requests within its SLO.
@@ -296,12 +295,11 @@ def part_a(measured, fleets, lines: list[str]) -> tuple[bool, dict[str, tuple]]:
             lines.append(
                 f"    MISS: {ours} nodes is {ours / lb:.2f}x the bound {lb} (> {TARGET}): the "
                 f"bound before rounding is {max(compute, memory):.2f} nodes (any schedule, even "
-                f"one that knows every arrival); Ferry's batchers need {floor:.2f} of node time "
-                f"for these copies at the least share each objective allows "
-                f"({floor / max(compute, memory):.2f}x the bound: a batch dispatched at idle and "
-                f"run beside the node's other batches makes a request wait for the batch in "
-                f"flight and then its own, both at the shared speed), and the 99th-percentile "
-                f"burst allowance and packing take the rest ({ours / floor:.2f}x)"
+                f"one that knows every arrival and batches each model over its whole "
+                f"objective); our copies' least node time is {floor:.2f} "
+                f"({floor / max(compute, memory):.2f}x the bound), and the turns' planning "
+                f"margins (99% of each model's requests in time with the cycle's spread, batches "
+                f"within max_batch) and packing take the rest ({ours / floor:.2f}x)"
             )
     return ok, made
 

@@ -217,6 +217,7 @@ class DynamicBatcher:
         assert self._wake is not None
         self._wake.set()
         await self._task
+        self._activity.leave(self)
         self._stop_threads()
 
     def _admit(self, inputs, outputs, deadline, priority, arrival: int) -> _Request:
@@ -308,6 +309,9 @@ class DynamicBatcher:
             except Exception:  # a bug here must not strand the queue
                 log.exception("%s: scheduler error; failing queued requests", self._name())
                 self._fail_queued(lambda: InternalError(f"{self._name()}: scheduler error"))
+                if not self._inflight:
+                    self._activity.release(self)  # a turn taken and never used
+                self._activity.leave(self)
                 wake_at = None
             if self._closing and not self._depth and not self._inflight:
                 break
@@ -319,14 +323,28 @@ class DynamicBatcher:
         """Expire, then dispatch while sessions are idle; returns when to look again."""
         now = time.monotonic_ns()
         wake_at = self._expire(now)
+        activity = self._activity
         while self._idle and self._depth:
+            if not activity.take(self):
+                break  # in line for the node's turn: woken when it comes
             members, hold_until = self._form_batch(now)
             if members is None:
+                activity.release(self)
                 if hold_until is not None:
                     wake_at = hold_until if wake_at is None else min(wake_at, hold_until)
                 break
             self._dispatch(members, now)
+        if not self._depth:
+            activity.leave(self)
         return wake_at
+
+    def wants_turn(self) -> bool:
+        """Whether the node's next turn would find requests here (:mod:`cloud.workers`)."""
+        return self._depth > 0 and self._task is not None and not self._task.done()
+
+    def wake_for_turn(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     def _expire(self, now: int) -> int | None:
         heap = self._deadlines
@@ -455,6 +473,7 @@ class DynamicBatcher:
         """Completion on the loop: deliver each request's outcome."""
         self._inflight -= 1
         self._activity.running -= 1
+        self._activity.release(self)
         if index == _LONE:
             self._idle, self._held = self._held, []
         else:

@@ -100,12 +100,15 @@ class FleetConfig:
 
     ``memory_bytes`` is what the controller may fill with models on this node
     (0: the memory available when the node starts); ``speed`` is the node's
-    speed relative to the machine the tuning profiles were measured on.
+    speed relative to the machine the tuning profiles were measured on;
+    ``turns`` runs one batch at a time, the models taking turns
+    (:mod:`cloud.workers`): the schedule the placement is planned for.
     """
 
     memory_bytes: int = 0
     speed: float = 1.0
     handover_timeout_s: float = 30.0
+    turns: bool = True  # one batch at a time on the node, as the placement plans
 
 
 _NODE_LIMITS = {"max_queue_size": int, "max_inflight_mqtt": int, "max_inflight_bytes": int}
@@ -127,6 +130,7 @@ _SCHEMA: dict[str, Any] = {
         "memory_bytes": int,
         "speed": NUMBER,
         "handover_timeout_s": NUMBER,
+        "turns": bool,
     },
     "http": {
         "host": str,
@@ -313,6 +317,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
                 ),
                 speed=_positive(fleet_data, "speed", 1.0, source),
                 handover_timeout_s=_positive(fleet_data, "handover_timeout_s", 30.0, source),
+                turns=bool(fleet_data.get("turns", True)),
             ),
         )
     return config

@@ -107,6 +107,7 @@ class DataPlane:
         cores: int | None = None,
         max_elements: int = Limits.max_elements,
         inline_run_us: float = 0.0,
+        turns: bool = False,
     ) -> None:
         self.repository = repository
         self.node = node
@@ -117,7 +118,8 @@ class DataPlane:
         self.cores = cores or available_cpus()
         self.max_elements = max_elements
         self.inline_run_us = inline_run_us
-        self.activity = NodeActivity()  # batches running, all models together
+        # batches running, all models together; with turns, one at a time
+        self.activity = NodeActivity(turns)
         self._models: dict[str, dict[int, LoadedModel]] = {}
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -217,9 +219,11 @@ class DataPlane:
                 model_bytes=model_file_bytes(newest),
             )
             own = planned_sessions(config, len(versions))
-            threads = session_threads(
-                config, self.cores, max(other_sessions + own, self._planned_sessions)
+            # taking turns, a batch has the node's cores to itself: a thread per core
+            sharing = (
+                1 if self.activity.turns else max(other_sessions + own, self._planned_sessions)
             )
+            threads = session_threads(config, self.cores, sharing)
             options = replace(
                 config.runtime.to_options(device=config.instance_group.kind), threads=threads
             )

@@ -53,6 +53,7 @@ class CloudServer:
             idempotency_max_bytes=config.idempotency_max_bytes,
             max_elements=config.limits.max_elements,
             inline_run_us=config.inline_run_us,
+            turns=config.fleet is not None and config.fleet.turns,
         )
         self.gpu = GpuMonitor()
         self.cpu = CpuMonitor()

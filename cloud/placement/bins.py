@@ -1,16 +1,13 @@
 """Nodes as bins: what a node holds, whether one more copy fits, and where it fits best.
 
 A copy fits a node when the node runs one of its backends, has the memory,
-holds no other copy of the model (ModelMesh's rule) and every copy there
-still gets the share of the node it needs (:mod:`cloud.placement.sizing`).
-A bin keeps, per copy, the sums in that rule (the others' node time and its
-variance at the copy's need), so trying one more copy costs a few vector
-operations over the bin's copies.  Where several nodes fit, the packer
-prefers the one whose pressure grows least beyond the copy's own need: a
-copy that needs a fast share on a node of patient copies makes them all
-batch less (their node time at the higher share), and a patient copy on a
-busy node does the same to it.  Ties go to the fuller node (best fit), then
-to the name.
+holds no other copy of the model (ModelMesh's rule) and the node's copies
+still meet their objectives taking turns (:mod:`cloud.placement.sizing`).
+A bin keeps its copies' figures as arrays and the cycle of their turns, so
+trying one more copy is one cycle computation, started from the current
+cycle (one more copy only lengthens it).  Where several nodes fit, the
+packer prefers the one whose occupancy grows least beyond the copy's own
+least node time; ties go to the fuller node (best fit), then to the name.
 """
 
 from __future__ import annotations
@@ -19,11 +16,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from cloud.placement.demand import Item
-from cloud.placement.serving import GRID
-from cloud.placement.sizing import EPS, Slot
+from cloud.placement.sizing import ALONE, EPS, Slot, together
 from cloud.placement.types import NodeSpec
 
 #: how a packing run chooses between nodes and between a copy's profiles
@@ -31,67 +25,36 @@ MARGINAL, FULLEST = "marginal", "fullest"
 FAST, SMALL = "fast", "small"
 
 
-def _at(table: np.ndarray, cell: np.ndarray, part: np.ndarray) -> np.ndarray:
-    """Rows of ``table`` (or one row) interpolated at each (cell, part)."""
-    return table[..., cell] * (1 - part) + table[..., cell + 1] * part
-
-
-def _one(row: np.ndarray, cell: int, part: float) -> float:
-    return float(row[cell]) * (1 - part) + float(row[cell + 1]) * part
-
-
 @dataclass(frozen=True)
 class Fit:
-    """One way to add an item to a bin: which profile, and the bin's pressure after."""
+    """One way to add an item to a bin: which profile, and the bin's occupancy after."""
 
     profile_index: int
     slot: Slot
     occupancy: float
     score: tuple
+    cycle_s: float = 0.0  # the mean cycle of turns after (0: a lone copy)
+    work: float = 0.0  # the copies' mean work in such a cycle
 
 
 #: what :meth:`Bin.add` changes, saved so that :meth:`Bin.pop` undoes it exactly
-_UNDO = (
-    "memory",
-    "occupancy",
-    "floor",
-    "thetas",
-    "slos",
-    "busy",
-    "spread",
-    "cells",
-    "parts",
-    "total",
-    "total_spread",
-    "peak",
-)
+_UNDO = ("memory", "occupancy", "floor", "cycle_s", "work", "reach")
 
 
 @dataclass(eq=False)
 class Bin:
-    """A node and its copies, with the sums that make one more copy cheap to try.
-
-    Per copy ``j``: its need, objective, and the others' node time and variance
-    at its need (the sums in the fit rule); for the node: every copy's node time
-    and variance added up over the grid of shares, so a newcomer's own sums are
-    one interpolation; and the copy under most pressure, which a newcomer must
-    not push past the whole node (a screen before the full check)."""
+    """A node and its copies, with what makes one more copy cheap to try: the sum of
+    their least node times and the mean cycle of their turns."""
 
     node: NodeSpec
     entries: list[tuple[Item, int, Slot]] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
     memory: int = 0
-    occupancy: float = 0.0  # the largest pressure among its copies
-    floor: float = 0.0  # sum of the copies' node time at their own need
-    thetas: np.ndarray = field(default_factory=lambda: np.empty(0))
-    slos: np.ndarray = field(default_factory=lambda: np.empty(0))
-    busy: np.ndarray = field(default_factory=lambda: np.empty(0))  # others' node time at theta_j
-    spread: np.ndarray = field(default_factory=lambda: np.empty(0))  # ... and its variance
-    cells: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=int))
-    parts: np.ndarray = field(default_factory=lambda: np.empty(0))
-    total: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))
-    total_spread: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))
-    peak: int = -1  # the copy under most pressure
+    occupancy: float = 0.0  # how full: a lone copy's need, else the cycle's
+    floor: float = 0.0  # sum of the copies' least node time
+    cycle_s: float = 0.0  # mean cycle of turns (0: one copy or none)
+    work: float = 0.0  # the copies' mean work in one such cycle
+    reach: float = math.inf  # the longest mean cycle every copy here allows
     _saved: list[tuple] = field(default_factory=list, repr=False)
 
     def holds(self, model: str) -> bool:
@@ -110,64 +73,41 @@ class Bin:
                 best = fit
         return best
 
-    def pressure_of_newcomer(self, slot: Slot) -> float:
-        """The newcomer's own pressure beside the copies here."""
-        cell, part = slot.cell, slot.part
-        busy = _one(self.total, cell, part)
-        variance = _one(self.total_spread, cell, part)
-        return slot.theta + busy + slot.headroom.z * math.sqrt(max(variance, 0.0) / slot.slo_s)
-
     def try_slot(self, item: Item, index: int, slot: Slot, choose: str, prefer: str) -> Fit | None:
-        theta = slot.theta
-        if theta > 1 + EPS:
+        if slot.theta > 1 + EPS or self.floor + slot.floor > 1 + EPS:
             return None
-        occupancy = theta
-        if self.entries:
-            occupancy = self.pressure_of_newcomer(slot)
-            if occupancy > 1 + EPS:
+        cycle_s = work = 0.0
+        if not self.entries:
+            occupancy = slot.theta
+        else:
+            if slot.theta > ALONE or self.entries[0][2].theta > ALONE:
+                return None  # a copy that needs most of a node alone keeps it to itself
+            if self.cycle_s > 0:  # a screen: the new cycle is at least one turn more
+                start = max(self.cycle_s, slot.a + slot.beta)
+                more = slot.a * -math.expm1(-slot.rate * start) + slot.beta * slot.rate * start
+                if max(start, self.work + more) > min(self.reach, slot.reach) * (1 + EPS):
+                    return None
+            found = together([e[2] for e in self.entries] + [slot], self.cycle_s)
+            if not found.fits:
                 return None
-            j = self.peak
-            cell, part = int(self.cells[j]), float(self.parts[j])
-            if self.occupancy + _one(slot.curve, cell, part) > 1 + EPS:
-                return None  # pushes the copy under most pressure past the node
-            z = slot.headroom.z
-            busy = self.busy + _at(slot.curve, self.cells, self.parts)
-            spread = self.spread + _at(slot.spread, self.cells, self.parts)
-            theirs = self.thetas + busy + z * np.sqrt(spread / self.slos)
-            occupancy = max(occupancy, float(theirs.max()))
-            if occupancy > 1 + EPS:
-                return None
+            occupancy, cycle_s, work = found.occupancy, found.mean, found.work
         waste = round(occupancy - self.occupancy - item.floor, 9)
         fuller = -occupancy
         score: tuple = (waste, fuller) if choose == MARGINAL else (fuller, waste)
         memory = slot.profile.memory_bytes
         score = (memory, *score) if prefer == SMALL else (*score, memory)
-        return Fit(index, slot, occupancy, (*score, index))
+        return Fit(index, slot, occupancy, (*score, index), cycle_s, work)
 
     def add(self, item: Item, fit: Fit) -> None:
         slot = fit.slot
         self._saved.append(tuple(getattr(self, name) for name in _UNDO))
-        z = slot.headroom.z
-        own_busy = _one(self.total, slot.cell, slot.part)
-        own_spread = _one(self.total_spread, slot.cell, slot.part)
-        if self.entries:
-            self.busy = self.busy + _at(slot.curve, self.cells, self.parts)
-            self.spread = self.spread + _at(slot.spread, self.cells, self.parts)
         self.entries.append((item, fit.profile_index, slot))
         self.names.add(item.name)
         self.memory += slot.profile.memory_bytes
         self.floor += slot.floor
-        self.thetas = np.append(self.thetas, slot.theta)
-        self.slos = np.append(self.slos, slot.slo_s)
-        self.busy = np.append(self.busy, own_busy)
-        self.spread = np.append(self.spread, own_spread)
-        self.cells = np.append(self.cells, slot.cell)
-        self.parts = np.append(self.parts, slot.part)
-        self.total = self.total + slot.curve
-        self.total_spread = self.total_spread + slot.spread
-        pressures = self.thetas + self.busy + z * np.sqrt(np.maximum(self.spread, 0) / self.slos)
-        self.peak = int(pressures.argmax())
-        self.occupancy = float(pressures[self.peak])
+        self.occupancy = fit.occupancy
+        self.cycle_s, self.work = fit.cycle_s, fit.work
+        self.reach = min(self.reach, slot.reach)
 
     def pop(self) -> None:
         """Undo the last :meth:`add` exactly."""
@@ -186,17 +126,9 @@ class Bin:
 
     def clear(self) -> None:
         self.entries, self.names, self.memory = [], set(), 0
-        self.occupancy = self.floor = 0.0
-        self.thetas, self.slos = np.empty(0), np.empty(0)
-        self.busy, self.spread = np.empty(0), np.empty(0)
-        self.cells, self.parts = np.empty(0, dtype=int), np.empty(0)
-        self.total, self.total_spread = np.zeros(len(GRID)), np.zeros(len(GRID))
-        self.peak = -1
+        self.occupancy = self.floor = self.cycle_s = self.work = 0.0
+        self.reach = math.inf
         self._saved = []
-
-    def planned_share(self) -> float:
-        """The share every batch here is planned to get: the largest need."""
-        return float(self.thetas.max()) if self.entries else 0.0
 
 
 class Packer:

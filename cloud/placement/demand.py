@@ -2,9 +2,7 @@
 
 A model whose rate exceeds what one node serves (a copy alone on a node, its
 batches at the node's full speed) gets whole-node copies and one residual
-copy; a residual that needs most of a node's share is spread over a few
-copies when that costs next to no node time (:func:`spread`); ``min_copies``
-spreads the rate evenly over more copies; one copy per node and
+copy; ``min_copies`` spreads the rate evenly over more copies; one copy per node and
 ``max_copies`` cap the count.  Whatever cannot be honoured is said in words:
 the controller publishes those words and raises them as alerts.
 """
@@ -18,9 +16,6 @@ from cloud.placement.sizing import Headroom, Slot, full_rate, size
 from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec
 
 IDLE = "idle"
-#: at most this many pieces of one shared copy, and what they may cost together
-SPREAD_MAX = 4
-SPREAD_SLACK = 0.002
 
 
 @dataclass(eq=False)
@@ -126,45 +121,6 @@ def why_nowhere(demand: ModelDemand, nodes: Sequence[NodeSpec]) -> str:
     )
 
 
-def best_slot(
-    demand: ModelDemand, rate: float, hosts: Sequence[NodeSpec], headroom: Headroom
-) -> Slot:
-    return min(
-        (
-            size(p, rate, demand.slo_s, n.speed, headroom)
-            for n in hosts
-            for p in demand.profiles
-            if p.backend in n.backends and p.memory_bytes <= n.memory_bytes
-        ),
-        key=lambda s: (s.floor, s.theta),
-    )
-
-
-def spread(
-    demand: ModelDemand, rate: float, hosts: Sequence[NodeSpec], headroom: Headroom, most: int
-) -> int:
-    """How many copies to make of a shared copy so that its need does not force a fast
-    share on its node for nothing.
-
-    Every batch on a node runs at the share its most demanding copy needs, so a
-    copy that needs much of the node makes the copies beside it batch less
-    (their node time at that share).  Split in ``k``, each piece needs about a
-    ``k``-th; so split while the pieces' node time together does not grow by
-    more than ``SPREAD_SLACK`` of a node and the need falls, up to ``SPREAD_MAX``.  A
-    copy idle half the time at its need is not tried: its need comes from how long
-    its own batches take, which splitting does not shorten."""
-    base = best_slot(demand, rate, hosts, headroom)
-    share, need, pieces = base.floor, base.theta, 1
-    if share < need / 2:
-        return 1  # idle half the time at its need: its own batch time sets the need
-    for k in range(2, min(most, SPREAD_MAX) + 1):
-        piece = best_slot(demand, rate / k, hosts, headroom)
-        if k * piece.floor > share + SPREAD_SLACK or piece.theta > need / 1.5:
-            break
-        need, pieces = piece.theta, k
-    return pieces
-
-
 def split(
     demand: ModelDemand, fleet: Sequence[tuple[NodeSpec, int]], headroom: Headroom
 ) -> tuple[list[Item], str | None]:
@@ -188,9 +144,6 @@ def split(
         rest = rate - full * top
     rates = [top] * full + ([rest] if rest > 1e-9 * max(rate, 1.0) or full == 0 else [])
     cap = min(reach, demand.max_copies or reach)
-    if rates and (full == 0 or len(rates) > full):  # the shared copy: spread when free
-        pieces = spread(demand, rates[-1], hosts, headroom, cap - len(rates) + 1)
-        rates = rates[:-1] + [rates[-1] / pieces] * pieces
     want = max(demand.min_copies, len(rates))
     if want > len(rates):  # min_copies: spread the traffic evenly
         rates = [rate / want] * want

@@ -4,11 +4,12 @@
 whole-node copies for a hot model, one shared copy for the rest, at least
 ``min_copies``) and packs them onto as few nodes as it can
 (:mod:`cloud.placement.bins`).  No single greedy order wins everywhere -
-decreasing size avoids fragments, decreasing need keeps copies that ask for
-a like share of the node together (every batch on a node runs at the share
-its most demanding copy needs), decreasing memory wins when memory binds - so a few
-orders are run and the packing on the fewest nodes is kept (ties: the lowest
-peak pressure), after a pass that tries to empty the emptiest nodes and one
+increasing objective keeps copies with like objectives together (the
+copies on a node take turns, and the cycle of turns is as short as the
+tightest objective there asks), decreasing size avoids fragments,
+decreasing memory wins when memory binds - so a few orders are run and the
+packing on the fewest nodes is kept (ties: the lowest peak occupancy),
+after a pass that tries to empty the emptiest nodes and one
 that evens the load.  Small instances are finished by exact search
 (:mod:`cloud.placement.exact`).
 
@@ -32,7 +33,7 @@ from cloud.placement.bounds import lower_bounds
 from cloud.placement.checks import check
 from cloud.placement.demand import Item, kinds, split
 from cloud.placement.exact import rebuild, search
-from cloud.placement.sizing import Headroom
+from cloud.placement.sizing import Headroom, together
 from cloud.placement.types import Copy, ModelDemand, NodeSpec, Placement
 
 __all__ = [
@@ -67,6 +68,12 @@ def _by_need(item: Item) -> tuple:
     return (-item.alone, -item.floor, item.key)
 
 
+def _by_objective(item: Item) -> tuple:
+    """Shortest objective first: copies with like objectives share a node's cycle,
+    and a cycle is as short as the tightest objective on the node asks."""
+    return (item.demand.slo_s, -item.floor, item.key)
+
+
 def _big_then_need(item: Item) -> tuple:
     return (0, *_by_size(item)) if item.floor >= 0.5 else (1, *_by_need(item))
 
@@ -77,12 +84,10 @@ def _by_memory(item: Item) -> tuple:
 
 #: (order, how to choose a node, which profile to prefer)
 VARIANTS: tuple[tuple[Callable[[Item], tuple], str, str], ...] = (
-    (_big_then_need, MARGINAL, FAST),
-    (_by_need, MARGINAL, FAST),
-    (_by_size, MARGINAL, FAST),
-    (_by_need, FULLEST, FAST),
+    (_by_objective, MARGINAL, FAST),
+    (_by_objective, FULLEST, FAST),
     (_by_memory, FULLEST, SMALL),
-    (_big_then_need, MARGINAL, SMALL),
+    (_big_then_need, MARGINAL, FAST),
 )
 
 
@@ -232,15 +237,27 @@ def _incremental(
 
 
 def _copies(packer: Packer) -> tuple[Copy, ...]:
-    """The bins as published copies.  Each batch on a node is planned to run at the
-    largest need there; at that share a copy runs its mean ``batch`` in
-    ``duty_cycle_s`` (its own batch cycle) and keeps the node busy ``occupancy`` of
-    the time (the copies' occupancies add up to at most the whole node)."""
+    """The bins as published copies.  A lone copy runs at the node's full speed: its
+    mean ``batch`` in ``duty_cycle_s`` (its own batch cycle), keeping the node
+    busy ``occupancy`` of the time.  Copies that take turns share one cycle
+    (``duty_cycle_s``, the mean time between two turns of a model) and each
+    runs about what arrives in it."""
     copies = []
     for b in packer.used():
-        share = b.planned_share()
-        for item, _, slot in b.entries:
-            batch = slot.batch(share)
+        entries = sorted(b.entries, key=lambda e: e[0].key)
+        # the cycle again, from the copies in a fixed order: the bin's own came by a
+        # path (the order copies were added) that a re-placement need not repeat
+        turns = together([slot for _, _, slot in entries]) if len(entries) > 1 else None
+        for item, _, slot in entries:
+            if turns is not None:
+                cycle = turns.mean
+                batch = max(1, min(slot.limit, math.ceil(slot.rate * cycle - 1e-9)))
+                shown = -math.expm1(-slot.rate * cycle)
+                busy = (slot.a * shown + slot.beta * slot.rate * cycle) / cycle
+            else:
+                batch = slot.batch(slot.theta)
+                cycle = (slot.a + slot.beta * batch) / slot.theta
+                busy = slot.time(slot.theta)
             copies.append(
                 Copy(
                     model=item.name,
@@ -248,8 +265,8 @@ def _copies(packer: Packer) -> tuple[Copy, ...]:
                     backend=slot.profile.backend,
                     rate=item.rate,
                     batch=batch,
-                    duty_cycle_s=round((slot.a + slot.beta * batch) / share, 9),
-                    occupancy=round(slot.time(share), 6),
+                    duty_cycle_s=round(cycle, 9),
+                    occupancy=round(busy, 6),
                     memory_bytes=slot.profile.memory_bytes,
                     threads=slot.profile.threads,
                 )

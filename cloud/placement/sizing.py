@@ -1,37 +1,18 @@
 """How much of a node a copy needs, and when copies fit one node together.
 
-A node shares its cores among the batches running (:mod:`cloud.placement.serving`):
-with ``n`` batches in flight each runs at ``theta = 1/n`` of the node's speed.
-Per copy two figures, from the batch chain of its dynamic batcher:
+A copy alone on a node is one dynamic batcher with the node to itself: the
+batch chain of :mod:`cloud.placement.serving` gives its **need** ``theta``
+(the least share of the node at which the planned share of its requests,
+``Headroom.quantile``, meets its objective: at most 1 when it fits a node
+alone) and its node time.  Several copies on one node take turns, one batch
+at a time (:mod:`cloud.placement.turns`): they fit together when none needs
+more than :data:`ALONE` of a node by itself, the cycle of their turns leaves
+every copy its share of requests in time and its batches within
+``max_batch``, and their least node times (:func:`floor_share`) fit the node.
 
-* its **need** ``theta_j``: the least share at which its batches must run for
-  the planned share of its requests (``Headroom.quantile``) to meet its
-  objective; above it the copy is fine, below it too many requests wait for
-  a slow batch in flight and then run in a slow batch of their own;
-* its **node time** ``c_j(theta)``: the share of the node it keeps busy when its
-  batches run at ``theta``.  ``c_j`` falls as ``theta`` falls: a copy slowed
-  down collects bigger batches and pays its overhead ``a`` less often, which
-  is how a node's dynamic batchers make room for one another.
-
-Copies fit one node when every copy ``j`` gets its need:
-
-    theta_j + sum_{i != j} c_i(theta_j) + z * sqrt(sum_{i != j} v_i(theta_j) / L_j) <= 1
-
-A batch of ``j`` shares the node with the others' batches; by Little's law the
-others keep ``c_i(theta)/theta`` batches in flight on average, so ``j`` runs at
-``theta = 1/(1 + sum c_i(theta)/theta)``, which reaches ``theta_j`` exactly when
-the first two terms fit.  The third is the burst allowance, pooled over the
-node: the others' work over ``j``'s objective ``L_j`` varies (``v_i``: the
-variance of copy ``i``'s node time per second, from its batches' size and how
-often it is idle; a copy that is always busy takes its share and no more,
-so it adds no variance), and the node is planned for the ``quantile`` of that
-sum rather than for every copy's burst at once: with independent arrivals the
-sum varies like the square root of the variances' sum.  ``z`` is the normal
-quantile and ``v`` carries the arrivals' burstiness.
-
-Adding a copy only raises every left-hand side (``c`` is non-negative and
-the sums grow), so a node that does not fit stays that way with more copies:
-the packers rely on it.
+Adding a copy only lengthens the cycle (more work per turn) and adds to the
+node time, so a node that does not fit stays that way with more copies: the
+packers rely on it.
 """
 
 from __future__ import annotations
@@ -45,8 +26,13 @@ from statistics import NormalDist
 import numpy as np
 
 from cloud.placement.serving import GRID, STATES, assess, node_time
+from cloud.placement.turns import Cycle, floor_share
 from cloud.placement.types import LatencyProfile
 
+#: a copy that needs more than this share of a node alone keeps the node to itself:
+#: its batches already run nearly back to back, and the exact chain that says it
+#: fits alone says nothing of another model's batches cutting in
+ALONE = 0.9
 #: relative slack for float comparisons of shares (never enough to matter)
 EPS = 1e-9
 #: shares tried between two grid shares to pin a need down (1% apart)
@@ -109,23 +95,24 @@ def _normal_quantile(q: float) -> float:
 class Slot:
     """One copy (``rate`` requests/s of a model) sized with ``profile`` on a node of
     ``speed``: its need ``theta`` (inf: it misses its objective even alone) and its
-    node time and variance tabulated over :data:`GRID`.
+    node time tabulated over :data:`GRID` (alone), and the figures its turns need.
 
     Plain attributes, computed once: the packers read them millions of times."""
 
     __slots__ = (
         "a",
+        "allowed",
         "beta",
-        "cell",
+        "burst",
         "curve",
         "floor",
         "headroom",
-        "part",
+        "limit",
         "profile",
         "rate",
+        "reach",
         "slo_s",
         "speed",
-        "spread",
         "theta",
         "top",
     )
@@ -142,14 +129,16 @@ class Slot:
         self.headroom = headroom
         self.a, self.beta = profile.a_s / speed, profile.beta_s / speed
         self.top = min(profile.max_batch, STATES)
+        self.limit = profile.max_batch  # a turn takes up to max_batch
+        self.allowed = headroom.late
+        self.burst = headroom.burst
+        self.reach = (slo_s - self.a - self.beta) / (1 + self.beta * rate)
         late, batch = self._chain(GRID)
         self.theta = self._need(late)
         self.curve = node_time(rate, self.a, self.beta, batch, GRID)
-        busy = self.curve / GRID
-        work = self.a + self.beta * np.maximum(batch, 1.0)
-        self.spread = rate / np.maximum(batch, 1.0) * work * work * (1 - busy) * headroom.burst
-        self.floor = self.time(self.theta) if self.theta <= 1 else math.inf
-        self.cell, self.part = locate(min(self.theta, 1.0))
+        alone = self.time(self.theta) if self.theta <= 1 else math.inf
+        # the least node time wherever it goes: alone, or taking turns with others
+        self.floor = min(alone, floor_share(self.a, self.beta, rate, slo_s))
 
     def _chain(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return assess(theta, self.rate, self.a, self.beta, self.top, self.slo_s, self.headroom)
@@ -172,10 +161,6 @@ class Slot:
         """Share of the node the copy keeps busy when its batches run at ``theta``."""
         return float(np.interp(theta, GRID, self.curve))
 
-    def variance(self, theta: float) -> float:
-        """Variance of that share per second (burstiness included)."""
-        return float(np.interp(theta, GRID, self.spread))
-
     def batch(self, theta: float) -> int:
         """The mean batch at ``theta``, rounded up (what the copy is planned to run)."""
         busy = self.time(theta)
@@ -184,15 +169,6 @@ class Slot:
         per_request = busy / self.rate - self.beta
         mean = self.a / per_request if per_request > 0 else self.top
         return max(1, min(self.top, math.ceil(mean - 1e-6)))
-
-
-def locate(theta: float) -> tuple[int, float]:
-    """The cell of :data:`GRID` that holds ``theta`` and where in it (linear interpolation
-    by hand: the packers interpolate at a few shares per try, where numpy's call
-    overhead would dominate)."""
-    cell = min(max(int(np.searchsorted(GRID, theta, side="right")) - 1, 0), len(GRID) - 2)
-    low, high = float(GRID[cell]), float(GRID[cell + 1])
-    return cell, min(max((theta - low) / (high - low), 0.0), 1.0)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -204,36 +180,35 @@ def size(
     return Slot(profile, rate, slo_s, speed, headroom)
 
 
-def pressures(slots: Sequence[Slot], z: float) -> np.ndarray:
-    """The left-hand side of the fit rule (module docstring) for each copy."""
-    thetas = np.array([s.theta for s in slots])
-    cells = np.array([s.cell for s in slots])
-    parts = np.array([s.part for s in slots])
-    curves = np.array([s.curve for s in slots])  # (n, G)
-    spreads = np.array([s.spread for s in slots])
-    # [j, i]: copy i's node time (variance) at copy j's need
-    times = curves[:, cells].T * (1 - parts[:, None]) + curves[:, cells + 1].T * parts[:, None]
-    varis = spreads[:, cells].T * (1 - parts[:, None]) + spreads[:, cells + 1].T * parts[:, None]
-    busy = times.sum(axis=1) - np.diag(times)
-    variance = np.maximum(varis.sum(axis=1) - np.diag(varis), 0.0)
-    slos = np.array([s.slo_s for s in slots])
-    return thetas + busy + z * np.sqrt(variance / slos)
-
-
-def pressure(slots: Sequence[Slot], j: int, z: float) -> float:
-    """The left-hand side of the fit rule for ``slots[j]``."""
-    return float(pressures(slots, z)[j])
+def together(slots: Sequence[Slot], start: float = 0.0) -> Cycle:
+    """The cycle of turns of ``slots`` sharing one node (two or more)."""
+    return Cycle(
+        np.array([s.a for s in slots]),
+        np.array([s.beta for s in slots]),
+        np.array([s.rate for s in slots]),
+        np.array([s.slo_s for s in slots]),
+        np.array([s.limit for s in slots], dtype=float),
+        np.array([s.allowed for s in slots]),
+        np.array([s.burst for s in slots]),
+        start,
+    )
 
 
 def occupancy(slots: Iterable[Slot]) -> float:
-    """The largest pressure among copies sharing one node (inf: a copy fits no node);
-    they fit together when it is at most 1."""
+    """How full one node's copies make it (inf: a copy fits no node): a lone copy's
+    need, else the cycle's (:class:`cloud.placement.turns.Cycle`); they fit
+    together when it is at most 1."""
     slots = list(slots)
     if not slots:
         return 0.0
     if any(s.theta > 1 for s in slots):
         return math.inf
-    return float(pressures(slots, slots[0].headroom.z).max())
+    if len(slots) == 1:
+        return slots[0].theta
+    if any(s.theta > ALONE for s in slots):
+        return max(1.0 + 1e-6, max(s.theta for s in slots))
+    found = together(slots)
+    return found.occupancy if found.fits else max(found.occupancy, 1.0 + 1e-6)
 
 
 def fits(slots: Iterable[Slot]) -> bool:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cloud.placement.bounds import bound_sums
 from cloud.placement.packing import Headroom, check, lower_bounds, moves, optimal_nodes, place
-from cloud.placement.sizing import full_rate, occupancy, pressure, size
+from cloud.placement.sizing import fits, full_rate, occupancy, size, together
+from cloud.placement.turns import SAFETY
 from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec, Placement
 
 GIB = 1 << 30
@@ -188,16 +190,16 @@ def test_a_hot_model_is_split_into_whole_node_copies_plus_a_shared_rest() -> Non
     assert check(placement, models, nodes) == []
 
 
-def test_a_copy_that_needs_most_of_a_node_is_spread_when_that_costs_no_node_time() -> None:
-    profile = _profile(max_batch=8)
-    busy = _model("busy", 600.0, slo_ms=400.0, profiles=(profile,))
-    alone = size(profile, 600.0, 0.4, 1.0, Headroom())
-    placement = place([busy], _nodes(4))
-    copies = placement.copies_of("busy")
-    assert len(copies) > 1
-    pieces = [size(profile, c.rate, 0.4, 1.0, Headroom()) for c in copies]
-    assert max(p.theta for p in pieces) < alone.theta / 1.5  # each asks far less
-    assert sum(p.floor for p in pieces) <= alone.floor + 0.01  # for the same node time
+def test_copies_with_like_objectives_share_a_node_and_take_turns() -> None:
+    models = [_model(f"m{i}", 40.0, slo_ms=100.0) for i in range(6)]
+    placement = place(models, _nodes(6))
+    assert len(placement.nodes_used()) == 1  # six models, one node: they take turns
+    cycle = {c.duty_cycle_s for c in placement.copies}
+    assert len(cycle) == 1  # one cycle of turns for the node
+    (duty,) = cycle
+    for c in placement.copies:  # each runs what arrives in a cycle
+        assert c.batch == max(1, math.ceil(c.rate * duty - 1e-9))
+    assert check(placement, models, _nodes(6)) == []
 
 
 def test_min_copies_go_to_distinct_nodes_and_max_copies_caps() -> None:
@@ -325,27 +327,30 @@ def test_headroom_is_the_share_in_time_and_the_pooled_quantile() -> None:
     assert Headroom(cv=2).burst == 4 and Headroom(cv=0.5).burst == 1
 
 
-def test_one_nodes_copies_each_get_their_need_and_the_burst_is_pooled() -> None:
+def test_a_nodes_copies_fit_while_their_turns_keep_each_in_time_and_not_after() -> None:
     headroom = Headroom()
     slots = [
         size(_profile(a_ms=2, beta_ms=0.5), 100.0, 0.05, 1.0, headroom),
         size(_profile(a_ms=1, beta_ms=1.0), 20.0, 0.2, 1.0, headroom),
         size(_profile(a_ms=3, beta_ms=0.3), 200.0, 0.3, 1.0, headroom),
     ]
-    busy = occupancy(slots)
-    assert busy <= 1
-    for j, me in enumerate(slots):
-        others = [s for i, s in enumerate(slots) if i != j]
-        time = sum(s.time(me.theta) for s in others)
-        variance = sum(s.variance(me.theta) for s in others)
-        expected = me.theta + time + headroom.z * math.sqrt(variance / me.slo_s)
-        assert pressure(slots, j, headroom.z) == pytest.approx(expected)
-        assert busy >= expected - 1e-12
-        # pooled: less than planning every other copy's burst at once
-        summed = sum(math.sqrt(s.variance(me.theta)) for s in others)
-        assert math.sqrt(variance) <= summed + 1e-12
-    # a copy slowed down batches more and keeps the node busy less
-    assert all(s.time(s.theta / 2) <= s.time(s.theta) for s in slots)
+    found = together(slots)
+    assert found.fits and occupancy(slots) <= 1
+    # the mean cycle is the copies' mean work in one cycle, and at least one batch
+    work = sum(
+        s.a * -math.expm1(-s.rate * found.mean) + s.beta * s.rate * found.mean for s in slots
+    )
+    one = max(s.a + s.beta for s in slots)
+    assert found.mean == pytest.approx(max(work, one), rel=1e-5)
+    assert np.all(found.late <= headroom.late / SAFETY)
+    # one more copy only lengthens the cycle and adds to every copy's late share
+    more = together([*slots, size(_profile(a_ms=2, beta_ms=0.5), 150.0, 0.3, 1.0, headroom)])
+    assert more.mean > found.mean and np.all(more.late[:3] >= found.late - 1e-12)
+    # keep adding copies with the tightest objective: at some point they no longer fit
+    crowd = list(slots)
+    while fits(crowd):
+        crowd.append(size(_profile(a_ms=2, beta_ms=0.5), 60.0, 0.05, 1.0, headroom))
+    assert len(crowd) > len(slots) + 1 and occupancy(crowd) > 1
 
 
 def test_check_reports_broken_invariants_in_words() -> None:

@@ -71,8 +71,8 @@ def test_need_node_time_and_variance_are_what_the_packing_rule_assumes() -> None
         assert np.all(slot.curve <= GRID + 1e-12)  # never more than the share it runs at
         work = np.minimum(rate * profile.beta_s, GRID)  # the work, or all the share it gets
         assert np.all(slot.curve >= work * (1 - 1e-9))
-        assert np.all(slot.spread >= 0)
-        assert slot.floor == pytest.approx(slot.time(slot.theta))
+        # its least node time: alone at its need, or taking turns (whichever is less)
+        assert slot.floor <= slot.time(slot.theta) + 1e-12
         assert np.all(batch >= 1) and np.all(batch <= 32)
 
 
