@@ -74,6 +74,18 @@ def _by_objective(item: Item) -> tuple:
     return (item.demand.slo_s, -item.floor, item.key)
 
 
+def _objective_band(ratio: float) -> Callable[[Item], tuple]:
+    """Objectives within a factor ``ratio`` of each other as one band, biggest copies
+    first within it: a band's copies share cycles as well as equal objectives
+    do, and big copies first leave small ones to fill the gaps."""
+    step = math.log(ratio)
+
+    def order(item: Item) -> tuple:
+        return (math.floor(math.log(item.demand.slo_s) / step), -item.floor, item.key)
+
+    return order
+
+
 def _big_then_need(item: Item) -> tuple:
     return (0, *_by_size(item)) if item.floor >= 0.5 else (1, *_by_need(item))
 
@@ -85,7 +97,8 @@ def _by_memory(item: Item) -> tuple:
 #: (order, how to choose a node, which profile to prefer)
 VARIANTS: tuple[tuple[Callable[[Item], tuple], str, str], ...] = (
     (_by_objective, MARGINAL, FAST),
-    (_by_objective, FULLEST, FAST),
+    (_objective_band(1.3), MARGINAL, FAST),
+    (_objective_band(1.15), MARGINAL, FAST),
     (_by_memory, FULLEST, SMALL),
     (_big_then_need, MARGINAL, FAST),
 )

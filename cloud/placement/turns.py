@@ -54,7 +54,9 @@ at its worst: the copy's own batch is the whole cycle).
 
 from __future__ import annotations
 
+import itertools
 import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -180,12 +182,41 @@ def late_shares(
     burst: np.ndarray,
 ) -> np.ndarray:
     """Each copy's share of requests past its objective, the cycle lognormal.  Bursty
-    traffic comes in clumps, and a request's clump rides in its batch: ``burst``
-    requests of it on average (its own and ``cv^2 - 1`` others)."""
+    traffic comes in clumps, and a request's clump rides in its batch: ``cv^2``
+    requests on average, and it matters most when the clump is big, so the
+    share is summed over the clump's sizes (:func:`_clump`)."""
     sigma2 = math.log1p((sd / mean) ** 2)
     c = np.exp(math.log(mean) - sigma2 / 2 + math.sqrt(sigma2) * _NODES)[:, None]
-    over = np.clip((c * (1 + beta * rate) + a + beta * burst - slo_s) / c, 0.0, 1.0)
-    return _WEIGHTS @ over
+    base = c * (1 + beta * rate) + a - slo_s
+    if float(burst.max()) <= 1.0:
+        over = np.clip((base + beta) / c, 0.0, 1.0)
+        return _WEIGHTS @ over
+    total = np.zeros(len(a))
+    for size, weight in _clump(float(burst.max())):  # the request's clump, size-biased
+        riders = np.where(burst > 1.0, size, 1.0)
+        total += weight * (_WEIGHTS @ np.clip((base + beta * riders) / c, 0.0, 1.0))
+    return total
+
+
+@lru_cache(maxsize=8)
+def _clump(burst: float) -> tuple[tuple[float, float], ...]:
+    """(size, probability) of the clump a request of bursty traffic comes in:
+    geometric clumps of mean ``(cv^2 + 1)/2`` (as :class:`cloud.placement.serving.
+    Arrivals` plans them), size-biased (a request is likelier in a big clump),
+    so ``cv^2`` on average; sizes grouped in a few bins, the tail in the last."""
+    p = 2.0 / (burst + 1.0)
+    sizes = np.arange(1, 200, dtype=float)
+    mass = sizes * p * p * (1 - p) ** (sizes - 1)
+    mass /= mass.sum()
+    edges = [1, 2, 3, 4, 6, 8, 11, 15, 20, 28, 40, 60, 200]
+    found = []
+    for low, high in itertools.pairwise(edges):
+        part = mass[low - 1 : high - 1]
+        if part.sum() > 0:
+            found.append(
+                (float((sizes[low - 1 : high - 1] * part).sum() / part.sum()), float(part.sum()))
+            )
+    return tuple(found)
 
 
 def floor_share(a: float, beta: float, rate: float, slo_s: float) -> float:
