@@ -1,13 +1,15 @@
-"""How a Ferry node serves one copy: the batch chain of a dynamic batcher on shared cores.
+"""How a copy alone on a node is served: the batch chain of a dynamic batcher.
 
-A node does not run a duty cycle.  Each loaded model has its own dynamic
-batcher (:mod:`cloud.batcher`) with one session: when the session is free
-it dispatches everything queued (up to ``max_batch``) at once, and when
-nothing is queued the next request starts a batch of one.  Batches of
-different models run at the same time in their own worker threads, so the
-node's cores are shared among the batches running: processor sharing.  A
-batch of ``b`` that would take ``l(b) = a + beta*b`` with the node to itself
-takes ``l(b)/theta`` while it gets a share ``theta`` of the node.
+A loaded model has its own dynamic batcher (:mod:`cloud.batcher`) with one
+session: when the session is free it dispatches everything queued (up to
+``max_batch``) at once, and when nothing is queued the next request starts
+a batch of one.  Alone on a node its batches run at the node's full speed
+(``theta = 1``); the chain is written for any constant share ``theta`` of
+the node (a batch of ``b`` that would take ``l(b) = a + beta*b`` with the
+node to itself takes ``l(b)/theta``), which also gives a copy's *need*: the
+least share at which it keeps its requests in time (a sort key and a
+measure of how much of a node it takes).  Copies that share a node take
+turns instead (:mod:`cloud.placement.turns`).
 
 At a constant share ``theta`` one copy is a Markov chain over the size of
 the batch in flight: a batch of ``b`` runs ``t_b = l(b)/theta``; the requests
@@ -20,9 +22,7 @@ for Poisson arrivals they are Poisson, whatever the tagged one does), so it
 is late when ``x < t_b + t_{1+N'} - L``: the slower the share, the longer
 both batches, the more of each window is late.  Requests arrive in a batch
 in proportion to its length (long batches collect more of them), which the
-weights ``r*t_b`` below carry.  This is what makes a copy on a busy node pay
-for its objective twice: a request waits for the batch in flight *and* its
-own batch runs at the shared speed.
+weights ``r*t_b`` below carry.
 
 From the chain, per copy and share: the share of requests later than the
 objective (:func:`late_share`), and the mean batch, hence the node time the

@@ -44,8 +44,7 @@ class Headroom:
     """Plan for a share ``quantile`` of each copy's requests within its objective, under
     arrivals with coefficient of variation ``cv`` (1: Poisson; 2: the bursty
     traffic of the benchmark; the controller takes it from ``--burst-cv``, which
-    an operator can read off the nodes' arrival statistics), and for the same
-    quantile of each node's pooled burst.
+    an operator can read off the nodes' arrival statistics).
 
     The share is judged over windows of ``window_s`` (the controller's alert
     window): a copy planned to be late exactly ``1 - quantile`` of the time in the
@@ -78,7 +77,7 @@ class Headroom:
 
     @property
     def z(self) -> float:
-        """Standard deviations of a node's pooled burst planned for."""
+        """Standard deviations of a window's late count planned for."""
         return _normal_quantile(self.quantile)
 
     @property

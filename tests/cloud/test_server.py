@@ -140,21 +140,30 @@ def test_retried_request_with_an_idempotency_key_runs_once(slow_server):
     url = slow_server.http_url
     before = _stats(url)["execution_count"]
     key = {"idempotency_key": "edge-7:req-42"}
-    with ThreadPoolExecutor(4) as pool:
-        fillers = [pool.submit(_infer, url, i) for i in range(2)]
-        _wait_pending(url, 1)  # one running, one queued
+    with ThreadPoolExecutor(5) as pool:
+        fillers = [pool.submit(_infer, url, i) for i in range(3)]
+        _wait_pending(url, 2)  # one running, two queued
         first = pool.submit(_infer, url, 5, key)
-        _wait_pending(url, 2)  # the keyed request waits in the queue...
+        # the keyed request waits behind what is left of the fillers once the runs
+        # done and the queue add up to three (one more runs): read the runs first, so
+        # a run that ends between the two reads only makes the sum smaller
+        deadline = time.monotonic() + 30
+        while True:
+            runs = _stats(url)["execution_count"] - before
+            if runs < 3 and runs + _metric(url, "nv_inference_pending_request_count") >= 3:
+                break
+            assert time.monotonic() < deadline, "the keyed request never queued"
+            time.sleep(0.01)
         second = pool.submit(_infer, url, 5, key)  # ...when its retry arrives
         a, b = decode_infer(*first.result()), decode_infer(*second.result())
-        assert [f.result()[0] for f in fillers] == [200, 200]
+        assert [f.result()[0] for f in fillers] == [200, 200, 200]
     c = decode_infer(*_infer(url, 5, key))  # after completion: from the cache
     np.testing.assert_allclose(a.outputs[0].data, _x(5))
     np.testing.assert_array_equal(a.outputs[0].data, b.outputs[0].data)
     np.testing.assert_array_equal(a.outputs[0].data, c.outputs[0].data)
     assert "duplicate" not in a.parameters
     assert b.parameters["duplicate"] is True and c.parameters["duplicate"] is True
-    assert _stats(url)["execution_count"] == before + 3  # two fillers and one keyed run
+    assert _stats(url)["execution_count"] == before + 4  # three fillers and one keyed run
     assert _metric(url, "ferry_inference_request_duplicate") >= 2
 
 

@@ -320,7 +320,7 @@ def test_bursty_headroom_plans_more_than_poisson_which_plans_more_than_means() -
     assert used[0] <= used[1]
 
 
-def test_headroom_is_the_share_in_time_and_the_pooled_quantile() -> None:
+def test_headroom_is_the_share_in_time_and_its_normal_quantile() -> None:
     assert Headroom().late == pytest.approx(0.01)
     assert Headroom().z == pytest.approx(2.3263, abs=1e-4)
     assert MEANS.z == 0 and MEANS.late == 0.5
