@@ -26,7 +26,7 @@ from statistics import NormalDist
 import numpy as np
 
 from cloud.placement.serving import GRID, STATES, assess, node_time
-from cloud.placement.turns import Cycle, floor_share
+from cloud.placement.turns import Cycle, floor_share, reach
 from cloud.placement.types import LatencyProfile
 
 #: a copy that needs more than this share of a node alone keeps the node to itself:
@@ -131,7 +131,7 @@ class Slot:
         self.limit = profile.max_batch  # a turn takes up to max_batch
         self.allowed = headroom.late
         self.burst = headroom.burst
-        self.reach = (slo_s - self.a - self.beta) / (1 + self.beta * rate)
+        self.reach = reach(self.a, self.beta, rate, slo_s)
         late, batch = self._chain(GRID)
         self.theta = self._need(late)
         self.curve = node_time(rate, self.a, self.beta, batch, GRID)

@@ -60,6 +60,9 @@ from functools import lru_cache
 
 import numpy as np
 
+#: a copy's figure, or every copy's of a node
+Array = float | np.ndarray
+
 #: how much less late than allowed the cycle approximation plans each copy
 SAFETY = 10.0
 #: standard deviations of a cycle, and of its arrivals, that a turn's batch must hold
@@ -145,7 +148,7 @@ def cycle(
         t += max(step, gap)  # a concave W: Newton from below lands past the root
     else:
         return math.inf, 0.0  # too near critical to pin down: planned as not fitting
-    # from above the root the plain iteration falls back to it monotonically
+    # from above the root, Newton falls back to it monotonically
     for _ in range(STEPS):
         e = np.exp(-rate * t)
         work = max(least, total - float(a @ e) + per_request * t)
@@ -155,10 +158,7 @@ def cycle(
         slope = float(ar @ e) + per_request
         # Newton from above a concave W's root stays above it (tangent over the curve)
         t = max(least, t - (t - work) / max(1.0 - slope, 1e-3))
-    # Both figures are bounded so that they only grow with the cycle and with more
-    # copies (the packers rely on a subset of copies that fit fitting too): whether
-    # a model shows up varies at most as it would were its cycle one batch long,
-    # and how a long cycle breeds another counts new arrivals as of an objective.
+    # bounded to grow with the cycle and with more copies (see the docstring)
     shows = -np.expm1(-rate * t)
     unsure = np.minimum(shows * np.exp(-rate * (a + beta)), 0.25)
     variance = float(a * a @ unsure + (beta * beta * rate) @ burst * t)
@@ -166,7 +166,7 @@ def cycle(
     return t, math.sqrt(variance / (1 - phi * phi))
 
 
-def reach(a, beta, rate, slo_s):
+def reach(a: Array, beta: Array, rate: Array, slo_s: Array) -> Array:
     """The longest mean cycle each copy allows: a request that comes as its model's
     turn begins waits one cycle, then runs with what arrived meanwhile."""
     return (slo_s - a - beta) / (1 + beta * rate)
