@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from cloud.placement.demand import Item
 from cloud.placement.sizing import ALONE, EPS, Slot, together
+from cloud.placement.turns import work_in
 from cloud.placement.types import NodeSpec
 
 #: how a packing run chooses between nodes and between a copy's profiles
@@ -84,7 +85,7 @@ class Bin:
                 return None  # a copy that needs most of a node alone keeps it to itself
             if self.cycle_s > 0:  # a screen: the new cycle is at least one turn more
                 start = max(self.cycle_s, slot.a + slot.beta)
-                more = slot.a * -math.expm1(-slot.rate * start) + slot.beta * slot.rate * start
+                more = float(work_in(slot.a, slot.beta, slot.rate, start))
                 if max(start, self.work + more) > min(self.reach, slot.reach) * (1 + EPS):
                     return None
             found = together([e[2] for e in self.entries] + [slot], self.cycle_s)

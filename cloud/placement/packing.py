@@ -34,6 +34,7 @@ from cloud.placement.checks import check
 from cloud.placement.demand import Item, kinds, split
 from cloud.placement.exact import rebuild, search
 from cloud.placement.sizing import Headroom, together
+from cloud.placement.turns import work_in
 from cloud.placement.types import Copy, ModelDemand, NodeSpec, Placement
 
 __all__ = [
@@ -265,8 +266,7 @@ def _copies(packer: Packer) -> tuple[Copy, ...]:
             if turns is not None:
                 cycle = turns.mean
                 batch = max(1, min(slot.limit, math.ceil(slot.rate * cycle - 1e-9)))
-                shown = -math.expm1(-slot.rate * cycle)
-                busy = (slot.a * shown + slot.beta * slot.rate * cycle) / cycle
+                busy = float(work_in(slot.a, slot.beta, slot.rate, cycle)) / cycle
             else:
                 batch = slot.batch(slot.theta)
                 cycle = (slot.a + slot.beta * batch) / slot.theta

@@ -99,8 +99,7 @@ class Cycle:
             self.occupancy, self.fits, self.work = math.inf, False, math.inf
             return
         self.late = late_shares(self.mean, self.sd, a, beta, rate, slo_s, burst)
-        shown = -np.expm1(-rate * self.mean)
-        self.work = float(a @ shown + (beta @ rate) * self.mean)
+        self.work = float(work_in(a, beta, rate, self.mean).sum())
         lateness = float((self.late * SAFETY / allowed).max())
         busy = self.mean + Z_BATCH * self.sd  # a long cycle: what piles up meanwhile
         most = rate * busy + Z_BATCH * np.sqrt(rate * busy * burst) + 1
@@ -164,6 +163,11 @@ def cycle(
     variance = float(a * a @ unsure + (beta * beta * rate) @ burst * t)
     phi = min(float(a * rate @ np.exp(-rate * slo_s / 4)) + per_request, 0.999)
     return t, math.sqrt(variance / (1 - phi * phi))
+
+
+def work_in(a: Array, beta: Array, rate: Array, cycle_s: float) -> Array:
+    """A copy's mean work in a cycle: its overhead when it has requests, and theirs."""
+    return a * -np.expm1(-rate * cycle_s) + beta * rate * cycle_s
 
 
 def reach(a: Array, beta: Array, rate: Array, slo_s: Array) -> Array:
