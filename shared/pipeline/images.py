@@ -1,14 +1,16 @@
 """Decoding one encoded image into the uint8 pixels a model input is made from.
 
-Three decoders, picked per image: libjpeg-turbo (PyTurboJPEG, with Debian's
-libturbojpeg) for JPEG, OpenCV for every format, Pillow as the one always
-present.  Measured here (2 vCPU): a 1024x768 camera JPEG to 224x224 took
-1.6 ms with TurboJPEG's scaled decode, 2.7 ms with OpenCV's reduced decode,
-5.2 ms with Pillow's ``draft``; the demo's 63-142 KB scanned pages (decode,
-resize to 256, crop 224) 1.4-1.6 ms, 1.3-1.7 ms and 3.2-3.7 ms
-(``bench/pipeline.py``).  So ``auto`` tries them in that order.  Pillow-SIMD
-was left out: PyPI has it as source only, and it replaces Pillow itself.  A scaled JPEG decode (1/2, 1/4, 1/8 in the IDCT) never goes
-below the size the resize needs, so it only saves work.
+Three decoders, picked per image: libjpeg-turbo (Debian's libturbojpeg,
+through the thin binding in ``turbo.py``) for JPEG, OpenCV for every format,
+Pillow as the one always present.  Measured here (2 vCPU): a 1024x768 camera
+JPEG to 224x224 took 1.6 ms with TurboJPEG's scaled decode, 2.7 ms with
+OpenCV's reduced decode, 5.2 ms with Pillow's ``draft``; the demo's 63-142 KB
+scanned pages (decode, resize to 256, crop 224) 1.4-1.6 ms, 1.3-1.7 ms and
+3.2-3.7 ms (``bench/pipeline.py``).  So ``auto`` tries them in that order.
+Pillow-SIMD was left out: PyPI has it as source only, and it replaces Pillow
+itself.  A scaled JPEG decode (n/8 in libjpeg-turbo's IDCT; 1/2, 1/4, 1/8 in
+OpenCV's and Pillow's) never goes below the size the resize needs, so it only
+saves work.
 
 Every image is checked before any pixel is decoded: its magic bytes (the
 format must be one the input accepts), the size its header declares (bounded
@@ -102,8 +104,9 @@ def _declared_size(data: bytes, fmt: str, target: Target) -> tuple[int, int]:
 
     tj = _module("turbojpeg") if fmt == "jpeg" and target.decoder in ("auto", "turbojpeg") else None
     try:
-        if tj is not None:  # 6 us against Pillow's 23 us here: it reads the frame header only
-            width, height, _, _ = tj.decode_header(data)
+        if tj is not None:  # a few us against Pillow's 23 us here: the frame header only
+            header = tj.header(data)
+            width, height = header.width, header.height
         else:
             width, height = _pillow_size(data)
     except Image.DecompressionBombError:
@@ -184,9 +187,9 @@ def _module(name: str) -> Any:
                 cv2.setNumThreads(1)  # the pipeline's pool runs one image per thread
                 found = cv2
             elif name == "turbojpeg":
-                from turbojpeg import TurboJPEG
+                from shared.pipeline import turbo
 
-                found = TurboJPEG()
+                found = turbo.load()
         except Exception:  # not installed, or the shared library is missing
             found = None
         _modules[name] = found
@@ -208,7 +211,7 @@ def _decoders(fmt: str, choice: str) -> list[Any]:
     if choice == "turbojpeg":
         if _module("turbojpeg") is None:
             raise BackendMissing(
-                "decoder 'turbojpeg' needs PyTurboJPEG<2 and libturbojpeg (apt libturbojpeg0)"
+                "decoder 'turbojpeg' needs libturbojpeg (apt-get install libturbojpeg0)"
             )
         return [_turbojpeg, _pillow] if fmt == "jpeg" else [_pillow]
     chain = []
@@ -223,15 +226,12 @@ def _decoders(fmt: str, choice: str) -> list[Any]:
 def _turbojpeg(
     data: bytes, fmt: str, target: Target, size: tuple[int, int], need: tuple[int, int]
 ) -> np.ndarray:
-    from turbojpeg import TJPF_BGR, TJPF_GRAY, TJPF_RGB
+    from shared.pipeline.turbo import Header
 
     tj = _module("turbojpeg")
-    denominator = _reduction(size, need)
-    pixel = {"rgb": TJPF_RGB, "bgr": TJPF_BGR, "gray": TJPF_GRAY}[target.color]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # libjpeg's "corrupt data" warnings are failures here
-        pixels = tj.decode(data, pixel_format=pixel, scaling_factor=(1, denominator))
-    return pixels if pixels.ndim == 3 else pixels[:, :, None]
+    header = Header(*size)
+    # libjpeg's "corrupt data" warnings fail the call too: the next decoder gets the image
+    return tj.decode(data, header, tj.scale_for(header, *need), target.color)
 
 
 def _opencv(
