@@ -353,8 +353,12 @@ class RequestFlow:
         if self._local_started:
             local_at = None
             self._local_started_at = now
-        # The attempt runs its course (to the deadline): what it teaches is its point.
-        return Hedge(run, Offload(choice, self.mp.cloud_model, self.deadline, reason), local_at)
+        # The attempt runs its course (to the deadline, or to its own predicted tail
+        # where that is later: a wake-up beside the local run): what it teaches is its
+        # point, and a reply cut short would teach a failure that was only a promotion.
+        tail = now + choice.latency_q_s
+        give_up = tail if tail > self.deadline else self.deadline
+        return Hedge(run, Offload(choice, self.mp.cloud_model, give_up, reason), local_at)
 
     def race_due(self, now: float) -> RunLocal | None:
         """A race's local run is due (its ``local_at``): the run, unless already answered."""

@@ -548,7 +548,10 @@ class Policy:
         for o in options:
             if o.transport is None or o.warm_cost is None:
                 continue
-            if not o.feasible and o.reason != NO_ROOM:
+            # Too late only for the promotion: the wake-up goes beside the local run,
+            # which answers this request; the ones after it find the radio up.
+            beside = o.reason == "deadline" and o.latency_q_s - o.promotion_s <= ctx.deadline_s
+            if not o.feasible and o.reason != NO_ROOM and not beside:
                 continue
             saving = best.cost - o.warm_cost
             if saving <= 0:
@@ -570,11 +573,11 @@ class Policy:
             if horizon < run:
                 run = horizon
             price, hedge = o.cost - best.cost, False
-            if not _fallback_fits(o, best, ctx.deadline_s):  # best: a feasible local run
+            if beside or not _fallback_fits(o, best, ctx.deadline_s):  # best: local, feasible
                 # No room to fall back after it: hedge, running locally meanwhile,
                 # unless racing the local run (o.cost prices that) is cheaper.
                 hedged = self._hedge_price(o, best, best, ctx.local_cancellable)
-                if o.race_s is None or hedged < price:
+                if beside or o.race_s is None or hedged < price:
                     price, hedge = hedged, True
             if saving * run <= price:
                 continue

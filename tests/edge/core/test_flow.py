@@ -158,10 +158,16 @@ def test_ours_never_picks_a_deadline_infeasible_option_when_a_feasible_one_exist
     feasible = [o for o in decision.options if o.latency_q_s <= deadline_s]
     assert decision.choice is not None
     if feasible:
-        assert decision.choice.latency_q_s <= deadline_s, decision
         assert math.isfinite(decision.choice.cost)
-        # an offload with no room to fall back is taken only beside a local run
-        assert decision.choice.feasible or (decision.hedge and decision.choice.reason == NO_ROOM)
+        if decision.hedge:
+            # Beside a local run that makes the deadline (the first answer wins): an
+            # offload with no room to fall back, or one late only for the promotion.
+            local = decision.options[0]
+            assert local.transport is None and local.latency_q_s <= deadline_s, decision
+            assert decision.choice.feasible or decision.choice.reason in (NO_ROOM, "deadline")
+        else:
+            assert decision.choice.latency_q_s <= deadline_s, decision
+            assert decision.choice.feasible
 
 
 def test_a_weak_signal_lowers_the_link_prior_and_a_jump_restarts_the_estimates():
@@ -338,3 +344,31 @@ def test_a_blind_probe_wakes_the_radio_only_for_a_link_a_request_would_have_used
     opened(core)
     core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}).start()
     assert core.probes(BLIND_PROBE_S + 1.0) == []
+
+
+def test_a_wake_up_beside_the_local_run_waits_for_its_reply_past_the_deadline():
+    # LTE from idle, a 380 ms deadline: the promotion alone makes the offload late, so
+    # it goes beside the local run, and its reply is awaited to its own tail: cut at
+    # the deadline it would teach a failure that was only the radio waking up.
+    core = _core()
+    core.est.set_link_prior("http", 8e6, 32e6, 0.07)  # the signal's hint: a good cell
+    core.warmed("m-local", 0.25, 0.0)
+    for _ in range(20):
+        core.est.local("m-local").add(0.25, 0.0)
+    action = None
+    for t in (0.0, 2.0, 4.0, 6.0):  # arrivals: the rate the warm run is priced at
+        flow = core.begin("m", now=t, in_bytes=60_000, connected={"http": True}, deadline_ms=380)
+        action = flow.start()
+        if isinstance(action, Hedge):
+            break
+        assert isinstance(action, RunLocal)
+        flow.local_done(t + 0.25, 0.25)
+    assert isinstance(action, Hedge) and action.local_at is None, action
+    assert "wake the radio (hedged)" in flow.decision.reason
+    assert action.offload.give_up_at == pytest.approx(t + flow.decision.choice.latency_q_s)
+    assert action.offload.give_up_at > flow.deadline
+    # The local run answers; the late reply only teaches the link.
+    answer = flow.local_done(t + 0.25, 0.25)
+    assert isinstance(answer, Answer) and answer.where == "local"
+    assert flow.offload_done(t + 0.45, sent=60_000, received=1_000, elapsed_s=0.45) is None
+    assert core.est.link("http").samples == 1

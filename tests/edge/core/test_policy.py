@@ -278,3 +278,19 @@ def test_an_exploration_without_room_to_fall_back_races_the_local_run():
     roomy = _policy(local_ms=300, up_mbps=20.0, explore_after_s=5.0)
     d = roomy.decide("m", _ctx(deadline_ms=3000, in_bytes=100_000, rate_per_s=1.0))
     assert "explore" in d.reason and not d.hedge  # room to fall back: a plain exploration
+
+
+def test_a_wake_up_too_slow_only_for_its_promotion_goes_beside_the_local_run():
+    # LTE from idle: the 260 ms promotion puts even a 60 KB offload past a 380 ms
+    # deadline that a warm radio meets easily.  The local run answers this request;
+    # the offload beside it wakes the radio for the requests that follow.
+    p = _policy(local_ms=250, up_mbps=8.0, rtt_ms=70, link="lte")
+    cold = _ctx(deadline_ms=380, in_bytes=60_000, rate_per_s=0.5)
+    d = p.decide("m", cold)
+    cloud = next(o for o in d.options if o.name == d.where)
+    assert d.where.startswith("cloud-") and d.hedge
+    assert "wake the radio (hedged)" in d.reason
+    assert cloud.reason == "deadline" and cloud.latency_q_s - cloud.promotion_s < 0.38
+    # With the radio up, the same offload makes the deadline on its own: no hedge.
+    d = p.decide("m", _ctx(deadline_ms=380, in_bytes=60_000, rate_per_s=0.5, radio_idle_s=1.0))
+    assert d.where.startswith("cloud-") and not d.hedge and d.reason == "least cost"
