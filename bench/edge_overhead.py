@@ -18,7 +18,7 @@
     and only Ferry's own work differs;
 (d) the agent process's RSS after its first answer beside a bare process
     holding the same runtime and model (same options, as many runs as the
-    agent made: two warm-ups and the answer), for the ONNX
+    agent made: its warm-up runs and the answer), for the ONNX
     Runtime int8 variant and, where the dev extra is installed, a LiteRT model
     (the int8 wake-word spotter in the pymicro-wakeword wheel) (target: the
     agent's extra <= 15 MiB), and the agent's start-up time (process start
@@ -147,7 +147,7 @@ import numpy as np
 from shared.runtimes import RuntimeOptions, load_session
 session = load_session(sys.argv[1], Path(sys.argv[2]), RuntimeOptions(threads=1))
 inputs = {k: np.zeros(s, d) for k, (s, d) in json.loads(sys.argv[3]).items()}
-for _ in range(3):  # as many runs as the agent has made: its 2 warm-ups and the answer
+for _ in range(int(sys.argv[4])):  # as many runs as the agent has made
     session.run(inputs)
 print([l for l in open("/proc/self/status") if l.startswith("VmRSS:")][0].split()[1])
 """
@@ -155,13 +155,16 @@ print([l for l in open("/proc/self/status") if l.startswith("VmRSS:")][0].split(
 
 def _bare_rss(backend: str, model: Path, inputs: dict) -> int:
     """RSS of a process holding only the runtime and the model, in the steady state the
-    agent is in when it is measured (three runs: ONNX Runtime's second run of a shape
+    agent is in when it is measured (as many runs: ONNX Runtime's second run of a shape
     allocates its memory pattern, +6 MiB on the example model)."""
     import json
     import subprocess
 
+    from edge.core.policy import PolicyConfig
+
+    runs = 1 + PolicyConfig().warm_up_runs + 1  # the agent's warm-up, then the answer
     out = subprocess.run(
-        [sys.executable, "-c", _BARE_RSS, backend, str(model), json.dumps(inputs)],
+        [sys.executable, "-c", _BARE_RSS, backend, str(model), json.dumps(inputs), str(runs)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -209,13 +209,15 @@ class Agent:
             await self._warm_up(model.name)
 
     async def _warm_up(self, name: str) -> None:
-        """One run on zeros: pays first-call costs and seeds the latency estimate."""
+        """Runs on zeros: one pays first-call costs, the next ``warm_up_runs`` seed the
+        latency estimate (the replay seeds as many, edge/evaluation/ours.py)."""
         model = self.local.get(name)
         inputs = sample_inputs(model.session, model.config)
         try:
-            for _ in range(2):
+            await self.local.run(name, inputs)
+            for _ in range(self.config.policy.warm_up_runs):
                 _, seconds = await self.local.run(name, inputs)
-            self.dataplane.core.warmed(name, seconds, time.monotonic())
+                self.dataplane.core.warmed(name, seconds, time.monotonic())
         except FerryError as exc:
             log.warning("warm-up of %s failed: %s", name, exc.message)
 

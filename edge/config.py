@@ -117,6 +117,7 @@ _SCHEMA: dict[str, Any] = {
         "battery_floor_percent": _NUM,
         "data_cap_mb_per_day": _NUM,
         "explore_after_s": _NUM,
+        "warm_up_runs": int,
         "weights": {"latency_s": _NUM, "energy_j": _NUM, "data_mb": _NUM, "money": _NUM},
     },
     "models": dict,
@@ -230,6 +231,9 @@ def _policy(data: dict[str, Any], source: str) -> PolicyConfig:
         ),
         explore_after_s=_range(
             source, "policy.explore_after_s", float(pol.get("explore_after_s", 10.0)), 0
+        ),
+        warm_up_runs=int(
+            _range(source, "policy.warm_up_runs", int(pol.get("warm_up_runs", 5)), 1, 100)
         ),
         models=models,
     )

@@ -66,6 +66,11 @@ class PolicyConfig:
     # estimate older than this is also no longer trusted to rule the link
     # out of a deadline.
     explore_after_s: float = 10.0
+    # Timed local runs at start that seed the local latency estimate (after one that
+    # pays first-call costs).  A race stops its local run when the cloud answers first
+    # only once that estimate rests on LOCAL_RUNS_TO_CANCEL runs (edge/core/flow.py):
+    # fewer seeds mean the first races run their local half to the end to learn it.
+    warm_up_runs: int = 5
     models: dict[str, ModelPolicy] = field(default_factory=dict)
 
 

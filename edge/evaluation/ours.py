@@ -270,9 +270,10 @@ def run_ours(
     chosen = tuple(transports if transports is not None else mp.transports)
     core = core or make_core(sim, config, chosen)
     if mp.local_model is not None:
-        # The agent times its warm-up runs at start: a typical local run.
-        typical = float(np.median(sim.profile.local_s)) * sim.profile.local_speed_factor
-        core.warmed(mp.local_model, typical, 0.0)
+        # The agent times its warm-up runs at start (Agent._warm_up): as many draws.
+        runs = np.asarray(sim.profile.local_s) * sim.profile.local_speed_factor
+        for seconds in np.random.default_rng(0).choice(runs, config.warm_up_runs):
+            core.warmed(mp.local_model, float(seconds), 0.0)
     if data_used_mb:
         core.usage.add(int(data_used_mb * 1e6), 0.0)
     return _Replay(sim, core, model, probe_interval_s, battery_percent).run(name)

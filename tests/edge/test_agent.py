@@ -345,3 +345,20 @@ async def test_every_offload_carries_the_request_id_as_idempotency_key(tmp_path,
     assert len(sent) == 2 and sent[0][0] != sent[1][0]
     for request_id, parameters in sent:
         assert parameters["idempotency_key"] == request_id
+
+
+@pytest.mark.parametrize("runs", [1, 5])
+async def test_the_warm_up_seeds_the_local_estimate_with_the_configured_runs(
+    tmp_path, edge_repos, runs
+):
+    # One run pays first-call costs; the next ``warm_up_runs`` are timed and learnt, so
+    # a race may stop its local run from the first request (LOCAL_RUNS_TO_CANCEL).
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "local"'),
+        policy=f"warm_up_runs = {runs}",
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        assert agent.config.policy.warm_up_runs == runs
+        assert agent.estimators.local_known("lin-local", 1).count == runs

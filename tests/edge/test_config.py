@@ -53,6 +53,7 @@ def test_the_shipped_example_agent_config_parses():
         ('repository = "r"\n[models.m]\nlocal = "a"\noutput_bytes = -7\n', "output_bytes"),
         ('repository = "r"\n[models.m]\nmode = "cost"\n', "needs a local model, a cloud model"),
         ('repository = "r"\n[store]\nmax_attempts = 0\n', "key 'store.max_attempts'"),
+        ('repository = "r"\n[policy]\nwarm_up_runs = 0\n', "key 'policy.warm_up_runs'"),
         ("[policy]\n", "'repository' is required"),
         ("repository =\n", "not valid TOML"),
     ],
