@@ -8,9 +8,8 @@ OpenCV's reduced decode, 5.2 ms with Pillow's ``draft``; the demo's 63-142 KB
 scanned pages (decode, resize to 256, crop 224) 1.4-1.6 ms, 1.3-1.7 ms and
 3.2-3.7 ms (``bench/pipeline.py``).  So ``auto`` tries them in that order.
 Pillow-SIMD was left out: PyPI has it as source only, and it replaces Pillow
-itself.  A scaled JPEG decode (n/8 in libjpeg-turbo's IDCT; 1/2, 1/4, 1/8 in
-OpenCV's and Pillow's) never goes below the size the resize needs, so it only
-saves work.
+itself.  A scaled JPEG decode (1/2, 1/4, 1/8 in the IDCT) never goes below
+the size the resize needs, so it only saves work.
 
 Every image is checked before any pixel is decoded: its magic bytes (the
 format must be one the input accepts), the size its header declares (bounded
@@ -229,9 +228,8 @@ def _turbojpeg(
     from shared.pipeline.turbo import Header
 
     tj = _module("turbojpeg")
-    header = Header(*size)
     # libjpeg's "corrupt data" warnings fail the call too: the next decoder gets the image
-    return tj.decode(data, header, tj.scale_for(header, *need), target.color)
+    return tj.decode(data, Header(*size), _reduction(size, need), target.color)
 
 
 def _opencv(

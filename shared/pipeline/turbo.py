@@ -8,10 +8,10 @@ decompressor for its life, the header is read once (for the size check, then
 reused by the decode), and one image costs two calls.  Served JPEG-in
 throughput rose 3-5% with it (``bench/pipeline.py``), the pixels unchanged.
 
-The decode is scaled in the IDCT (1/2, 1/4, 1/8): the smallest scale that
-still covers the size the resize needs.  The library offers n/8 too, but
-only these have SIMD code: a 700-pixel page headed for 256 decoded 5%
-slower at 3/8 than at 1/2 here.
+The decode is scaled in the IDCT by 1/2, 1/4 or 1/8 (the caller picks the
+largest that still covers what its resize needs).  The library offers n/8
+too, but only these have SIMD code: a 700-pixel page headed for 256 decoded
+5% slower at 3/8 than at 1/2 here.
 """
 
 from __future__ import annotations
@@ -71,17 +71,8 @@ class TurboJpeg:
         lib.tjDecompress2.argtypes = [void, ctypes.c_char_p, ulong, void, *[cint] * 5]
         lib.tjGetErrorStr2.restype = ctypes.c_char_p
         lib.tjGetErrorStr2.argtypes = [void]
-        lib.tjGetScalingFactors.restype = ctypes.POINTER(_ScalingFactor)
-        lib.tjGetScalingFactors.argtypes = [pint]
         self._lib = lib
         self._local = threading.local()
-        count = cint()
-        factors = lib.tjGetScalingFactors(ctypes.byref(count))
-        offered = {(factors[i].num, factors[i].denom) for i in range(count.value)}
-        # the SIMD downscales the library offers, largest reduction first
-        self.scales: tuple[tuple[int, int], ...] = tuple(
-            f for f in ((1, 8), (1, 4), (1, 2)) if f in offered
-        )
 
     def _own(self) -> _Decompressor:
         own = getattr(self._local, "d", None)
@@ -100,21 +91,11 @@ class TurboJpeg:
             raise own.fail()
         return Header(width.value, height.value)
 
-    def scale_for(self, header: Header, need_w: int, need_h: int) -> tuple[int, int]:
-        """The smallest IDCT scale whose output still covers ``need_w`` x ``need_h``."""
-        for num, den in self.scales:
-            if (
-                _scaled(header.width, num, den) >= need_w
-                and _scaled(header.height, num, den) >= need_h
-            ):
-                return num, den
-        return 1, 1
-
-    def decode(self, data: bytes, header: Header, scale: tuple[int, int], color: str) -> np.ndarray:
-        """(height, width, channels) uint8 pixels, decoded at ``scale``."""
+    def decode(self, data: bytes, header: Header, denominator: int, color: str) -> np.ndarray:
+        """(height, width, channels) uint8 pixels, decoded at 1/``denominator`` (1, 2, 4, 8)."""
         own = self._own()
-        num, den = scale
-        width, height = _scaled(header.width, num, den), _scaled(header.height, num, den)
+        width = _scaled(header.width, denominator)
+        height = _scaled(header.height, denominator)
         pixel = PIXEL_FORMATS[color]
         out = np.empty((height, width, 1 if color == "gray" else 3), np.uint8)
         if self._lib.tjDecompress2(
@@ -124,12 +105,8 @@ class TurboJpeg:
         return out
 
 
-class _ScalingFactor(ctypes.Structure):
-    _fields_ = [("num", ctypes.c_int), ("denom", ctypes.c_int)]
-
-
-def _scaled(dimension: int, num: int, den: int) -> int:
-    return (dimension * num + den - 1) // den  # TJSCALED
+def _scaled(dimension: int, denominator: int) -> int:
+    return (dimension + denominator - 1) // denominator  # TJSCALED
 
 
 def load() -> TurboJpeg | None:

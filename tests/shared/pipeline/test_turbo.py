@@ -24,7 +24,7 @@ def test_the_header_gives_the_declared_size_without_decoding() -> None:
 @pytest.mark.parametrize("color", ["rgb", "bgr", "gray"])
 def test_a_full_size_decode_matches_pillows_libjpeg(color: str) -> None:
     data = encode(photo(64, 96), "JPEG")
-    out = TJ.decode(data, TJ.header(data), (1, 1), color)
+    out = TJ.decode(data, TJ.header(data), 1, color)
     with Image.open(io.BytesIO(data)) as im:
         ref = np.asarray(im.convert("L" if color == "gray" else "RGB"))
     ref = ref[:, :, None] if color == "gray" else ref[:, :, ::-1] if color == "bgr" else ref
@@ -33,27 +33,28 @@ def test_a_full_size_decode_matches_pillows_libjpeg(color: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("need", "scale", "shape"),
+    ("need", "denominator", "shape"),
     [
-        ((100, 75), (1, 8), (75, 100)),
-        ((101, 75), (1, 4), (150, 200)),
-        ((800, 600), (1, 1), (600, 800)),
+        ((100, 75), 8, (75, 100)),
+        ((101, 75), 4, (150, 200)),
+        ((401, 300), 1, (600, 800)),
+        ((799, 599), 1, (600, 800)),
     ],
 )
-def test_the_scale_is_the_smallest_that_still_covers_what_the_resize_needs(
-    need: tuple[int, int], scale: tuple[int, int], shape: tuple[int, int]
+def test_the_decode_is_scaled_by_the_largest_reduction_that_covers_the_need(
+    need: tuple[int, int], denominator: int, shape: tuple[int, int]
 ) -> None:
     data = encode(photo(600, 800), "JPEG")
     header = TJ.header(data)
-    assert TJ.scale_for(header, *need) == scale
-    assert TJ.decode(data, header, scale, "rgb").shape == (*shape, 3)
+    assert images._reduction((header.width, header.height), need) == denominator
+    assert TJ.decode(data, header, denominator, "rgb").shape == (*shape, 3)
 
 
 def test_a_thread_keeps_one_decompressor_and_threads_do_not_share_it() -> None:
     data = encode(photo(64, 64), "JPEG")
     TJ.header(data)
     mine = TJ._own()
-    TJ.decode(data, TJ.header(data), (1, 1), "rgb")
+    TJ.decode(data, TJ.header(data), 1, "rgb")
     assert TJ._own() is mine
     theirs: list[object] = []
     worker = threading.Thread(target=lambda: theirs.append(TJ._own()))
@@ -81,4 +82,4 @@ def test_a_truncated_body_fails_the_decode_instead_of_returning_grey() -> None:
     data = encode(photo(256, 256), "JPEG")
     cut = data[: len(data) // 2]
     with pytest.raises(turbo.TurboJpegError):
-        TJ.decode(cut, TJ.header(cut), (1, 1), "rgb")
+        TJ.decode(cut, TJ.header(cut), 1, "rgb")
