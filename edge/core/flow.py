@@ -84,6 +84,7 @@ JOURNAL_EVENTS = 0
 # stopped when the cloud answers first: a stopped run teaches nothing, and the
 # race starts its local run by the latency those runs taught.
 LOCAL_RUNS_TO_CANCEL = 5
+RADIO_SHARE_ALPHA = 0.2  # the last ~10 requests' use of the radio
 
 
 # ---- actions -------------------------------------------------------------------
@@ -262,6 +263,7 @@ class RequestFlow:
             local_backlog=self.local_backlog if mp.local_model else 0,
             rate_per_s=core.rate_per_s(self.model),
             local_cancellable=self._cancels_local(mp),
+            radio_share=core.radio_share,
         )
 
     def _cancels_local(self, mp: ModelPolicy) -> bool:
@@ -278,6 +280,8 @@ class RequestFlow:
 
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
+        choice = decision.choice
+        self.core.used_radio(choice is not None and choice.transport is not None)
         self.decision = decision
         self.core.recent[self.model] = (now, decision)  # what a blind probe asks of
         if self.core.decisions is not None:
@@ -564,6 +568,7 @@ class EdgeCore:
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
         # model -> (when, decision): its last decision (one per model: bounded)
         self.recent: dict[str, tuple[float, Decision]] = {}
+        self.radio_share: float | None = None  # EWMA: did a request's decision use the radio
 
     @property
     def est(self) -> Any:
@@ -574,6 +579,10 @@ class EdgeCore:
     def _journal(self, event: tuple[Any, ...]) -> None:
         if self.events is not None:
             self.events.append(event)
+
+    def used_radio(self, used: bool) -> None:
+        share, x = self.radio_share, 1.0 if used else 0.0
+        self.radio_share = x if share is None else share + RADIO_SHARE_ALPHA * (x - share)
 
     def rate_per_s(self, model: str) -> float | None:
         """The model's recent request rate (None until two requests were seen)."""

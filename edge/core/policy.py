@@ -126,6 +126,9 @@ class Context:
     # The local run can be stopped halfway (its runtime takes a cancel): a race or
     # hedge whose cloud answers first pays only the part of the local run it made.
     local_cancellable: bool = False
+    # Share of the recent requests that used the radio (None: not known yet): the tail
+    # an offload opens lasts until the next request that uses the radio, not the next one.
+    radio_share: float | None = None
 
 
 @dataclass(slots=True)
@@ -353,7 +356,7 @@ class Policy:
         transport: str,
         ctx: Context,
         server: tuple[float, float] | None = None,
-        tails: dict[int, float | None] | None = None,
+        tails: dict[int, tuple[float | None, float | None]] | None = None,
     ) -> Option:
         link = self.est.link(transport)
         profile = self.links[transport]
@@ -383,15 +386,22 @@ class Policy:
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
         latency = promotion + link.rtt_s + t_up + t_down + server
         latency_q = promotion + link.rtt_quantile + t_q + server_q  # rtt_quantile >= rtt_s
-        # The tail this transfer opens, at the rate requests come (see transfer_energy_j);
-        # links that share a profile share it within a decision.
+        # The tail this transfer opens (see transfer_energy_j): until the next request, at
+        # the rate requests come, if each used the radio (``tail``); until the next one
+        # that does, at the share that recently did (``paid``, what this offload pays).
+        # Links that share a profile share both within a decision.
         key = id(profile)
         if tails is not None and key in tails:
-            tail = tails[key]
+            tail, paid = tails[key]
         else:
-            tail = expected_tail_s(profile, ctx.rate_per_s) if ctx.rate_per_s else None
+            rate, share = ctx.rate_per_s, ctx.radio_share
+            tail = paid = None
+            if rate:
+                tail = paid = expected_tail_s(profile, rate)
+                if share is not None and share < 1.0:
+                    paid = expected_tail_s(profile, rate * share)
             if tails is not None:
-                tails[key] = tail
+                tails[key] = (tail, paid)
         energy = transfer_energy_j(
             profile,
             up,
@@ -401,7 +411,7 @@ class Policy:
             server + link.rtt_s,
             self.device,
             ctx.radio_idle_s,
-            tail,
+            paid,
         )
         money = (up + down) / 1e6 * profile.cost_per_mb if profile.metered else 0.0
         # Cost is affine in the bottleneck's transfer time: latency, the radio's
@@ -412,6 +422,8 @@ class Policy:
         if promotion > 0 and tail is not None:
             # The same offload from a radio already up: no promotion (its time and power).
             saved_j = (profile.promotion_power_w + self.device.idle_power_w) * promotion
+            if paid is not None and paid > tail:  # in a warm run the next request shares it
+                saved_j += profile.tail_power_w * (min(paid, profile.tail_s) - tail)
             warm_cost = (
                 w.latency_s * (latency - promotion)
                 + w.energy_j * (energy - saved_j)
@@ -456,7 +468,7 @@ class Policy:
                 options.append(local)
         if mode != "local" and mp.cloud_model is not None:
             server = self.server_time(mp)
-            tails: dict[int, float | None] = {}
+            tails: dict[int, tuple[float | None, float | None]] = {}
             for transport in mp.transports:
                 if transport in self.links:
                     options.append(self.cloud_option(mp, transport, ctx, server, tails))

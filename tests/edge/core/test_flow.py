@@ -372,3 +372,13 @@ def test_a_wake_up_beside_the_local_run_waits_for_its_reply_past_the_deadline():
     assert isinstance(answer, Answer) and answer.where == "local"
     assert flow.offload_done(t + 0.45, sent=60_000, received=1_000, elapsed_s=0.45) is None
     assert core.est.link("http").samples == 1
+
+
+def test_the_share_of_requests_that_used_the_radio_follows_the_decisions():
+    core = _core()
+    assert core.radio_share is None
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=3000)
+    used = isinstance(flow.start(), Offload | Hedge)  # an offload, raced or hedged
+    assert core.radio_share == (1.0 if used else 0.0)
+    core.used_radio(not used)
+    assert core.radio_share == pytest.approx(0.8 if used else 0.2)  # an EWMA: ~10 requests

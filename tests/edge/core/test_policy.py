@@ -294,3 +294,28 @@ def test_a_wake_up_too_slow_only_for_its_promotion_goes_beside_the_local_run():
     # With the radio up, the same offload makes the deadline on its own: no hedge.
     d = p.decide("m", _ctx(deadline_ms=380, in_bytes=60_000, rate_per_s=0.5, radio_idle_s=1.0))
     assert d.where.startswith("cloud-") and not d.hedge and d.reason == "least cost"
+
+
+def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
+    # At 0.5 requests/s the next request comes in ~2 s; if only one in ten uses the
+    # radio, the tail this offload opens runs ~10x as long before another closes it.
+    from edge.core.energy import expected_tail_s
+
+    weights = Weights(latency_s=1.0, energy_j=0.05)
+    p = _policy(local_ms=300, up_mbps=8.0, rtt_ms=70, link="lte", weights=weights)
+    lte = load_link("lte")
+
+    def cloud(idle: float | None, share: float | None):
+        ctx = _ctx(deadline_ms=5000, in_bytes=60_000, rate_per_s=0.5, radio_idle_s=idle)
+        ctx.radio_share = share
+        return next(o for o in p.decide("m", ctx).options if o.name == "cloud-http")
+
+    shared, alone = cloud(1.0, 1.0), cloud(1.0, 0.1)
+    longer = expected_tail_s(lte, 0.05) - expected_tail_s(lte, 0.5)
+    assert alone.energy_j - shared.energy_j == pytest.approx(lte.tail_power_w * longer)
+    assert cloud(1.0, None).energy_j == pytest.approx(shared.energy_j)  # unknown: shared
+    # From idle, what a wake-up is weighed with is the warm run that follows, in which
+    # each request closes the tail of the one before: the same whatever the share was.
+    cold_shared, cold_alone = cloud(None, 1.0), cloud(None, 0.1)
+    assert cold_alone.cost > cold_shared.cost
+    assert cold_alone.warm_cost == pytest.approx(cold_shared.warm_cost)
