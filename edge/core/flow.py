@@ -43,6 +43,7 @@ from edge.core.policy import (
     fallback_reserve_s,
     race_start_s,
 )
+from edge.core.quantile import Ewma
 from shared.errors import (
     DeadlineExceeded,
     EndpointUnavailable,
@@ -568,7 +569,7 @@ class EdgeCore:
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
         # model -> (when, decision): its last decision (one per model: bounded)
         self.recent: dict[str, tuple[float, Decision]] = {}
-        self.radio_share: float | None = None  # EWMA: did a request's decision use the radio
+        self._radio = Ewma(RADIO_SHARE_ALPHA)  # did a request's decision use the radio
 
     @property
     def est(self) -> Any:
@@ -580,9 +581,13 @@ class EdgeCore:
         if self.events is not None:
             self.events.append(event)
 
+    @property
+    def radio_share(self) -> float | None:
+        """Share of the recent requests whose decision used the radio (None: none yet)."""
+        return self._radio.value
+
     def used_radio(self, used: bool) -> None:
-        share, x = self.radio_share, 1.0 if used else 0.0
-        self.radio_share = x if share is None else share + RADIO_SHARE_ALPHA * (x - share)
+        self._radio.add(1.0 if used else 0.0)
 
     def rate_per_s(self, model: str) -> float | None:
         """The model's recent request rate (None until two requests were seen)."""

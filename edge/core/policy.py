@@ -423,7 +423,7 @@ class Policy:
             # The same offload from a radio already up: no promotion (its time and power).
             saved_j = (profile.promotion_power_w + self.device.idle_power_w) * promotion
             if paid is not None and paid > tail:  # in a warm run the next request shares it
-                saved_j += profile.tail_power_w * (min(paid, profile.tail_s) - tail)
+                saved_j += profile.tail_power_w * (paid - tail)  # both <= tail_s
             warm_cost = (
                 w.latency_s * (latency - promotion)
                 + w.energy_j * (energy - saved_j)
