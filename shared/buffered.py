@@ -8,6 +8,22 @@ through the same path.
 
 from __future__ import annotations
 
+#: the last bytes of a large body are read through the parser's scratch buffer, not
+#: straight into the body: an event loop may hold the buffer it was handed until
+#: ``buffer_updated`` returns (uvloop does), and a body completed in that call is
+#: handed on there and may be trimmed in place, which an exported bytearray refuses
+TAIL = 4096
+
+
+def let_go(view: memoryview | None) -> None:
+    """End our export of a handed-out buffer where the loop no longer holds it (with
+    uvloop it does until ``buffer_updated`` returns, and lets go itself then)."""
+    if view is not None:
+        try:
+            view.release()
+        except BufferError:
+            pass
+
 
 class FeedsBuffers:
     """``feed(data)`` for a class with ``get_buffer()`` and ``buffer_updated(n)``."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from collections import deque
 
-from shared.buffered import FeedsBuffers
+from shared.buffered import TAIL, FeedsBuffers, let_go
 
 #: where heads (and small bodies) are read; a large body is read straight into its own
 #: buffer, so what arrives with a head is copied twice at most this much
@@ -189,8 +189,8 @@ class _Reader(FeedsBuffers):
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._skip_left:
             return self._view[: min(self._skip_left, _SCRATCH)]
-        if self._body is not None and not self.paused:
-            self._handed = memoryview(self._body)[self._filled :]
+        if self._body is not None and not self.paused and len(self._body) - self._filled > TAIL:
+            self._handed = memoryview(self._body)[self._filled : len(self._body) - TAIL]
             return self._handed
         return self._view
 
@@ -201,17 +201,12 @@ class _Reader(FeedsBuffers):
                 self._advance()  # the refused body is gone: on to the next message
             return
         if self._handed is not None:
-            self._handed.release()  # the body may be handed on (and resized) in place
+            let_go(self._handed)  # the body is handed on (and may be resized) in place
             self._handed = None
-            self._filled += nbytes
-            if self._filled == len(self._body):  # type: ignore[arg-type]
-                body, self._body = self._body, None
-                self.events.append(body)  # type: ignore[arg-type]
-                self._message_done()
+            self._filled += nbytes  # never its end: that comes through the scratch (TAIL)
             return
         self._buf += self._view[:nbytes]
         self._advance()
-
 
     def skip_body(self) -> bool:
         """Drop the body of the message being read (it was refused from its head) and go
@@ -248,10 +243,7 @@ class _Reader(FeedsBuffers):
     def idle(self) -> bool:
         """No message is partly read."""
         return (
-            not self._buf
-            and self._body is None
-            and self._chunked is None
-            and self._to_eof is None
+            not self._buf and self._body is None and self._chunked is None and self._to_eof is None
         )
 
     # ---- parsing ------------------------------------------------------------------------------

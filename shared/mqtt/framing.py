@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from shared.buffered import FeedsBuffers
+from shared.buffered import TAIL, FeedsBuffers, let_go
 from shared.mqtt.codec import MAX_VBI, MalformedPacket
 
 #: bodies at least this long get a buffer of their own (no copy)
@@ -62,31 +62,36 @@ class PacketFramer(FeedsBuffers):
 
     # ---- the BufferedProtocol side ---------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        if self._big is not None:
-            self._big_view = memoryview(self._big)[self._big_filled :]
+        if self._big is not None and len(self._big) - self._big_filled > TAIL:
+            self._big_view = memoryview(self._big)[self._big_filled : len(self._big) - TAIL]
             return self._big_view
         if self._skip_left:
             return self._view[: min(self._skip_left, _SCRATCH)]
         return self._view
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._big is not None:
-            if self._big_view is not None:
-                # the reader is done writing: end the export, so the finished body can
-                # become its payload in place (a bytearray cannot be trimmed while exported)
-                self._big_view.release()
-                self._big_view = None
-            self._big_filled += nbytes
-            if self._big_filled == len(self._big):
-                self.packets.append((self._big_first, self._big))
-                self._big = None
+        if self._big_view is not None:
+            # the reader is done writing: end the export, so the finished body can
+            # become its payload in place (a bytearray cannot be trimmed while exported)
+            let_go(self._big_view)
+            self._big_view = None
+            self._big_filled += nbytes  # never its end: that comes through the scratch
             return
         if self._skip_left:
             self._skip(self._view[:nbytes])
             return
-        self._partial += self._view[:nbytes]
+        taken = 0
+        big = self._big
+        if big is not None:  # its last bytes (TAIL), and maybe the next packets'
+            taken = min(nbytes, len(big) - self._big_filled)
+            big[self._big_filled : self._big_filled + taken] = self._view[:taken]
+            self._big_filled += taken
+            if self._big_filled < len(big):
+                return
+            self.packets.append((self._big_first, big))
+            self._big = None
+        self._partial += self._view[taken:nbytes]
         self._cut()
-
 
     # ---- cutting ----------------------------------------------------------------------------
     def _cut(self) -> None:

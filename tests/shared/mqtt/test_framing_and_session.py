@@ -55,6 +55,25 @@ def test_a_large_body_is_read_into_a_buffer_of_its_own_and_handed_over_whole() -
     assert message.payload is body and len(message.payload) == len(payload)
 
 
+def test_a_large_body_is_complete_only_once_the_loop_no_longer_holds_its_buffer() -> None:
+    """uvloop keeps the buffer it was handed exported until buffer_updated returns, and
+    the client decodes the packets in that call, trimming the body in place."""
+    payload = bytes(range(256)) * 1000
+    stream = publish("t/big", payload, packet_id=3) + publish("t/next", b"ok")
+    framer = PacketFramer(max_packet=1 << 24)
+    pos, got = 0, []
+    while pos < len(stream):
+        target = framer.get_buffer()
+        n = min(len(target), len(stream) - pos)
+        target[:n] = stream[pos : pos + n]
+        pos += n
+        held = memoryview(target)  # what the loop holds while the client decodes
+        framer.buffer_updated(n)
+        got.extend(codec.decode_publish(first, body) for first, body in drain(framer))
+        held.release()
+    assert [(m.topic, bytes(m.payload)) for m in got] == [("t/big", payload), ("t/next", b"ok")]
+
+
 def test_an_oversized_packet_keeps_its_head_drops_the_rest_and_the_stream_goes_on() -> None:
     framer = PacketFramer(max_packet=10_000, keep_head=4_096)
     big = publish("ferry/v1/models/m/infer", b"\x81\xa2id\xa3abc" + b"z" * 50_000, packet_id=4)
