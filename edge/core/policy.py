@@ -481,6 +481,7 @@ class Policy:
             ctx.battery_percent is not None and ctx.battery_percent < cfg.battery_floor_percent
         )
         cap = cfg.data_cap_mb_per_day
+        w_lat, w_j, w_mb, w_money = w.latency_s, w.energy_j, w.data_mb, w.money
         best: Option | None = None
         # A local run that makes the deadline is a promise: no offload may break it.
         # (decide_for lists the local option first, when there is one.)
@@ -512,20 +513,21 @@ class Policy:
                 o.cost = o.energy_j
             else:
                 o.cost = (
-                    w.latency_s * o.latency_s
-                    + w.energy_j * o.energy_j
-                    + w.data_mb * (o.up_bytes + o.down_bytes) / 1e6
-                    + w.money * o.money
+                    w_lat * o.latency_s
+                    + w_j * o.energy_j
+                    + w_mb * (o.up_bytes + o.down_bytes) / 1e6
+                    + w_money * o.money
                 )
                 if o.race_s is not None:
                     assert local is not None
-                    self._race(o, local, ctx.deadline_s, ctx.local_cancellable)
+                    beat = best.cost if best is not None else math.inf
+                    self._race(o, local, ctx, beat)
                     if o.feasible and (best is None or o.cost < best.cost):
                         best = o
                     continue
                 if o.p_fail and local is not None:
                     # A lost reply costs the wait until giving up, then the local run.
-                    o.cost += o.p_fail * (w.latency_s * o.latency_q_s + local.cost)
+                    o.cost += o.p_fail * (w_lat * o.latency_q_s + local.cost)
             if o.feasible and (best is None or o.cost < best.cost):
                 best = o
         if best is not None:
@@ -665,7 +667,7 @@ class Policy:
         )
         return Decision(o, options, why, hedge)
 
-    def _race(self, o: Option, local: Option, deadline_s: float, cancellable: bool = False) -> None:
+    def _race(self, o: Option, local: Option, ctx: Context, beat: float = math.inf) -> None:
         """Price ``o`` as a race against the local run (``o.race_s`` set); set its cost.
 
         With a local run that makes the deadline, that run is the promise: it
@@ -673,20 +675,31 @@ class Policy:
         deadline, unless the cloud has answered by then, and the first answer
         wins; the offload is never abandoned for it (a late reply that comes
         first still answers).  Ruling out an offload whose tail is not trusted
-        leaves a lossy link's every fast reply unused, hedging at once pays the
-        local run every time, and giving up on a reply at the local run's start
-        wastes the upload.  So the race costs the cloud's answer when it is in
-        time (P from the rate belief), the local run's energy beside a reply
-        that comes near its tail when it is late, and the local answer after
-        the wait when the reply is lost (the link's recent losses); the radio
-        stays on while the attempt goes on.  A local run that can be cancelled
-        stops when the late reply comes: it costs only its part until then.
+        leaves a lossy link's every fast reply unused, and giving up on a reply
+        at the local run's start wastes the upload.  So the race costs the
+        cloud's answer when it is in time (P from the rate belief), the local
+        run's energy beside a reply that comes near its tail when it is late,
+        and the local answer after the wait when the reply is lost (the link's
+        recent losses); the radio stays on while the attempt goes on.  A local
+        run that can be cancelled stops when the late reply comes: it costs
+        only its part until then.
+
+        Starting the local run with the offload instead (``race_s`` 0) pays the
+        local run until the first answer, every time, and never waits out a
+        lost or slow reply: the cheaper start where energy costs little and
+        replies go missing.  It also holds the local runtime meanwhile: the
+        requests that come then (at the model's rate) wait for it where their
+        own local run is what answers them.  Both starts
+        are priced and the cheaper kept; ``beat`` (the best option's cost so
+        far) spares the second pricing where it cannot win.
         """
         w = self.config.weights
         w_lat = w.latency_s
+        deadline_s, cancellable = ctx.deadline_s, ctx.local_cancellable
         due = o.race_s if o.race_s is not None else 0.0
         base = o.cost  # the cloud's cost at the belief's median, its losses not yet priced
         lat, bottleneck, sigma = o.latency_s, o.bottleneck_s, o.rate_sigma
+        run = local.latency_s
         window = due - (lat - bottleneck)
         if window <= 0.0:
             p_late = 1.0
@@ -700,20 +713,54 @@ class Policy:
             if per_s > w_lat:
                 radio_w = per_s - w_lat
         local_j = w.energy_j * local.energy_j
-        answer_by = due + local.latency_s  # the local answer, if nothing came before
+        answer_by = due + run  # the local answer, if nothing came before
         cost = base
         if p_late > 0.0:
             tail = o.latency_q_s if o.latency_q_s > due else due
             slow = tail if tail < answer_by else answer_by
             ran_j = local_j
-            if cancellable and local.latency_s > 0.0:
-                ran_j *= (slow - due) / local.latency_s  # slow <= answer_by: at most all of it
+            if cancellable and run > 0.0:
+                ran_j *= (slow - due) / run  # slow <= answer_by: at most all of it
             cost += p_late * ((w_lat + radio_w) * (slow - lat) + ran_j)
         p_fail = o.p_fail
         if p_fail > 0.0:
-            on = deadline_s - lat if deadline_s > lat else 0.0
-            lost = base + w_lat * (answer_by - lat) + local_j + radio_w * on
+            on = radio_w * (deadline_s - lat) if deadline_s > lat else 0.0
+            lost = base + w_lat * (answer_by - lat) + local_j + on
             cost += p_fail * (lost - cost)
+        # Or the local run starts with the offload (see the docstring); the least it
+        # can cost says whether it could beat this start or ``beat`` (another option).
+        if run < lat:
+            floor = base + w_lat * (run - lat) + local_j
+        else:
+            floor = base + local_j * lat / run if cancellable else base + local_j
+        if floor < cost and floor < beat and due > 0.0:
+            window = run - (lat - bottleneck)
+            if window <= 0.0:
+                p_over = 1.0
+            elif bottleneck <= 0.0 or sigma <= 0.0:
+                p_over = 0.0 if bottleneck <= window else 1.0
+            else:  # P(the reply comes after the local answer)
+                p_over = _phi(math.log(bottleneck / window) / sigma)
+            answer = lat + p_over * (run - lat)  # the earlier of the two, roughly
+            ran_j = local_j
+            if cancellable and run > answer:
+                ran_j *= answer / run
+            both = base + w_lat * (answer - lat) + ran_j
+            rate = ctx.rate_per_s
+            if rate:
+                # A request that comes while it runs waits for the runtime, which
+                # matters where its own local run answers it (as this one's may)
+                busy = answer if cancellable else run
+                need = p_over + p_fail if p_over + p_fail < 1.0 else 1.0
+                both += w_lat * rate * busy * busy * 0.5 * need
+            if p_over > 0.0 and o.latency_q_s > lat:
+                both += p_over * radio_w * (o.latency_q_s - lat)  # the reply still comes
+            if p_fail > 0.0:
+                on = radio_w * (deadline_s - lat) if deadline_s > lat else 0.0
+                lost = base + w_lat * (run - lat) + local_j + on
+                both += p_fail * (lost - both)
+            if both < cost:
+                cost, o.race_s = both, 0.0
         o.cost = cost
         o.premium = cost - base  # what the race costs beyond the median (exploration)
 

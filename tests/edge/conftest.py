@@ -23,6 +23,11 @@ def edge_repos(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return build_edge_repositories(tmp_path_factory.mktemp("edge-repos"))
 
 
+#: the example's energy weight: an offload's local run then waits until the deadline needs
+#: it (a fallback), where with latency alone it starts beside the offload
+PRICED_ENERGY = "[policy.weights]\nlatency_s = 1.0\nenergy_j = 0.05\n"
+
+
 def agent_toml(
     folder: Path,
     local_repo: Path,

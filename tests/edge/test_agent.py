@@ -14,7 +14,7 @@ import tritonclient.http as triton
 from edge.agent import Agent
 from edge.config import load_agent_config
 from shared.errors import InvalidInput, ModelNotFound, ModelNotReady
-from tests.edge.conftest import agent_toml
+from tests.edge.conftest import PRICED_ENERGY, agent_toml
 from tests.support import cloud_server, edge_agent, linear_reference, write_linear_model
 
 LIN = '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
@@ -76,6 +76,7 @@ async def test_slow_local_device_offloads_and_an_outage_moves_work_back_local(
         edge_repos[1],
         http=cloud.http_url,
         models=LIN,
+        policy=PRICED_ENERGY,
         extra="[emulation]\nlocal_latency_ms = 500\n",
     )
     x = np.ones((1, 4), np.float32)
@@ -149,6 +150,7 @@ async def test_killed_cloud_every_request_answered_locally_and_breaker_recovers(
         edge_repos[1],
         http=server.http_url,
         models=LIN,
+        policy=PRICED_ENERGY,
         extra="[emulation]\nlocal_latency_ms = 500\n",
     )
     x = np.ones((1, 4), np.float32)
@@ -164,7 +166,9 @@ async def test_killed_cloud_every_request_answered_locally_and_breaker_recovers(
             answers.append((a, time.monotonic() - t))
         assert all(a.parameters["where"] == "local" for a, _ in answers)
         assert all(elapsed < 3.0 for _, elapsed in answers)
-        assert any(a.parameters["fallback"] for a, _ in answers)
+        # the dead cloud was tried first (a fallback) or beside the local run (hedged:
+        # on a link this fast that costs a few ms of a run that can be stopped)
+        assert any(a.parameters["fallback"] or a.parameters.get("hedged") for a, _ in answers)
         assert agent.dataplane.breakers["http"].state != "closed"
         # Cloud back on the same port: the probe closes the breaker, work returns.
         server2 = cloud_server(edge_repos[0], "--node", "reborn")

@@ -15,7 +15,7 @@ from edge.agent import Agent
 from edge.config import load_agent_config
 from edge.netem.linkemu import LinkEmulator
 from edge.netem.traces import steady
-from tests.edge.conftest import agent_toml
+from tests.edge.conftest import PRICED_ENERGY, agent_toml
 from tests.support import cloud_server
 
 SLOW_DEVICE = "[emulation]\nlocal_latency_ms = 400\n"
@@ -76,7 +76,14 @@ async def test_a_mistyped_cloud_model_neither_opens_the_breaker_nor_is_retried(
         '[models.typo]\nlocal = "lin-local"\ncloud = "no-such-model"\n'
         '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
     )
-    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=models, extra=SLOW_DEVICE)
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=models,
+        policy=PRICED_ENERGY,
+        extra=SLOW_DEVICE,
+    )
     async with Agent(load_agent_config(cfg)) as agent:
         first = await agent.infer("typo", {"x": X}, deadline_ms=3000)
         assert first.parameters["where"] == "local" and first.parameters["fallback"] is True
@@ -305,7 +312,10 @@ async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another
         on_message=lambda m: swallowed.append(m.topic),
     )
     cfg = agent_toml(
-        tmp_path, edge_repos[1], mqtt=broker.url, models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n'
+        tmp_path,
+        edge_repos[1],
+        mqtt=broker.url,
+        models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n',
     )
     try:
         assert await hole.start()

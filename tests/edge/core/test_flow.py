@@ -16,9 +16,9 @@ from shared.errors import DeadlineExceeded, InvalidInput
 MODELS = {"m": ModelPolicy(local_model="m-local", cloud_model="m")}
 
 
-def _core(mode: str = "cost", journal: int = 0, **cfg):
+def _core(mode: str = "cost", journal: int = 0, energy: float = 0.05, **cfg):
     models = {"m": ModelPolicy(mode=mode, local_model="m-local", cloud_model="m")}
-    config = PolicyConfig(weights=Weights(latency_s=1.0), models=models, **cfg)
+    config = PolicyConfig(weights=Weights(latency_s=1.0, energy_j=energy), models=models, **cfg)
     lte = load_link("lte")
     core = fresh_core(config, load_device("raspberry-pi-4b"), {"http": lte}, journal=journal)
     core.warmed("m-local", 1.0, 0.0)  # a slow device: the cloud is worth it
@@ -74,6 +74,22 @@ def test_a_late_reply_races_the_local_run_and_the_first_answer_stands():
     assert [d.where for d in replay_journal(core_events, replica)] == [
         d.where for d in core.decisions
     ]
+
+
+def test_with_energy_free_the_local_run_starts_with_the_offload_and_a_lost_reply_costs_no_wait():
+    # weighing latency only, running locally beside the offload costs nothing: the first
+    # answer wins, and a reply lost in an outage is not waited out before the local run
+    core = _core(energy=0.0)
+    flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=3000)
+    action = flow.start()
+    assert isinstance(action, Hedge) and action.local_at is None, action
+    assert flow.decision.choice.race_s == 0.0
+    answer = flow.local_done(2.0, 1.0)
+    assert isinstance(answer, Answer) and answer.where == "local"
+    assert flow.offload_failed(2.5, DeadlineExceeded("no reply")) is None  # answered already
+    # with the example's energy weight the same request races: its local run waits
+    flow, action = _raced(_core(energy=0.05))
+    assert flow.decision.choice.race_s > 0.0
 
 
 def test_a_cloud_only_model_runs_its_local_variant_when_no_link_is_usable():
@@ -350,7 +366,7 @@ def test_a_wake_up_beside_the_local_run_waits_for_its_reply_past_the_deadline():
     # LTE from idle, a 380 ms deadline: the promotion alone makes the offload late, so
     # it goes beside the local run, and its reply is awaited to its own tail: cut at
     # the deadline it would teach a failure that was only the radio waking up.
-    core = _core()
+    core = _core(energy=0.0)
     core.est.set_link_prior("http", 8e6, 32e6, 0.07)  # the signal's hint: a good cell
     core.warmed("m-local", 0.25, 0.0)
     for _ in range(20):
