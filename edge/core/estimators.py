@@ -268,6 +268,9 @@ class LinkEstimator:
         self._tries = 0.0
         self._lost = 0.0
         self._tried_at: float | None = None
+        # The same over a long memory: how often this link loses replies at all
+        self._slow_tries = 0.0
+        self._slow_lost = 0.0
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = (
             prior_up_bps,
             prior_down_bps,
@@ -328,27 +331,43 @@ class LinkEstimator:
 
     FAIL_PRIOR = (0.1, 10.0)  # Beta(lost, answered) before any attempt: ~1%
     FAIL_DECAY = 0.97  # per attempt: the last ~30 attempts tell
+    FAIL_SLOW_DECAY = 0.995  # per attempt, the long memory: the last ~200 attempts
+    FAIL_SLOW_S = 1800.0  # and it fades over half an hour
+    FAIL_SLOW_PRIOR = (0.3, 30.0)  # ~1% again, but one lost reply is not a habit
 
     def failure_rate(self, now: float) -> float:
-        """P(an offload over this link gets no reply), from the recent attempts.
+        """P(an offload over this link gets no reply), from the attempts.
 
-        The counts fade with attempts and, like the rate belief, with time
-        (``LogRate.REVERT_S``): an outage long past stops counting against
-        the link even if nothing was sent since.
+        The recent attempts' counts fade with attempts and, like the rate
+        belief, with time (``LogRate.REVERT_S``): an outage long past stops
+        counting against the link even if nothing was sent since.  But a link
+        whose outages come and go (a commute, a cell edge) loses the first
+        replies of each new one, which the last minute cannot foresee; so the
+        rate is at least the one a long memory (``FAIL_SLOW_*``) has seen.
         """
         a, b = self.FAIL_PRIOR
         if self._tried_at is None:
             return a / (a + b)
         age = now - self._tried_at
         fade = math.exp(-age / LogRate.REVERT_S) if age > 0.0 else 1.0
-        return (self._lost * fade + a) / (self._tries * fade + a + b)
+        recent = (self._lost * fade + a) / (self._tries * fade + a + b)
+        if not self._slow_lost:  # never lost one: the long memory holds more answers
+            return recent
+        slow = math.exp(-age / self.FAIL_SLOW_S) if age > 0.0 else 1.0
+        a, b = self.FAIL_SLOW_PRIOR
+        long = (self._slow_lost * slow + a) / (self._slow_tries * slow + a + b)
+        return recent if recent > long else long
 
     def _attempt(self, lost: bool, now: float) -> None:
-        fade = self.FAIL_DECAY
+        fade, slow = self.FAIL_DECAY, self.FAIL_SLOW_DECAY
         if self._tried_at is not None:
-            fade *= math.exp(-max(now - self._tried_at, 0.0) / LogRate.REVERT_S)
+            age = now - self._tried_at if now > self._tried_at else 0.0
+            fade *= math.exp(-age / LogRate.REVERT_S)
+            slow *= math.exp(-age / self.FAIL_SLOW_S)
         self._tries = self._tries * fade + 1.0
         self._lost = self._lost * fade + (1.0 if lost else 0.0)
+        self._slow_tries = self._slow_tries * slow + 1.0
+        self._slow_lost = self._slow_lost * slow + (1.0 if lost else 0.0)
         self._tried_at = now
 
     def observe_probe(self, rtt_s: float, now: float) -> None:
@@ -421,6 +440,8 @@ class LinkEstimator:
                 self._tries,
                 self._lost,
                 None if self._tried_at is None else now - self._tried_at,
+                self._slow_tries,
+                self._slow_lost,
             ],
             "up_belief": self.up_belief.to_dict(now),
             "down_belief": self.down_belief.to_dict(now),
@@ -445,8 +466,12 @@ class LinkEstimator:
             e.retarget(q)
         e.samples = int(d.get("samples", 0))
         if "attempts" in d:
-            tries, lost, age = d["attempts"]
+            tries, lost, age, *slow = d["attempts"]  # (older state files: no long memory)
             e._tries, e._lost = float(tries), float(lost)
+            if slow:
+                e._slow_tries, e._slow_lost = float(slow[0]), float(slow[1])
+            else:
+                e._slow_tries, e._slow_lost = e._tries, e._lost
             e._tried_at = None if age is None else now - float(age)
         if "up_belief" in d:
             e.up_belief = LogRate.from_dict(d["up_belief"], now)

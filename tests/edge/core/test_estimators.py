@@ -140,3 +140,25 @@ def test_timeouts_at_the_same_bound_keep_a_faded_belief_down():
     assert faded > 3e6  # two minutes unobserved: back towards the prior
     link.observe_timeout(600_000, 4.0, now=120.0)  # the same bound again: still true
     assert link.up_belief.rate(link.up_bps, link.prior_up_bps, 120.0) == pytest.approx(1.2e6)
+
+
+def test_a_link_whose_outages_come_and_go_keeps_its_long_run_loss_rate():
+    # every 40 attempts an outage eats two replies: the last minute forgets each one,
+    # the long memory prices the next outage's first losses
+    link, now = LinkEstimator(), 0.0
+    for i in range(400):
+        now += 2.0
+        if i % 40 < 2:
+            link.observe_failure(now)
+        else:
+            link.observe(60_000, 1_000, 0.1, 0.01, now)
+    assert link.failure_rate(now) == pytest.approx(2 / 40, rel=0.35)
+    recent_only = (link._lost + 0.1) / (link._tries + 10.1)
+    assert recent_only < 0.02  # what the recent attempts alone would say
+    # a link that never lost a reply reads as before: the prior diluted by its answers
+    steady = LinkEstimator()
+    for i in range(100):
+        steady.observe(60_000, 1_000, 0.1, 0.01, 2.0 * i)
+    assert steady.failure_rate(200.0) < 0.005
+    # and the long memory fades too, over half an hour
+    assert link.failure_rate(now + 4 * 3600) < 0.02

@@ -204,7 +204,8 @@ def test_an_old_bad_estimate_fades_back_to_the_prior():
     assert p.decide("m", _ctx(now=now, deadline_ms=2000)).where == "local"  # fresh: too slow
     much_later = now + 10 * link.up_belief.REVERT_S
     assert link.rates(much_later)[0] == pytest.approx(20e6, rel=0.01)
-    assert link.failure_rate(much_later) < 0.02  # the timeouts have faded too
+    # the timeouts have faded from the recent count; the long memory keeps a trace of them
+    assert link.failure_rate(much_later) < link.failure_rate(now) / 2
     assert p.decide("m", _ctx(now=much_later, deadline_ms=2000)).where.startswith("cloud-")
 
 
