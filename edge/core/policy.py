@@ -680,7 +680,7 @@ class Policy:
         cloud's answer when it is in time (P from the rate belief), the local
         run's energy beside a reply that comes near its tail when it is late,
         and the local answer after the wait when the reply is lost (the link's
-        recent losses); the radio stays on while the attempt goes on.  A local
+        losses); the radio stays on while the attempt goes on.  A local
         run that can be cancelled stops when the late reply comes: it costs
         only its part until then.
 
@@ -689,9 +689,9 @@ class Policy:
         lost or slow reply: the cheaper start where energy costs little and
         replies go missing.  It also holds the local runtime meanwhile: the
         requests that come then (at the model's rate) wait for it where their
-        own local run is what answers them.  Both starts
-        are priced and the cheaper kept; ``beat`` (the best option's cost so
-        far) spares the second pricing where it cannot win.
+        own local run is what answers them.  Both starts are priced and the
+        cheaper kept; ``beat`` (the best option's cost so far) spares the
+        second pricing where it cannot win.
         """
         w = self.config.weights
         w_lat = w.latency_s
