@@ -15,6 +15,13 @@ from __future__ import annotations
 TAIL = 4096
 
 
+def tail_for(loop: object) -> int:
+    """How much of a large body to read through scratch on ``loop``: none on asyncio's own
+    loops (they let go of the buffer before ``buffer_updated``: the body is read straight
+    to its end, one read fewer), :data:`TAIL` on any other (uvloop holds it)."""
+    return 0 if type(loop).__module__.startswith("asyncio.") else TAIL
+
+
 def let_go(view: memoryview | None) -> None:
     """End our export of a handed-out buffer where the loop no longer holds it (with
     uvloop it does until ``buffer_updated`` returns, and lets go itself then)."""

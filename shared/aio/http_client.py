@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from shared.buffered import tail_for
 from shared.errors import EndpointUnavailable, InternalError
 from shared.http.wire import Head, HttpError, ResponseParser, request_head
 
@@ -45,7 +46,7 @@ class ClientResponse:
 
 class _Connection(asyncio.BufferedProtocol):
     def __init__(self, max_body: int) -> None:
-        self.parser = ResponseParser(max_body=max_body)
+        self.parser = ResponseParser(max_body=max_body, tail=tail_for(asyncio.get_running_loop()))
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[ClientResponse] | None = None
         self.head: Head | None = None

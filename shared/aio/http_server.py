@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from urllib.parse import unquote
 
 from shared.aio.eager import eager_future
+from shared.buffered import tail_for
 from shared.errors import FerryError
 from shared.http.wire import CONTINUE, BodyPool, Head, HttpError, RequestParser, response_head
 
@@ -171,6 +172,7 @@ class _Connection(asyncio.BufferedProtocol):
             max_fields=o.max_header_fields,
             max_body=o.max_body_bytes,
             pool=server.bodies,
+            tail=tail_for(asyncio.get_running_loop()),
         )
         self.transport: asyncio.Transport | None = None
         self.remote: str | None = None

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shared.buffered import tail_for
 from shared.errors import EndpointUnavailable
 from shared.mqtt import codec
 from shared.mqtt.codec import (
@@ -60,9 +61,9 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, client: MqttClient) -> None:
         self.client = client
         self.session = ClientSession()
-        self.framer = PacketFramer(client.max_packet_bytes)
-        self.transport: asyncio.Transport | None = None
         loop = asyncio.get_running_loop()
+        self.framer = PacketFramer(client.max_packet_bytes, tail=tail_for(loop))
+        self.transport: asyncio.Transport | None = None
         self.connack: asyncio.Future[Connack] = loop.create_future()
         self.closed: asyncio.Future[Exception | None] = loop.create_future()
         self.last_read = time.monotonic()

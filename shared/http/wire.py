@@ -165,9 +165,16 @@ class _Reader(FeedsBuffers):
     """The part both parsers share: a head, then a body of known length, chunked, or to EOF."""
 
     def __init__(
-        self, *, max_head: int, max_fields: int, max_body: int, pool: BodyPool | None = None
+        self,
+        *,
+        max_head: int,
+        max_fields: int,
+        max_body: int,
+        pool: BodyPool | None = None,
+        tail: int = TAIL,
     ) -> None:
         self.pool = pool
+        self._tail = tail  # a large body's last bytes come through scratch (shared.buffered)
         self.max_head = max_head
         self.max_fields = max_fields
         self.max_body = max_body
@@ -189,8 +196,9 @@ class _Reader(FeedsBuffers):
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._skip_left:
             return self._view[: min(self._skip_left, _SCRATCH)]
-        if self._body is not None and not self.paused and len(self._body) - self._filled > TAIL:
-            self._handed = memoryview(self._body)[self._filled : len(self._body) - TAIL]
+        body, tail = self._body, self._tail
+        if body is not None and not self.paused and len(body) - self._filled > tail:
+            self._handed = memoryview(body)[self._filled : len(body) - tail]
             return self._handed
         return self._view
 
@@ -203,7 +211,11 @@ class _Reader(FeedsBuffers):
         if self._handed is not None:
             let_go(self._handed)  # the body is handed on (and may be resized) in place
             self._handed = None
-            self._filled += nbytes  # never its end: that comes through the scratch (TAIL)
+            self._filled += nbytes
+            if self._filled == len(self._body):  # type: ignore[arg-type]  # (no tail kept)
+                body, self._body = self._body, None
+                self.events.append(body)  # type: ignore[arg-type]
+                self._message_done()
             return
         self._buf += self._view[:nbytes]
         self._advance()
@@ -380,8 +392,11 @@ class RequestParser(_Reader):
     (a bytearray, empty when there is none), and the parser pauses until :meth:`resume`."""
 
     def __init__(self, *, max_head: int = 64 * 1024, max_fields: int = 100,
-                 max_body: int = 16 * 1024 * 1024, pool: BodyPool | None = None) -> None:  # fmt: skip
-        super().__init__(max_head=max_head, max_fields=max_fields, max_body=max_body, pool=pool)
+                 max_body: int = 16 * 1024 * 1024, pool: BodyPool | None = None,
+                 tail: int = TAIL) -> None:  # fmt: skip
+        super().__init__(
+            max_head=max_head, max_fields=max_fields, max_body=max_body, pool=pool, tail=tail
+        )
         self.head: Head | None = None  # the request being read or handled
 
     def _start_line(self, line: bytes) -> Head:
@@ -436,8 +451,8 @@ class ResponseParser(_Reader):
     body.  ``expect_no_body`` is set before reading the answer to a HEAD request."""
 
     def __init__(self, *, max_head: int = 64 * 1024, max_fields: int = 100,
-                 max_body: int = 64 * 1024 * 1024) -> None:  # fmt: skip
-        super().__init__(max_head=max_head, max_fields=max_fields, max_body=max_body)
+                 max_body: int = 64 * 1024 * 1024, tail: int = TAIL) -> None:  # fmt: skip
+        super().__init__(max_head=max_head, max_fields=max_fields, max_body=max_body, tail=tail)
         self.expect_no_body = False
         self.paused = True  # nothing is expected before a request is sent
 

@@ -42,11 +42,12 @@ class Oversized:
 
 
 class PacketFramer(FeedsBuffers):
-    def __init__(self, max_packet: int, keep_head: int = 64 * 1024) -> None:
+    def __init__(self, max_packet: int, keep_head: int = 64 * 1024, tail: int = TAIL) -> None:
         if max_packet < 2:
             raise ValueError("max_packet must allow a packet")
         self.max_packet = max_packet
         self.keep_head = keep_head
+        self._tail = tail  # a large body's last bytes come through scratch (shared.buffered)
         self.packets: deque[tuple[int, bytes | bytearray] | Oversized] = deque()
         self._scratch = bytearray(_SCRATCH)
         self._view = memoryview(self._scratch)
@@ -62,8 +63,9 @@ class PacketFramer(FeedsBuffers):
 
     # ---- the BufferedProtocol side ---------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        if self._big is not None and len(self._big) - self._big_filled > TAIL:
-            self._big_view = memoryview(self._big)[self._big_filled : len(self._big) - TAIL]
+        big, tail = self._big, self._tail
+        if big is not None and len(big) - self._big_filled > tail:
+            self._big_view = memoryview(big)[self._big_filled : len(big) - tail]
             return self._big_view
         if self._skip_left:
             return self._view[: min(self._skip_left, _SCRATCH)]
@@ -75,7 +77,10 @@ class PacketFramer(FeedsBuffers):
             # become its payload in place (a bytearray cannot be trimmed while exported)
             let_go(self._big_view)
             self._big_view = None
-            self._big_filled += nbytes  # never its end: that comes through the scratch
+            self._big_filled += nbytes
+            if self._big_filled == len(self._big):  # type: ignore[arg-type]  # (no tail kept)
+                self.packets.append((self._big_first, self._big))  # type: ignore[arg-type]
+                self._big = None
             return
         if self._skip_left:
             self._skip(self._view[:nbytes])

@@ -19,6 +19,7 @@ import pytest
 from shared.aio.http_client import HttpClient
 from shared.aio.http_server import HttpServer, Request, Response
 from shared.aio.mqtt import MqttClient
+from shared.buffered import TAIL, tail_for
 from shared.mqtt import parse_broker_url
 from shared.mqtt.codec import Publish
 from tests.support import Broker
@@ -90,3 +91,12 @@ def test_mqtt_client_sends_and_receives_messages_of_every_size_on_uvloop(broker:
             await ours.close()
 
     on_uvloop(main())
+
+
+def test_a_large_body_ends_through_scratch_only_on_a_loop_that_holds_its_buffer() -> None:
+    async def which() -> int:
+        return tail_for(asyncio.get_running_loop())
+
+    assert asyncio.run(which()) == 0  # asyncio's loop lets go first: one read fewer
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(which()) == TAIL

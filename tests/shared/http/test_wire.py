@@ -63,6 +63,13 @@ def test_a_large_body_is_read_into_one_buffer_of_its_declared_size() -> None:
     parser.feed(data[1000:])
     (got,) = parser.events
     assert isinstance(got, bytearray) and got == body
+    # on asyncio's own loop (tail 0) the rest is read straight to its end
+    parser = RequestParser(tail=0)
+    parser.feed(data[:1000])
+    parser.events.popleft()
+    assert len(parser.get_buffer()) == 602_112 - (1000 - (len(data) - len(body)))
+    parser.feed(data[1000:])
+    assert parser.events.popleft() == body
 
 
 def test_a_body_is_complete_only_when_the_loop_no_longer_holds_its_buffer() -> None:
