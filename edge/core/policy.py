@@ -592,11 +592,14 @@ class Policy:
             if horizon < run:
                 run = horizon
             price, hedge = o.cost - best.cost, False
-            if beside or not _fallback_fits(o, best, ctx.deadline_s):  # best: local, feasible
-                # No room to fall back after it: hedge, running locally meanwhile,
-                # unless racing the local run (o.cost prices that) is cheaper.
-                hedged = self._hedge_price(o, best, best, ctx.local_cancellable)
-                if beside or o.race_s is None or hedged < price:
+            # Hedged, running locally meanwhile, where that is cheaper (energy that costs
+            # little), or where there is no room to fall back after it, unless racing
+            # the local run (o.cost prices that) is cheaper.
+            hedged = self._hedge_price(o, best, best, ctx.local_cancellable)
+            if hedged < price:
+                price, hedge = hedged, True
+            elif beside or not _fallback_fits(o, best, ctx.deadline_s):  # best: local
+                if beside or o.race_s is None:
                     price, hedge = hedged, True
             if saving * run <= price:
                 continue

@@ -297,6 +297,21 @@ def test_a_wake_up_too_slow_only_for_its_promotion_goes_beside_the_local_run():
     assert d.where.startswith("cloud-") and not d.hedge and d.reason == "least cost"
 
 
+def test_a_wake_up_with_room_to_fall_back_goes_hedged_where_energy_is_free():
+    # LTE from idle, a 3 s deadline: the offload would have room to fall back after it.
+    # Weighing latency alone, running locally beside it costs nothing, so the wake-up is
+    # hedged (this request gets the local answer at worst); with energy priced it is not.
+    free = _policy(local_ms=400, up_mbps=8.0, rtt_ms=70, link="lte")
+    cold = _ctx(deadline_ms=3000, in_bytes=60_000, rate_per_s=0.5)
+    d = free.decide("m", cold)
+    assert "wake the radio (hedged)" in d.reason and d.hedge
+    priced = _policy(
+        local_ms=400, up_mbps=8.0, rtt_ms=70, link="lte", weights=Weights(energy_j=0.05)
+    )
+    d = priced.decide("m", cold)
+    assert d.reason.startswith("wake the radio:") and not d.hedge
+
+
 def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
     # At 0.5 requests/s the next request comes in ~2 s; if only one in ten uses the
     # radio, the tail this offload opens runs ~10x as long before another closes it.
