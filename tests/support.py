@@ -26,6 +26,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BROKER_CONF = ROOT / "examples" / "mosquitto.conf"
 
 
+def feed_held(parser: Any, data: bytes, after: Callable[[], None]) -> None:
+    """Push ``data`` through ``parser``'s get_buffer / buffer_updated as uvloop does: the
+    buffer handed out stays exported until ``buffer_updated`` and ``after`` (what the
+    protocol does with what was parsed, in that same call) have returned."""
+    pos = 0
+    while pos < len(data):
+        target = parser.get_buffer()
+        n = min(len(target), len(data) - pos)
+        target[:n] = data[pos : pos + n]
+        pos += n
+        held = memoryview(target)
+        parser.buffer_updated(n)
+        after()
+        held.release()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

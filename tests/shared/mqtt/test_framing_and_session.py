@@ -10,6 +10,7 @@ from shared.mqtt import codec
 from shared.mqtt.codec import MalformedPacket
 from shared.mqtt.framing import LARGE_BODY, Oversized, PacketFramer
 from shared.mqtt.session import ClientSession, PacketTooLarge
+from tests.support import feed_held
 
 
 def publish(topic: str, payload: bytes, packet_id: int | None = None) -> bytes:
@@ -61,16 +62,10 @@ def test_a_large_body_is_complete_only_once_the_loop_no_longer_holds_its_buffer(
     payload = bytes(range(256)) * 1000
     stream = publish("t/big", payload, packet_id=3) + publish("t/next", b"ok")
     framer = PacketFramer(max_packet=1 << 24)
-    pos, got = 0, []
-    while pos < len(stream):
-        target = framer.get_buffer()
-        n = min(len(target), len(stream) - pos)
-        target[:n] = stream[pos : pos + n]
-        pos += n
-        held = memoryview(target)  # what the loop holds while the client decodes
-        framer.buffer_updated(n)
-        got.extend(codec.decode_publish(first, body) for first, body in drain(framer))
-        held.release()
+    got: list = []
+    feed_held(
+        framer, stream, lambda: got.extend(codec.decode_publish(f, b) for f, b in drain(framer))
+    )
     assert [(m.topic, bytes(m.payload)) for m in got] == [("t/big", payload), ("t/next", b"ok")]
 
 
