@@ -226,6 +226,16 @@ def fallback_plan(
     return give_up, local
 
 
+def _late(bottleneck_s: float, sigma: float, window_s: float) -> float:
+    """P(the bottleneck's transfer is not done within ``window_s``) under the rate belief
+    (log-normal, spread ``sigma``): P(rate < the rate that is in by then)."""
+    if window_s <= 0.0:
+        return 1.0
+    if bottleneck_s <= 0.0 or sigma <= 0.0:
+        return 0.0 if bottleneck_s <= window_s else 1.0
+    return _phi(math.log(bottleneck_s / window_s) / sigma)
+
+
 def _safe_without_fallback(cloud: Option, deadline_s: float) -> bool:
     """Whether ``cloud``'s tail, well past the deadline quantile, still fits.
 
@@ -703,13 +713,7 @@ class Policy:
         base = o.cost  # the cloud's cost at the belief's median, its losses not yet priced
         lat, bottleneck, sigma = o.latency_s, o.bottleneck_s, o.rate_sigma
         run = local.latency_s
-        window = due - (lat - bottleneck)
-        if window <= 0.0:
-            p_late = 1.0
-        elif bottleneck <= 0.0 or sigma <= 0.0:
-            p_late = 0.0 if bottleneck <= window else 1.0
-        else:  # P(rate < the rate that is in by then)
-            p_late = _phi(math.log(bottleneck / window) / sigma)
+        p_late = _late(bottleneck, sigma, due - (lat - bottleneck))
         radio_w = 0.0  # cost per second of keeping the radio on
         if bottleneck > 0.0 and o.rate_bps > 0.0:
             per_s = o.cost_per_inv_bps / (bottleneck * o.rate_bps)
@@ -726,6 +730,7 @@ class Policy:
                 ran_j *= (slow - due) / run  # slow <= answer_by: at most all of it
             cost += p_late * ((w_lat + radio_w) * (slow - lat) + ran_j)
         p_fail = o.p_fail
+        on = 0.0  # the radio kept on until giving up on a lost reply
         if p_fail > 0.0:
             on = radio_w * (deadline_s - lat) if deadline_s > lat else 0.0
             lost = base + w_lat * (answer_by - lat) + local_j + on
@@ -737,13 +742,7 @@ class Policy:
         else:
             floor = base + local_j * lat / run if cancellable else base + local_j
         if floor < cost and floor < beat and due > 0.0:
-            window = run - (lat - bottleneck)
-            if window <= 0.0:
-                p_over = 1.0
-            elif bottleneck <= 0.0 or sigma <= 0.0:
-                p_over = 0.0 if bottleneck <= window else 1.0
-            else:  # P(the reply comes after the local answer)
-                p_over = _phi(math.log(bottleneck / window) / sigma)
+            p_over = _late(bottleneck, sigma, run - (lat - bottleneck))  # after local's
             answer = lat + p_over * (run - lat)  # the earlier of the two, roughly
             ran_j = local_j
             if cancellable and run > answer:
@@ -759,7 +758,6 @@ class Policy:
             if p_over > 0.0 and o.latency_q_s > lat:
                 both += p_over * radio_w * (o.latency_q_s - lat)  # the reply still comes
             if p_fail > 0.0:
-                on = radio_w * (deadline_s - lat) if deadline_s > lat else 0.0
                 lost = base + w_lat * (run - lat) + local_j + on
                 both += p_fail * (lost - both)
             if both < cost:
