@@ -33,6 +33,7 @@ from edge.core.energy import RadioState, local_energy_j, wake_energy_j
 from edge.core.estimators import Estimators, signal_factor
 from edge.core.policy import (
     LOCAL,
+    NO_ROOM,
     Context,
     Decision,
     ModelPolicy,
@@ -86,6 +87,9 @@ JOURNAL_EVENTS = 0
 # race starts its local run by the latency those runs taught.
 LOCAL_RUNS_TO_CANCEL = 5
 RADIO_SHARE_ALPHA = 0.2  # the last ~10 requests' use of the radio
+# Why a cold offload may be ruled out now yet run in a warm run: the promotion's
+# time (deadline) or the fallback's room it takes.
+_WARM_FEASIBLE = ("deadline", NO_ROOM)
 
 
 # ---- actions -------------------------------------------------------------------
@@ -170,6 +174,31 @@ class DecisionRecord:
     where: str
     reason: str
     predicted_s: float | None
+
+
+def _warm_run_offloads(decision: Decision) -> bool:
+    """Whether the request would use the radio in a warm run (radio up, its tail
+    shared with the next request's): what the radio share counts.
+
+    Counting only the offloads made would end at once every run the wake-up
+    rule begins: the first warm requests would price each offload as if it
+    were the last to use the radio, keep running locally, and the share
+    would never rise.  A cold option counts at its warm cost, its deadline
+    judged without the promotion (the wake-up rule's terms).
+    """
+    choice = decision.choice
+    if choice is None or choice.transport is not None:
+        return choice is not None
+    cost = choice.cost
+    for o in decision.options:
+        if o.transport is None:
+            continue
+        if o.warm_cost is None:
+            if o.feasible and o.cost - o.shared_saving < cost:
+                return True
+        elif o.warm_cost < cost and (o.feasible or o.reason in _WARM_FEASIBLE):
+            return True
+    return False
 
 
 # ---- one request ---------------------------------------------------------------
@@ -281,8 +310,7 @@ class RequestFlow:
 
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
-        choice = decision.choice
-        self.core.used_radio(choice is not None and choice.transport is not None)
+        self.core.used_radio(_warm_run_offloads(decision))
         self.decision = decision
         self.core.recent[self.model] = (now, decision)  # what a blind probe asks of
         if self.core.decisions is not None:

@@ -97,6 +97,9 @@ class Option:
     # What the option would cost with the radio already up (cloud options from an
     # idle radio): no promotion, the tail priced at the expected gap to the next request.
     warm_cost: float | None = None
+    # What the cost drops by when the next request uses the radio too (its tail is
+    # then shared, not paid to the end): 0 where every recent request used it.
+    shared_saving: float = 0.0
     measured: bool = False  # the latency prediction rests on this link's own transfers
     bottleneck_s: float = 0.0  # the bottleneck direction's transfer time at the mean rate
     p_fail: float = 0.0  # P(no reply) from the link's recent attempts
@@ -429,6 +432,9 @@ class Policy:
         w = self.config.weights
         per_s = w.latency_s + w.energy_j * (profile.base_power_w + self.device.idle_power_w)
         warm_cost = None
+        shared = 0.0
+        if paid is not None and tail is not None and paid > tail:
+            shared = w.energy_j * profile.tail_power_w * (paid - tail)
         if promotion > 0 and tail is not None:
             # The same offload from a radio already up: no promotion (its time and power).
             saved_j = (profile.promotion_power_w + self.device.idle_power_w) * promotion
@@ -461,6 +467,7 @@ class Policy:
             bottleneck_s=nbits / rate if rate > 0 else 0.0,
             p_fail=link.failure_rate(ctx.now),
             warm_cost=warm_cost,
+            shared_saving=shared,
             tail_s=tail,
             measured=link.samples >= MEASURED_SAMPLES and not stale,
         )

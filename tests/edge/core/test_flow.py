@@ -398,3 +398,30 @@ def test_the_share_of_requests_that_used_the_radio_follows_the_decisions():
     assert core.radio_share == (1.0 if used else 0.0)
     core.used_radio(not used)
     assert core.radio_share == pytest.approx(0.8 if used else 0.2)  # an EWMA: ~10 requests
+
+
+def test_a_request_that_would_offload_in_a_warm_run_counts_as_using_the_radio():
+    # Counting only the offloads made, the first requests after a wake-up price
+    # their offload as the last to use the radio, run locally, and the run ends.
+    from edge.core.flow import _warm_run_offloads
+    from edge.core.policy import Decision, Option
+
+    def local(cost: float) -> Option:
+        return Option("local", None, 0.3, 0.35, 1.7, 0, 0, 0.0, cost=cost)
+
+    def cloud(cost: float, **kw) -> Option:
+        return Option("cloud-http", "http", 0.15, 0.16, 5.0, 60_000, 1_000, 0.0, cost=cost, **kw)
+
+    def counts(*options: Option) -> bool:
+        return _warm_run_offloads(Decision(options[0], list(options), "least cost"))
+
+    # Warm radio: dearer alone, cheaper once the next request shares its tail.
+    assert counts(local(0.35), cloud(0.50, shared_saving=0.2))
+    assert not counts(local(0.35), cloud(0.50, shared_saving=0.1))
+    # Cold radio: judged at its warm cost, even where the promotion misses the deadline now
+    assert counts(local(0.35), cloud(1.1, warm_cost=0.2, feasible=False, reason="deadline"))
+    assert not counts(local(0.35), cloud(1.1, warm_cost=0.2, feasible=False, reason="no link"))
+    assert not counts(local(0.35), cloud(1.1, warm_cost=0.4))
+    # An offload made uses it; no choice does not.
+    assert _warm_run_offloads(Decision(cloud(0.2), [local(0.35), cloud(0.2)], "least cost"))
+    assert not _warm_run_offloads(Decision(None, [], "no usable option"))

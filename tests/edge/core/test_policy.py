@@ -329,6 +329,9 @@ def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
     shared, alone = cloud(1.0, 1.0), cloud(1.0, 0.1)
     longer = expected_tail_s(lte, 0.05) - expected_tail_s(lte, 0.5)
     assert alone.energy_j - shared.energy_j == pytest.approx(lte.tail_power_w * longer)
+    # ... and says what sharing it would save: what a warm run's request is judged by
+    assert alone.shared_saving == pytest.approx(0.05 * lte.tail_power_w * longer)
+    assert shared.shared_saving == 0.0
     assert cloud(1.0, None).energy_j == pytest.approx(shared.energy_j)  # unknown: shared
     # From idle, what a wake-up is weighed with is the warm run that follows, in which
     # each request closes the tail of the one before: the same whatever the share was.
