@@ -175,8 +175,16 @@ MAX_HORIZON = 20.0
 
 
 def fallback_reserve_s(local: Option) -> float:
-    """Time to keep for the local run after an offload: its latency quantile and 15%."""
-    reserve = local.latency_q_s * FALLBACK_RESERVE
+    """Time to keep for the local run after an offload: the larger of its latency
+    quantile and its mean plus 15%.
+
+    Not the quantile plus 15%: while the local run rests on a few samples its
+    quantile already carries the prior's spread (LatencyEstimator), and an agent
+    that mostly offloads gathers no more; a margin on top of that margin started
+    every race's local run at once, paying its energy beside nearly every reply."""
+    reserve = local.latency_s * FALLBACK_RESERVE
+    if reserve < local.latency_q_s:
+        reserve = local.latency_q_s
     return reserve if reserve > FALLBACK_MIN_RESERVE_S else FALLBACK_MIN_RESERVE_S
 
 

@@ -251,9 +251,13 @@ def test_fallback_plan_keeps_room_for_a_local_answer():
 
     local = Option("local", None, 0.1, 0.2, 0.0, 0, 0, 0.0)
     cloud = Option("cloud-http", "http", 0.05, 0.08, 0.0, 1, 1, 0.0, measured=True)
-    reserve = 0.2 * FALLBACK_RESERVE
+    reserve = 0.2  # the quantile: above the mean and its margin (0.1 * FALLBACK_RESERVE)
     give_up, fallback = fallback_plan(10.0, 10.5, local, cloud)
     assert give_up == pytest.approx(10.5 - reserve) and fallback is local
+    # A quantile close to the mean still leaves the mean's margin.
+    tight = Option("local", None, 0.19, 0.2, 0.0, 0, 0, 0.0)
+    give_up, _ = fallback_plan(10.0, 10.5, tight, cloud)
+    assert give_up == pytest.approx(10.5 - 0.19 * FALLBACK_RESERVE)
     # A reply long past its own slow tail is given up on sooner (likely lost, not late).
     give_up, fallback = fallback_plan(10.0, 11.0, local, cloud)
     assert give_up == pytest.approx(10.0 + GIVE_UP_AFTER * 0.08)
