@@ -440,14 +440,14 @@ class Policy:
         w = self.config.weights
         per_s = w.latency_s + w.energy_j * (profile.base_power_w + self.device.idle_power_w)
         warm_cost = None
-        shared = 0.0
+        shared_j = 0.0  # the tail's part the next request takes over if it uses the radio
         if paid is not None and tail is not None and paid > tail:
-            shared = w.energy_j * profile.tail_power_w * (paid - tail)
+            shared_j = profile.tail_power_w * (paid - tail)  # both <= tail_s
         if promotion > 0 and tail is not None:
-            # The same offload from a radio already up: no promotion (its time and power).
+            # The same offload from a radio already up: no promotion (its time and power),
+            # and in a warm run the next request shares its tail.
             saved_j = (profile.promotion_power_w + self.device.idle_power_w) * promotion
-            if paid is not None and paid > tail:  # in a warm run the next request shares it
-                saved_j += profile.tail_power_w * (paid - tail)  # both <= tail_s
+            saved_j += shared_j
             warm_cost = (
                 w.latency_s * (latency - promotion)
                 + w.energy_j * (energy - saved_j)
@@ -475,7 +475,7 @@ class Policy:
             bottleneck_s=nbits / rate if rate > 0 else 0.0,
             p_fail=link.failure_rate(ctx.now),
             warm_cost=warm_cost,
-            shared_saving=shared,
+            shared_saving=w.energy_j * shared_j,
             tail_s=tail,
             measured=link.samples >= MEASURED_SAMPLES and not stale,
         )
