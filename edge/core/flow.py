@@ -87,9 +87,6 @@ JOURNAL_EVENTS = 0
 # race starts its local run by the latency those runs taught.
 LOCAL_RUNS_TO_CANCEL = 5
 RADIO_SHARE_ALPHA = 0.2  # the last ~10 requests' use of the radio
-# Why a cold offload may be ruled out now yet run in a warm run: the promotion's
-# time (deadline) or the fallback's room it takes.
-_WARM_FEASIBLE = ("deadline", NO_ROOM)
 
 
 # ---- actions -------------------------------------------------------------------
@@ -176,7 +173,7 @@ class DecisionRecord:
     predicted_s: float | None
 
 
-def _warm_run_offloads(decision: Decision) -> bool:
+def _warm_run_offloads(decision: Decision, deadline_s: float) -> bool:
     """Whether the request would use the radio in a warm run (radio up, its tail
     shared with the next request's): what the radio share counts.
 
@@ -184,7 +181,8 @@ def _warm_run_offloads(decision: Decision) -> bool:
     rule begins: the first warm requests would price each offload as if it
     were the last to use the radio, keep running locally, and the share
     would never rise.  A cold option counts at its warm cost, its deadline
-    judged without the promotion (the wake-up rule's terms).
+    (``deadline_s`` from now) judged without the promotion (the wake-up
+    rule's terms).
     """
     choice = decision.choice
     if choice is None or choice.transport is not None:
@@ -196,7 +194,11 @@ def _warm_run_offloads(decision: Decision) -> bool:
         if o.warm_cost is None:
             if o.feasible and o.cost - o.shared_saving < cost:
                 return True
-        elif o.warm_cost < cost and (o.feasible or o.reason in _WARM_FEASIBLE):
+        elif o.warm_cost < cost and (
+            o.feasible
+            or o.reason == NO_ROOM
+            or (o.reason == "deadline" and o.latency_q_s - o.promotion_s <= deadline_s)
+        ):
             return True
     return False
 
@@ -310,7 +312,7 @@ class RequestFlow:
 
     def _decide(self, now: float, mode: str, mp: ModelPolicy) -> Decision:
         decision = self.policy.decide_for(mp, self.context(now, mp), mode)
-        self.core.used_radio(_warm_run_offloads(decision))
+        self.core.used_radio(_warm_run_offloads(decision, self.deadline - now))
         self.decision = decision
         self.core.recent[self.model] = (now, decision)  # what a blind probe asks of
         if self.core.decisions is not None:

@@ -409,19 +409,23 @@ def test_a_request_that_would_offload_in_a_warm_run_counts_as_using_the_radio():
     def local(cost: float) -> Option:
         return Option("local", None, 0.3, 0.35, 1.7, 0, 0, 0.0, cost=cost)
 
-    def cloud(cost: float, **kw) -> Option:
-        return Option("cloud-http", "http", 0.15, 0.16, 5.0, 60_000, 1_000, 0.0, cost=cost, **kw)
+    def cloud(cost: float, latency_q_s: float = 0.16, **kw) -> Option:
+        return Option(
+            "cloud-http", "http", 0.15, latency_q_s, 5.0, 60_000, 1_000, 0.0, cost=cost, **kw
+        )
 
     def counts(*options: Option) -> bool:
-        return _warm_run_offloads(Decision(options[0], list(options), "least cost"))
+        return _warm_run_offloads(Decision(options[0], list(options), "least cost"), 0.4)
 
     # Warm radio: dearer alone, cheaper once the next request shares its tail.
     assert counts(local(0.35), cloud(0.50, shared_saving=0.2))
     assert not counts(local(0.35), cloud(0.50, shared_saving=0.1))
     # Cold radio: judged at its warm cost, even where the promotion misses the deadline now
-    assert counts(local(0.35), cloud(1.1, warm_cost=0.2, feasible=False, reason="deadline"))
+    late = {"feasible": False, "reason": "deadline", "promotion_s": 0.26}
+    assert counts(local(0.35), cloud(1.1, warm_cost=0.2, **late))
+    assert not counts(local(0.35), cloud(1.1, warm_cost=0.2, latency_q_s=0.7, **late))
     assert not counts(local(0.35), cloud(1.1, warm_cost=0.2, feasible=False, reason="no link"))
     assert not counts(local(0.35), cloud(1.1, warm_cost=0.4))
     # An offload made uses it; no choice does not.
-    assert _warm_run_offloads(Decision(cloud(0.2), [local(0.35), cloud(0.2)], "least cost"))
-    assert not _warm_run_offloads(Decision(None, [], "no usable option"))
+    assert _warm_run_offloads(Decision(cloud(0.2), [local(0.35), cloud(0.2)], "least cost"), 0.4)
+    assert not _warm_run_offloads(Decision(None, [], "no usable option"), 0.4)
