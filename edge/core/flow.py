@@ -42,6 +42,7 @@ from edge.core.policy import (
     PolicyConfig,
     fallback_plan,
     fallback_reserve_s,
+    late_only_for_promotion,
     race_start_s,
 )
 from edge.core.quantile import Ewma
@@ -195,9 +196,7 @@ def _warm_run_offloads(decision: Decision, deadline_s: float) -> bool:
             if o.feasible and o.cost - o.shared_saving < cost:
                 return True
         elif o.warm_cost < cost and (
-            o.feasible
-            or o.reason == NO_ROOM
-            or (o.reason == "deadline" and o.latency_q_s - o.promotion_s <= deadline_s)
+            o.feasible or o.reason == NO_ROOM or late_only_for_promotion(o, deadline_s)
         ):
             return True
     return False

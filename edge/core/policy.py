@@ -174,6 +174,11 @@ HORIZON_S = 30.0
 MAX_HORIZON = 20.0
 
 
+def late_only_for_promotion(o: Option, deadline_s: float) -> bool:
+    """Whether ``o`` misses the deadline only for waking the radio: warm, it makes it."""
+    return o.reason == "deadline" and o.latency_q_s - o.promotion_s <= deadline_s
+
+
 def fallback_reserve_s(local: Option) -> float:
     """Time to keep for the local run after an offload: the larger of its latency
     quantile and its mean plus 15%.
@@ -594,7 +599,7 @@ class Policy:
                 continue
             # Too late only for the promotion: the wake-up goes beside the local run,
             # which answers this request; the ones after it find the radio up.
-            beside = o.reason == "deadline" and o.latency_q_s - o.promotion_s <= ctx.deadline_s
+            beside = late_only_for_promotion(o, ctx.deadline_s)
             if not o.feasible and o.reason != NO_ROOM and not beside:
                 continue
             saving = best.cost - o.warm_cost
