@@ -598,7 +598,7 @@ class EdgeCore:
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
         # model -> (when, decision): its last decision (one per model: bounded)
         self.recent: dict[str, tuple[float, Decision]] = {}
-        self._radio = Ewma(RADIO_SHARE_ALPHA)  # did a request's decision use the radio
+        self._radio = Ewma(RADIO_SHARE_ALPHA)  # would a request use the radio, warm
 
     @property
     def est(self) -> Any:
@@ -612,7 +612,8 @@ class EdgeCore:
 
     @property
     def radio_share(self) -> float | None:
-        """Share of the recent requests whose decision used the radio (None: none yet)."""
+        """Share of the recent requests that used the radio, or would have in a warm run
+        (:func:`_warm_run_offloads`; None: none yet)."""
         return self._radio.value
 
     def used_radio(self, used: bool) -> None:

@@ -129,8 +129,9 @@ class Context:
     # The local run can be stopped halfway (its runtime takes a cancel): a race or
     # hedge whose cloud answers first pays only the part of the local run it made.
     local_cancellable: bool = False
-    # Share of the recent requests that used the radio (None: not known yet): the tail
-    # an offload opens lasts until the next request that uses the radio, not the next one.
+    # Share of the recent requests that used the radio, or would have with it up (None:
+    # not known yet): the tail an offload opens lasts until the next request that uses
+    # the radio, not the next one.
     radio_share: float | None = None
 
 
