@@ -8,27 +8,42 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from shared.errors import FerryError
 
+COMMANDS = ("run", "emulate-link", "evaluate", "profile")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; given ``argv``, only the command it names gets its options.
+
+    The options of ``evaluate`` and ``emulate-link`` live beside their code
+    (the replay tools, the link emulator): an agent started with ``run``
+    must not import those to parse its own two options (they cost it start-up
+    time and resident memory on a device).
+    """
+    wanted = next((a for a in argv if a in COMMANDS), None) if argv is not None else None
     parser = argparse.ArgumentParser(prog="ferry-edge", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the edge agent")
     run.add_argument("--config", type=Path, required=True, help="agent.toml")
     run.add_argument("--api-port", type=int, help="override api.port (0: any free port)")
-    from edge.netem.linkemu import add_emulate_link_command
+    if wanted in (None, "emulate-link"):
+        from edge.netem.linkemu import add_emulate_link_command
 
-    add_emulate_link_command(sub)
+        add_emulate_link_command(sub)
+    else:
+        sub.add_parser("emulate-link")
     ev = sub.add_parser(
         "evaluate", help="replay a workload through a link trace: policy vs baselines vs oracle"
     )
-    from edge.evaluation.cli import add_evaluate_arguments
+    if wanted in (None, "evaluate"):
+        from edge.evaluation.cli import add_evaluate_arguments
 
-    add_evaluate_arguments(ev)
+        add_evaluate_arguments(ev)
     pr = sub.add_parser("profile", help="measure compute profiles on the real runtimes")
     pr.add_argument("--repository", type=Path, required=True)
     pr.add_argument("--local-model", required=True)
@@ -80,7 +95,8 @@ async def _run(config_path: Path, api_port: int | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -118,3 +118,32 @@ def test_importing_the_agent_loads_no_runtime(module, needs):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == repr(needs)
+
+
+def test_parsing_the_run_command_imports_neither_the_replay_tools_nor_the_link_emulator():
+    # `ferry-edge run` must not pay for `evaluate` and `emulate-link`'s options: their
+    # modules pull in the replay, the simulator and the trace readers.
+    code = (
+        "import sys\nfrom edge.cli import build_parser\n"
+        "args = build_parser(sys.argv[1:]).parse_args(sys.argv[1:])\n"
+        "assert args.command == 'run', args\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('edge.evaluation', 'edge.netem'))))"
+    )
+    run = ["run", "--config", "agent.toml", "--api-port", "0"]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *run], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    # the other commands still get their options, and --help lists every command
+    help_all = subprocess.run(
+        [sys.executable, "-m", "edge.cli", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert all(c in help_all.stdout for c in ("run", "emulate-link", "evaluate", "profile"))
+    ev = subprocess.run(
+        [sys.executable, "-m", "edge.cli", "evaluate", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert "--probe-interval-s" in ev.stdout
