@@ -8,15 +8,35 @@ the agent and the cloud run the same code on the same request.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from shared.pipeline.session import PipelineSession, decode_pool, wrap
-from shared.pipeline.spec import ImageInput, OutputStage
 from shared.runtimes import RuntimeOptions, Session, load_session
 
 if TYPE_CHECKING:
+    from shared.pipeline.session import PipelineSession, decode_pool, wrap
+    from shared.pipeline.spec import ImageInput, OutputStage
     from shared.repository.config import ModelConfig
+
+# The stages (and the image decoders under them) load with the first model that has
+# any: an agent whose models take tensors never imports them.
+_LAZY = {
+    "PipelineSession": "shared.pipeline.session",
+    "decode_pool": "shared.pipeline.session",
+    "wrap": "shared.pipeline.session",
+    "ImageInput": "shared.pipeline.spec",
+    "OutputStage": "shared.pipeline.spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 def open_session(backend: str, path: Path, options: RuntimeOptions, config: ModelConfig) -> Session:
@@ -29,6 +49,8 @@ def open_session(backend: str, path: Path, options: RuntimeOptions, config: Mode
     session = load_session(backend, path, options)
     if not config.preprocess and not config.postprocess:
         return session
+    from shared.pipeline.session import wrap
+
     where = str(config.source) if config.source else f"model {config.name!r}"
     try:
         return wrap(session, config.preprocess, config.postprocess, Path(path).parent.parent, where)
@@ -40,7 +62,8 @@ def open_session(backend: str, path: Path, options: RuntimeOptions, config: Mode
 def sample_inputs(session: Session, config: ModelConfig, batch: int = 1) -> dict:
     """Valid inputs for a warm-up or a timing run: zeros, or a photo-like image per item
     for an image input (BYTES would otherwise hold nothing a decoder accepts)."""
-    if isinstance(session, PipelineSession):
+    stages = sys.modules.get("shared.pipeline.session")  # no stages loaded: not one of theirs
+    if stages is not None and isinstance(session, stages.PipelineSession):
         return session.sample_inputs(batch)
     from shared.repository import warm_up_inputs
 
