@@ -210,14 +210,16 @@ class Agent:
 
     async def _warm_up(self, name: str) -> None:
         """Runs on zeros: one pays first-call costs, the next ``warm_up_runs`` seed the
-        latency estimate (the replay seeds as many, edge/evaluation/ours.py)."""
+        latency estimate where a cost is ever weighed (EdgeCore.latency_seeds; the
+        replay seeds as many, edge/evaluation/ours.py)."""
         model = self.local.get(name)
         inputs = sample_inputs(model.session, model.config)
+        core = self.dataplane.core
         try:
             await self.local.run(name, inputs)
-            for _ in range(self.config.policy.warm_up_runs):
+            for _ in range(core.latency_seeds(self.config.policy.warm_up_runs)):
                 _, seconds = await self.local.run(name, inputs)
-                self.dataplane.core.warmed(name, seconds, time.monotonic())
+                core.warmed(name, seconds, time.monotonic())
         except FerryError as exc:
             log.warning("warm-up of %s failed: %s", name, exc.message)
 

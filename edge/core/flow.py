@@ -661,6 +661,12 @@ class EdgeCore:
         self.policy.links[transport] = link
         return restart
 
+    def latency_seeds(self, warm_up_runs: int) -> int:
+        """How many warm-up runs seed the local latency estimate: none without a
+        transport, since nothing is ever weighed against a local run then (the agent
+        answers its first request that much sooner, and spends nothing to learn it)."""
+        return warm_up_runs if self.transports else 0
+
     def warmed(self, local_model: str, seconds: float, now: float) -> None:
         """A warm-up run of ``local_model`` took ``seconds``: the first local estimate."""
         self._journal(("warmed", local_model, seconds, now))

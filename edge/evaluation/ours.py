@@ -272,7 +272,9 @@ def run_ours(
     if mp.local_model is not None:
         # The agent times its warm-up runs at start (Agent._warm_up): as many draws.
         runs = np.asarray(sim.profile.local_s) * sim.profile.local_speed_factor
-        for seconds in np.random.default_rng(0).choice(runs, config.warm_up_runs):
+        for seconds in np.random.default_rng(0).choice(
+            runs, core.latency_seeds(config.warm_up_runs)
+        ):
             core.warmed(mp.local_model, float(seconds), 0.0)
     if data_used_mb:
         core.usage.add(int(data_used_mb * 1e6), 0.0)

@@ -360,9 +360,25 @@ async def test_the_warm_up_seeds_the_local_estimate_with_the_configured_runs(
     cfg = agent_toml(
         tmp_path,
         edge_repos[1],
+        http="http://127.0.0.1:9",  # a cloud to weigh the local run against (never reached)
         models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "local"'),
         policy=f"warm_up_runs = {runs}",
     )
     async with Agent(load_agent_config(cfg)) as agent:
         assert agent.config.policy.warm_up_runs == runs
         assert agent.estimators.local_known("lin-local", 1).count == runs
+
+
+async def test_an_agent_without_a_cloud_only_pays_the_first_call_before_it_is_ready(
+    tmp_path, edge_repos
+):
+    # Nothing is ever weighed against a local run: timing more of them would only
+    # delay the first answer.  The first real run teaches the estimate all the same.
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LIN, policy="warm_up_runs = 5")
+    async with Agent(load_agent_config(cfg)) as agent:
+        assert not agent.transports
+        assert agent.estimators.local_known("lin-local", 1) is None
+        x = np.zeros((1, 4), np.float32)
+        answer = await agent.infer("lin", {"x": x})
+        assert answer.parameters["where"] == "local"
+        assert agent.estimators.local_known("lin-local", 1).count == 1
