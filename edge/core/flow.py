@@ -88,6 +88,12 @@ JOURNAL_EVENTS = 0
 # race starts its local run by the latency those runs taught.
 LOCAL_RUNS_TO_CANCEL = 5
 RADIO_SHARE_ALPHA = 0.2  # the last ~10 requests' use of the radio
+# A model's arrival rate: EWMAs of the gaps between its requests.  The long one (~40
+# gaps) is the estimate: Poisson gaps are so variable that the last ~10 alone put the
+# rate off by a third, and a rate read low prices every offload's radio tail too long.
+# The short one (~10 gaps) watches for a change: when the two part by RATE_SHIFT either
+# way, the long memory restarts from the short one (a burst, a lull, a new app).
+RATE_FAST, RATE_SLOW, RATE_SHIFT = 0.2, 0.05, 2.0
 
 
 # ---- actions -------------------------------------------------------------------
@@ -594,7 +600,9 @@ class EdgeCore:
         self.decisions: deque[DecisionRecord] | None = deque(maxlen=journal) if journal else None
         self._ids = itertools.count(1)
         self._arrived: dict[str, float] = {}  # model -> last arrival
-        self._gap: dict[str, float] = {}  # model -> EWMA of the time between arrivals
+        self._gap: dict[str, float] = {}  # model -> long EWMA of the time between arrivals
+        self._gap_fast: dict[str, float] = {}  # model -> short EWMA (RATE_FAST)
+        self._gaps: dict[str, int] = {}  # model -> gaps in the long EWMA since it started
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
         # model -> (when, decision): its last decision (one per model: bounded)
         self.recent: dict[str, tuple[float, Decision]] = {}
@@ -627,9 +635,21 @@ class EdgeCore:
     def _arrival(self, model: str, now: float) -> None:
         last = self._arrived.get(model)
         self._arrived[model] = now
-        if last is not None and now >= last:
-            gap = self._gap.get(model)
-            self._gap[model] = now - last if gap is None else gap + 0.2 * (now - last - gap)
+        if last is None or now < last:
+            return
+        gap = now - last
+        fast, slow = self._gap_fast.get(model), self._gap.get(model)
+        n = self._gaps.get(model, 0) + 1  # gaps since the last start: a plain mean until
+        self._gaps[model] = n  # each memory is full (one early gap must not rule ~40)
+        if fast is None or slow is None:
+            fast = slow = gap
+        else:
+            fast += max(RATE_FAST, 1.0 / n) * (gap - fast)
+            slow += max(RATE_SLOW, 1.0 / n) * (gap - slow)
+            if fast > RATE_SHIFT * slow or slow > RATE_SHIFT * fast:
+                slow = fast  # the rate changed: the long memory starts over from the short one
+                self._gaps[model] = round(1.0 / RATE_FAST)
+        self._gap_fast[model], self._gap[model] = fast, slow
 
     def link_changed(
         self, transport: str, link: LinkProfile, now: float, signal_dbm: float | None = None

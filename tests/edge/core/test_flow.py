@@ -429,3 +429,30 @@ def test_a_request_that_would_offload_in_a_warm_run_counts_as_using_the_radio():
     # An offload made uses it; no choice does not.
     assert _warm_run_offloads(Decision(cloud(0.2), [local(0.35), cloud(0.2)], "least cost"), 0.4)
     assert not _warm_run_offloads(Decision(None, [], "no usable option"), 0.4)
+
+
+def test_the_arrival_rate_is_steady_under_poisson_and_follows_a_burst_or_a_lull():
+    import numpy as np
+
+    core = _core()
+    rng = np.random.default_rng(3)
+    now, reads = 0.0, []
+    for _ in range(400):  # 0.5 requests/s: a gap of 2 s on average, as variable as that
+        now += rng.exponential(2.0)
+        core.begin("m", now=now, in_bytes=1000, connected={"http": True})
+        reads.append(core.rate_per_s("m"))
+    steady = np.array(reads[100:]) / 0.5
+    # ~40 gaps of memory: nearly always within 30% of the true rate (the last ~10 gaps
+    # alone were within it two times in three), and centred on it
+    assert np.mean(np.abs(steady - 1) < 0.3) > 0.9 and abs(np.median(steady) - 1) < 0.15
+    for _ in range(8):  # a burst: ten times the rate
+        now += rng.exponential(0.2)
+        core.begin("m", now=now, in_bytes=1000, connected={"http": True})
+    assert core.rate_per_s("m") > 1.5  # the long memory alone would still read ~0.7/s
+    for _ in range(100):
+        now += rng.exponential(0.2)
+        core.begin("m", now=now, in_bytes=1000, connected={"http": True})
+    for _ in range(3):  # and back to a lull
+        now += rng.exponential(2.0)
+        core.begin("m", now=now, in_bytes=1000, connected={"http": True})
+    assert core.rate_per_s("m") < 1.5
