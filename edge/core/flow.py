@@ -602,7 +602,7 @@ class EdgeCore:
         self._arrived: dict[str, float] = {}  # model -> last arrival
         self._gap: dict[str, float] = {}  # model -> long EWMA of the time between arrivals
         self._gap_fast: dict[str, float] = {}  # model -> short EWMA (RATE_FAST)
-        self._gaps: dict[str, int] = {}  # model -> gaps in the long EWMA since it started
+        self._gap_count: dict[str, int] = {}  # model -> gaps in the long EWMA since it started
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
         # model -> (when, decision): its last decision (one per model: bounded)
         self.recent: dict[str, tuple[float, Decision]] = {}
@@ -639,8 +639,8 @@ class EdgeCore:
             return
         gap = now - last
         fast, slow = self._gap_fast.get(model), self._gap.get(model)
-        n = self._gaps.get(model, 0) + 1  # gaps since the last start: a plain mean until
-        self._gaps[model] = n  # each memory is full (one early gap must not rule ~40)
+        n = self._gap_count.get(model, 0) + 1  # gaps since the last start: a plain mean until
+        self._gap_count[model] = n  # each memory is full (one early gap must not rule ~40)
         if fast is None or slow is None:
             fast = slow = gap
         else:
@@ -648,7 +648,7 @@ class EdgeCore:
             slow += max(RATE_SLOW, 1.0 / n) * (gap - slow)
             if fast > RATE_SHIFT * slow or slow > RATE_SHIFT * fast:
                 slow = fast  # the rate changed: the long memory starts over from the short one
-                self._gaps[model] = round(1.0 / RATE_FAST)
+                self._gap_count[model] = round(1.0 / RATE_FAST)
         self._gap_fast[model], self._gap[model] = fast, slow
 
     def link_changed(

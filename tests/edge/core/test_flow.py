@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -432,8 +433,6 @@ def test_a_request_that_would_offload_in_a_warm_run_counts_as_using_the_radio():
 
 
 def test_the_arrival_rate_is_steady_under_poisson_and_follows_a_burst_or_a_lull():
-    import numpy as np
-
     core = _core()
     rng = np.random.default_rng(3)
     now, reads = 0.0, []
