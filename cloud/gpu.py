@@ -110,21 +110,40 @@ class GpuMonitor:
             try:
                 handle = nv.nvmlDeviceGetHandleByIndex(i)
                 util = nv.nvmlDeviceGetUtilizationRates(handle)
-                mem = nv.nvmlDeviceGetMemoryInfo(handle)
+                used, total = _memory(nv, handle)
                 samples.append(
                     GpuSample(
                         index=i,
                         uuid=_text(nv.nvmlDeviceGetUUID(handle)),
                         name=_text(nv.nvmlDeviceGetName(handle)),
                         utilization=util.gpu / 100.0,
-                        memory_used=int(mem.used),
-                        memory_total=int(mem.total),
+                        memory_used=used,
+                        memory_total=total,
                         power_w=_power(nv, handle),
                     )
                 )
             except nv.NVMLError as exc:  # one bad board should not hide the others
                 log.warning("NVML query of GPU %d failed: %s", i, exc)
         return samples
+
+
+def _memory(nv: Any, handle: Any) -> tuple[int, int]:
+    """(used, total) bytes, ``used`` without the driver's own reservation.
+
+    NVML's first memory call counts the memory the driver reserves for itself
+    as used: on an idle H100 that read 0.47 GiB where nvidia-smi (and DCGM)
+    showed 0.  The v2 call reports the reservation apart, so an operator sees
+    here what nvidia-smi shows; a driver or binding without it falls back.
+    """
+    v2 = getattr(nv, "nvmlMemory_v2", None)
+    if v2 is not None:
+        try:
+            mem = nv.nvmlDeviceGetMemoryInfo(handle, version=v2)
+            return int(mem.used), int(mem.total)
+        except (nv.NVMLError, TypeError):
+            pass
+    mem = nv.nvmlDeviceGetMemoryInfo(handle)
+    return int(mem.used), int(mem.total)
 
 
 def _power(nv: Any, handle: Any) -> float | None:

@@ -171,7 +171,10 @@ def plan_model(
     installed = set(installed_backends())
     if "openvino" not in files and "onnxruntime" in files:
         files["openvino"] = files["onnxruntime"]  # measured on a temporary IR
-    for backend, path in files.items():
+    candidates: dict[str, Path | None] = dict(files)
+    if gpu:  # a GPU node's operator expects TensorRT in the table, tried or said why not
+        candidates.setdefault("tensorrt", None)
+    for backend, path in candidates.items():
         allowed = config.placement.backends
         if backends and backend not in backends:
             plan.skipped[backend] = "not asked for (--backends)"
@@ -181,6 +184,12 @@ def plan_model(
             plan.skipped[backend] = "runtime not installed"
         elif backend == "tensorrt" and not gpu:
             plan.skipped[backend] = gpu_reason
+        elif path is None:
+            plan.skipped[backend] = (
+                f"no model.plan in version {versions[-1]}: an engine serves one GPU model and "
+                "TensorRT version, so build it on this node "
+                "(trtexec --onnx=model.onnx --saveEngine=model.plan)"
+            )
         else:
             threads = (1,) if backend == "tensorrt" else tuple(thread_counts(cores, max_threads))
             converted = backend not in plan.servable

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -277,7 +278,8 @@ def test_metrics_use_triton_names(server):
     ):
         assert f"\n{name}" in text or text.startswith(name), name
     assert 'model="linear"' in text
-    assert "ferry_gpu_available 0.0" in text  # no NVIDIA driver here: reported, no crash
+    # reported either way, with or without an NVIDIA driver, and never a crash
+    assert re.search(r"^ferry_gpu_available [01]\.0$", text, re.M)
 
 
 def test_server_metadata_advertises_only_implemented_extensions_under_triton_names(server):

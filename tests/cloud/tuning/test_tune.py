@@ -235,3 +235,20 @@ def test_a_model_with_an_image_input_is_tuned_on_encoded_images(tmp_path: Path) 
     assert profiles and profiles[0].backend == "onnxruntime"
     doc = json.loads(out.read_text())
     assert "error" not in json.dumps(doc["models"]["img"]).lower()
+
+
+def test_on_a_gpu_node_tensorrt_is_listed_with_why_it_was_not_tried(repo: Path) -> None:
+    from cloud.tuning.sweep import plan_model
+
+    repository = ModelRepository(repo)
+    text = plan_model(repository, "text", cores=2, gpu=True, gpu_reason="1 NVIDIA GPU(s)")
+    expected = "runtime not installed"
+    if "tensorrt" in installed_backends():
+        expected = "no model.plan in version 1"
+    assert text.skipped["tensorrt"].startswith(expected)
+    assert "tensorrt" not in [t.backend for t in text.targets]
+    # the model's own [placement] backends are said first, as for any backend
+    lin = plan_model(repository, "lin", cores=2, gpu=True)
+    assert lin.skipped["tensorrt"].startswith("not in [placement] backends")
+    # a CPU node does not pad every model's table with a backend it can never run
+    assert "tensorrt" not in plan_model(repository, "text", cores=2).skipped
