@@ -293,7 +293,10 @@ class RequestFlow:
             in_bytes=self.in_bytes,
             connected=core.usable(now, self.connected, mp.cloud_model),
             battery_percent=self.battery,
-            data_used_mb_today=core.usage.today(now),
+            # (read only against a cap: the calendar day costs a clock read and a lookup)
+            data_used_mb_today=(
+                core.usage.today(now) if self.policy.config.data_cap_mb_per_day is not None else 0.0
+            ),
             radio_idle_s=core.radio.radio_idle_s(now),
             out_bytes=core.out_bytes.get(self.model),
             batch=self.batch,
@@ -699,10 +702,14 @@ class EdgeCore:
     ) -> dict[str, bool]:
         """Transports a request for ``cloud_model`` may take now (link up, breaker closed)."""
         out = {}
+        missing = self.missing if cloud_model is not None else None
         for name in self.transports:
-            ok = connected.get(name, False) and self.breakers[name].ready(now)
-            if ok and cloud_model is not None:
-                ok = self.missing.get((name, cloud_model), 0.0) <= now
+            ok = connected.get(name, False)
+            if ok:
+                breaker = self.breakers[name]
+                ok = breaker.state == "closed" or breaker.ready(now)  # (closed: the usual case)
+            if ok and missing:
+                ok = missing.get((name, cloud_model), 0.0) <= now
             out[name] = ok
         return out
 
@@ -745,25 +752,26 @@ class EdgeCore:
         fid = next(self._ids)
         if record:
             self._arrival(model, now)
-            self._journal(
-                (
-                    "begin",
-                    fid,
-                    model,
-                    now,
-                    in_bytes,
-                    links,
-                    local_available,
-                    deadline_ms,
-                    batch,
-                    local_backlog,
-                    battery,
-                    deferrable,
-                    mode,
-                    cloud_only,
-                    local_cancellable,
+            if self.events is not None:  # (the tuple is built only for a journal that keeps it)
+                self.events.append(
+                    (
+                        "begin",
+                        fid,
+                        model,
+                        now,
+                        in_bytes,
+                        links,
+                        local_available,
+                        deadline_ms,
+                        batch,
+                        local_backlog,
+                        battery,
+                        deferrable,
+                        mode,
+                        cloud_only,
+                        local_cancellable,
+                    )
                 )
-            )
         run_mode = mode or (mp.mode if mp.local_model is not None else "cloud")
         return RequestFlow(
             self,
