@@ -138,9 +138,10 @@ class LogRate:
 
     The mean follows the observed log rates (EWMA); the spread is the
     uncertainty of that mean: the observations' variance over their
-    effective count.  Unobserved, the belief relaxes towards the link
-    profile's prior (an Ornstein-Uhlenbeck process with time constant
-    ``REVERT_S``): an old estimate is an uncertain one, and a bad spell long
+    effective count.  Unobserved, the belief relaxes towards the link's long
+    run, the profile's prior until this link has shown its own (an
+    Ornstein-Uhlenbeck process with time constant ``REVERT_S``; see
+    :meth:`at`): an old estimate is an uncertain one, and a bad spell long
     past stops ruling the link out, so a link not used for a while becomes
     worth trying again.  A two-sided CUSUM on the
     standardised residuals detects a shift in the link's behaviour (a
@@ -153,8 +154,14 @@ class LogRate:
     PRIOR_SIGMA = 1.0  # a factor of e either way before anything is seen
     REVERT_S = 60.0  # how fast what was learnt fades back into the prior
     CUSUM_K, CUSUM_H = 0.5, 4.0
+    # The link's own long run (where an unobserved belief relaxes to, see ``at``): the
+    # last ~40 observations, trusted over the profile's prior as they gather
+    # (half way at ``HOME_PRIOR_N``), their spread never taken below ``HOME_MIN_SIGMA``.
+    HOME_ALPHA = 0.05
+    HOME_PRIOR_N = 8.0
+    HOME_MIN_SIGMA = 0.35
 
-    __slots__ = ("_hi", "_lo", "count", "mu", "updated", "var")
+    __slots__ = ("_hi", "_lo", "count", "home", "home_n", "home_var", "mu", "updated", "var")
 
     def __init__(self) -> None:
         self.mu: float | None = None
@@ -162,23 +169,31 @@ class LogRate:
         self.count = 0
         self.updated: float | None = None
         self._hi = self._lo = 0.0
+        self.home: float | None = None  # long-run mean log rate (every regime)
+        self.home_var = self.PRIOR_SIGMA**2
+        self.home_n = 0
 
     def weight(self, now: float) -> float:
-        """How much of the learnt mean still holds (1 fresh, 0 faded into the prior)."""
+        """How much of the learnt mean still holds (1 fresh, 0 faded into the long run)."""
         if self.mu is None or self.updated is None:
             return 0.0
         return math.exp(-max(now - self.updated, 0.0) / self.REVERT_S)
 
     def sigma(self, now: float) -> float:
         """The spread of the belief in the current mean log rate."""
-        w = self.weight(now)
-        if w == 0.0:
-            return self.PRIOR_SIGMA
-        n = min(self.count, self.N_EFF)
-        return math.sqrt(self.var / n * w * w + self.PRIOR_SIGMA**2 * (1 - w * w))
+        return self.at(1.0, 1.0, now)[1]
 
     def at(self, learnt_bps: float, prior_bps: float, now: float) -> tuple[float, float]:
-        """(rate, sigma) at ``now`` in one pass: what the policy reads per option."""
+        """(rate, sigma) at ``now`` in one pass: what the policy reads per option.
+
+        Unobserved, the belief relaxes from what was learnt to the link's long
+        run: the profile's prior (``prior_bps``, spread ``PRIOR_SIGMA``) at
+        first, then more and more the rates this link has shown over all its
+        regimes (their mean and spread).  A link that has always been slower
+        than its kind's median then stops looking like the median (and worth
+        a wake-up or an exploration) a minute after each visit, while one whose
+        rate swings keeps a wide belief and is tried again.
+        """
         updated = self.updated
         if self.mu is None or updated is None:
             return (learnt_bps if learnt_bps > 0 else prior_bps), self.PRIOR_SIGMA
@@ -186,10 +201,19 @@ class LogRate:
         w = math.exp((updated - now) / self.REVERT_S) if now > updated else 1.0
         n = self.count
         var = self.var / (n if n < self.N_EFF else self.N_EFF)
-        sigma = math.sqrt(var * w * w + self.PRIOR_SIGMA**2 * (1 - w * w))
+        home = self.home
+        h = self.home_n / (self.home_n + self.HOME_PRIOR_N) if home is not None else 0.0
+        spread = self.home_var if self.home_var > self.HOME_MIN_SIGMA**2 else self.HOME_MIN_SIGMA**2
+        if spread > self.PRIOR_SIGMA**2:
+            spread = self.PRIOR_SIGMA**2
+        far = h * spread + (1.0 - h) * self.PRIOR_SIGMA**2
+        sigma = math.sqrt(var * w * w + far * (1 - w * w))
         if w >= 0.999 or learnt_bps <= 0 or prior_bps <= 0:
             return (learnt_bps if learnt_bps > 0 else prior_bps), sigma
-        return math.exp(w * math.log(learnt_bps) + (1 - w) * math.log(prior_bps)), sigma
+        target = math.log(prior_bps)
+        if home is not None:
+            target += h * (home - target)
+        return math.exp(w * math.log(learnt_bps) + (1 - w) * target), sigma
 
     def rate(self, learnt_bps: float, prior_bps: float, now: float) -> float:
         """``learnt_bps`` relaxed towards ``prior_bps`` by the belief's age (geometrically)."""
@@ -201,6 +225,15 @@ class LogRate:
             return False
         x = math.log(bps)
         self.updated = now
+        if self.home is None:
+            self.home, self.home_n = x, 1
+        else:
+            self.home_n += 1
+            a = 1.0 / self.home_n if self.home_n * self.HOME_ALPHA < 1.0 else self.HOME_ALPHA
+            d = x - self.home
+            self.home += a * d
+            # (the first observations say little of the spread: it starts at the prior's)
+            self.home_var = (1 - a) * (self.home_var + a * d * d)
         if self.mu is None:
             self.mu, self.count = x, 1
             return False
@@ -223,6 +256,7 @@ class LogRate:
             "var": self.var,
             "n": self.count,
             "age_s": None if self.updated is None else now - self.updated,
+            "home": [self.home, self.home_var, self.home_n],
         }
 
     @classmethod
@@ -233,6 +267,9 @@ class LogRate:
             b.count = max(b.count, 1)  # a belief has at least the sample that set it
         age = d.get("age_s")
         b.updated = None if age is None else now - float(age)
+        home = d.get("home")
+        if home is not None and home[0] is not None:
+            b.home, b.home_var, b.home_n = float(home[0]), float(home[1]), int(home[2])
         return b
 
 
@@ -394,7 +431,7 @@ class LinkEstimator:
         if sent_bytes >= SMALL_BYTES and elapsed_s > 0:
             bound = sent_bytes * 8 / elapsed_s
             self._up_lo.add(bound)
-            # Against the rate believed now: the belief fades back to the prior while
+            # Against the rate believed now: the belief fades back to the long run while
             # unobserved, so a link that keeps timing out at the same bound must keep
             # saying so (compared with the faded-from mean, the same bound said nothing
             # and the fading belief invited the same failed attempt again and again).
