@@ -152,7 +152,7 @@ class LogRate:
     ALPHA = 0.3
     N_EFF = (2 - ALPHA) / ALPHA  # an EWMA's effective sample count
     PRIOR_SIGMA = 1.0  # a factor of e either way before anything is seen
-    REVERT_S = 60.0  # how fast what was learnt fades back into the prior
+    REVERT_S = 60.0  # how fast what was learnt fades back into the long run
     CUSUM_K, CUSUM_H = 0.5, 4.0
     # The link's own long run (where an unobserved belief relaxes to, see ``at``): the
     # last ~40 observations, trusted over the profile's prior as they gather
@@ -216,7 +216,7 @@ class LogRate:
         return math.exp(w * math.log(learnt_bps) + (1 - w) * target), sigma
 
     def rate(self, learnt_bps: float, prior_bps: float, now: float) -> float:
-        """``learnt_bps`` relaxed towards ``prior_bps`` by the belief's age (geometrically)."""
+        """``learnt_bps`` relaxed towards the long run by the belief's age (see :meth:`at`)."""
         return self.at(learnt_bps, prior_bps, now)[0]
 
     def add(self, bps: float, now: float) -> bool:
