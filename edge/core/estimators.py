@@ -161,7 +161,21 @@ class LogRate:
     HOME_PRIOR_N = 8.0
     HOME_MIN_SIGMA = 0.35
 
-    __slots__ = ("_hi", "_lo", "count", "home", "home_n", "home_var", "mu", "updated", "var")
+    __slots__ = (
+        "_far",
+        "_h",
+        "_hi",
+        "_lo",
+        "_log_prior",
+        "_prior",
+        "count",
+        "home",
+        "home_n",
+        "home_var",
+        "mu",
+        "updated",
+        "var",
+    )
 
     def __init__(self) -> None:
         self.mu: float | None = None
@@ -172,6 +186,19 @@ class LogRate:
         self.home: float | None = None  # long-run mean log rate (every regime)
         self.home_var = self.PRIOR_SIGMA**2
         self.home_n = 0
+        # (what ``at`` reads per option, worked out when an observation changes it)
+        self._h = 0.0  # the long run's weight against the prior
+        self._far = self.PRIOR_SIGMA**2  # the variance the belief relaxes to
+        self._prior, self._log_prior = 0.0, 0.0  # the last prior seen, and its log
+
+    def _settle(self) -> None:
+        """The long run's weight and variance (after ``home`` moved)."""
+        if self.home is None:
+            self._h, self._far = 0.0, self.PRIOR_SIGMA**2
+            return
+        h = self.home_n / (self.home_n + self.HOME_PRIOR_N)
+        spread = min(max(self.home_var, self.HOME_MIN_SIGMA**2), self.PRIOR_SIGMA**2)
+        self._h, self._far = h, h * spread + (1.0 - h) * self.PRIOR_SIGMA**2
 
     def weight(self, now: float) -> float:
         """How much of the learnt mean still holds (1 fresh, 0 faded into the long run)."""
@@ -201,18 +228,14 @@ class LogRate:
         w = math.exp((updated - now) / self.REVERT_S) if now > updated else 1.0
         n = self.count
         var = self.var / (n if n < self.N_EFF else self.N_EFF)
-        home = self.home
-        h = self.home_n / (self.home_n + self.HOME_PRIOR_N) if home is not None else 0.0
-        spread = self.home_var if self.home_var > self.HOME_MIN_SIGMA**2 else self.HOME_MIN_SIGMA**2
-        if spread > self.PRIOR_SIGMA**2:
-            spread = self.PRIOR_SIGMA**2
-        far = h * spread + (1.0 - h) * self.PRIOR_SIGMA**2
-        sigma = math.sqrt(var * w * w + far * (1 - w * w))
+        sigma = math.sqrt(var * w * w + self._far * (1 - w * w))
         if w >= 0.999 or learnt_bps <= 0 or prior_bps <= 0:
             return (learnt_bps if learnt_bps > 0 else prior_bps), sigma
-        target = math.log(prior_bps)
-        if home is not None:
-            target += h * (home - target)
+        if prior_bps != self._prior:
+            self._prior, self._log_prior = prior_bps, math.log(prior_bps)
+        target = self._log_prior
+        if self.home is not None:
+            target += self._h * (self.home - target)
         return math.exp(w * math.log(learnt_bps) + (1 - w) * target), sigma
 
     def rate(self, learnt_bps: float, prior_bps: float, now: float) -> float:
@@ -234,6 +257,7 @@ class LogRate:
             self.home += a * d
             # (the first observations say little of the spread: it starts at the prior's)
             self.home_var = (1 - a) * (self.home_var + a * d * d)
+        self._settle()
         if self.mu is None:
             self.mu, self.count = x, 1
             return False
@@ -270,6 +294,7 @@ class LogRate:
         home = d.get("home")
         if home is not None and home[0] is not None:
             b.home, b.home_var, b.home_n = float(home[0]), float(home[1]), int(home[2])
+            b._settle()
         return b
 
 
