@@ -428,7 +428,7 @@ class DynamicBatcher:
                 result, error = execute(self._sessions[index], members, self._stats, self._name()), None
             except Exception as exc:
                 result, error = None, exc
-            self._finish(index, members, now, nbytes, result, error)
+            self._finish(index, members, now, nbytes, result, error, hopped=False)
             return
         self._inflight += 1
         self._activity.running += 1
@@ -469,8 +469,13 @@ class DynamicBatcher:
         nbytes: int,
         result: list[Outcome] | None,
         error: BaseException | None,
+        hopped: bool = True,
     ) -> None:
-        """Completion on the loop: deliver each request's outcome."""
+        """Completion on the loop: deliver each request's outcome.
+
+        ``hopped``: it ran on a worker thread, so what the hand-off cost (the
+        time from dispatch to here less the run's own) tells the inline gate.
+        """
         self._inflight -= 1
         self._activity.running -= 1
         self._activity.release(self)
@@ -490,7 +495,10 @@ class DynamicBatcher:
             outcomes = result
         end = time.monotonic_ns()
         if outcomes and not isinstance(outcomes[0][0], FerryError):
-            self._gate.record(outcomes[0][1], nbytes)
+            _, compute_ns, _, input_ns, output_ns = outcomes[0]
+            self._gate.record(compute_ns, nbytes)
+            if hopped:
+                self._gate.record_hop(end - dispatched - compute_ns - input_ns - output_ns)
         self._batch_ns = 0.8 * (self._batch_ns or end - dispatched) + 0.2 * (end - dispatched)
         ok = request_sum = queue_sum = compute_sum = input_sum = output_sum = items = 0
         for req, (result_i, compute_ns, batch_size, input_ns, output_ns) in zip(

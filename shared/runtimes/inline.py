@@ -11,6 +11,14 @@ idle model answers two thread wake-ups sooner.  The callers decide when
 nothing else waits (an idle model with nothing queued); this gate only says
 whether the model has earned it.
 
+The budget is the configured one or, when larger, what the hop has been
+measured to cost here (up to ``HOP_CAP`` times the configured budget).  Both
+costs move together: on a slow or busy host, and on one whose cores go idle
+between requests, a run that takes 25 us in a tight loop took 80-110 us on
+an idle server here, and its hop to a worker and back another 130-140 us.
+A fixed 100 us budget then sent every such run to a worker, which cost more
+than running it.
+
 Sans-IO: the caller measures and records; the gate keeps a bounded window.
 """
 
@@ -26,6 +34,10 @@ WINDOW = 32
 SLACK = WINDOW // 10
 #: a run this many times over budget shuts the gate, whatever the rest did
 FAR_OVER = 10
+#: hops remembered (their median is what a hop costs)
+HOP_WINDOW = 16
+#: the measured hop raises the budget to at most this many times the configured one
+HOP_CAP = 10
 
 
 class InlineGate:
@@ -41,18 +53,34 @@ class InlineGate:
     shapes, batches), and the window has not seen that size.
     """
 
-    __slots__ = ("_budget_ns", "_far", "_max_bytes", "_over", "_runs")
+    __slots__ = ("_budget_ns", "_configured_ns", "_far", "_hops", "_max_bytes", "_over", "_runs")
 
     def __init__(self, budget_us: float) -> None:
-        self._budget_ns = max(0, int(budget_us * 1000))
+        self._configured_ns = max(0, int(budget_us * 1000))
+        self._budget_ns = self._configured_ns
         self._runs: deque[tuple[int, int]] = deque(maxlen=WINDOW)
+        self._hops: deque[int] = deque(maxlen=HOP_WINDOW)
         self._over = 0  # runs in the window over budget
         self._far = 0  # runs in the window far over budget
         self._max_bytes = 0
 
     @property
     def budget_us(self) -> float:
+        """The budget in force: the configured one, or the measured hop where larger."""
         return self._budget_ns / 1000
+
+    def record_hop(self, hop_ns: int) -> None:
+        """What one hand-off to a worker and back cost (its run left out)."""
+        if self._configured_ns <= 0:
+            return
+        self._hops.append(max(0, int(hop_ns)))
+        hop = sorted(self._hops)[len(self._hops) // 2]
+        budget = min(max(hop, self._configured_ns), self._configured_ns * HOP_CAP)
+        if abs(budget - self._budget_ns) * 20 > self._budget_ns:  # moved by over 5%
+            self._budget_ns = budget
+            far = budget * FAR_OVER
+            self._over = sum(run > budget for run, _ in self._runs)
+            self._far = sum(run > far for run, _ in self._runs)
 
     def allows(self, nbytes: int) -> bool:
         return (

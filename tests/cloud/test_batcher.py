@@ -564,6 +564,19 @@ async def test_a_burst_runs_a_few_in_place_then_batches_on_the_worker(linear):
     await batcher.stop()
 
 
+async def test_the_hand_off_to_a_worker_is_measured_and_raises_the_inline_budget(linear):
+    from shared.runtimes.inline import HOP_CAP
+
+    recorded = ThreadRecordingSession(linear)
+    # 1 us: below what any thread hand-off costs, so every hop measured raises it
+    batcher = await inline_batcher(recorded, inline_us=1.0)
+    for _ in range(4):
+        await batcher.infer({"x": xs(1)})
+    assert threading.get_ident() not in recorded.threads  # all four ran on the worker
+    assert 1.0 < batcher._gate.budget_us <= HOP_CAP * 1.0
+    await batcher.stop()
+
+
 async def test_without_an_inline_budget_no_run_happens_on_the_loop(linear):
     recorded = ThreadRecordingSession(linear)
     batcher = await inline_batcher(recorded, inline_us=0)

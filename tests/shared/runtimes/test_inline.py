@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.runtimes.inline import SLACK, WARMUP_RUNS, WINDOW, InlineGate, input_bytes
+from shared.runtimes.inline import (
+    HOP_CAP,
+    HOP_WINDOW,
+    SLACK,
+    WARMUP_RUNS,
+    WINDOW,
+    InlineGate,
+    input_bytes,
+)
 
 
 def warmed(budget_us: float = 100.0, run_ns: int = 20_000, nbytes: int = 1024) -> InlineGate:
@@ -62,6 +70,33 @@ def test_the_largest_input_is_forgotten_when_it_leaves_the_window():
         gate.record(20_000, 64)
     assert not gate.allows(4096)
     assert gate.allows(64)
+
+
+def test_a_hop_dearer_than_the_budget_raises_it_to_what_the_hop_costs():
+    # Runs of 150 us against a 100 us budget: shut, until the hand-offs they go through
+    # are seen to cost 200 us each; running in place then costs the loop less than the hop.
+    gate = warmed(run_ns=150_000)
+    assert not gate.allows(1024)
+    for _ in range(HOP_WINDOW):
+        gate.record_hop(200_000)
+    assert gate.budget_us == 200.0
+    assert gate.allows(1024)
+    for _ in range(HOP_WINDOW):  # the host got quick again: back to the configured budget
+        gate.record_hop(30_000)
+    assert gate.budget_us == 100.0
+    assert not gate.allows(1024)
+
+
+def test_the_measured_hop_raises_the_budget_only_so_far_and_never_opens_a_zero_one():
+    gate = warmed(run_ns=5_000_000)
+    for _ in range(HOP_WINDOW):
+        gate.record_hop(50_000_000)  # a preempted host: 50 ms hand-offs
+    assert gate.budget_us == 100.0 * HOP_CAP
+    assert not gate.allows(1024)
+    shut = warmed(budget_us=0.0)
+    for _ in range(HOP_WINDOW):
+        shut.record_hop(200_000)
+    assert not shut.allows(1024) and shut.budget_us == 0.0
 
 
 def test_input_bytes_counts_every_array():
