@@ -10,6 +10,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[all]'
+# Bytecode for Ferry's own packages (pip compiles the dependencies it installs, not an
+# editable project): where PYTHONDONTWRITEBYTECODE is set, every start of an agent or a
+# node would otherwise compile them again (~0.1 s of the agent's 0.5 s start here).
+.venv/bin/python -m compileall -q edge cloud shared devices >/dev/null
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""
