@@ -428,11 +428,12 @@ class DynamicBatcher:
                 result, error = execute(self._sessions[index], members, self._stats, self._name()), None
             except Exception as exc:
                 result, error = None, exc
-            self._finish(index, members, now, nbytes, result, error, hopped=False)
+            self._finish(index, members, now, nbytes, result, error)
             return
         self._inflight += 1
         self._activity.running += 1
-        done = partial(self._finish, _LONE, members, now, nbytes)
+        # the hand-off of a lone request is what running it in place would save
+        done = partial(self._finish, _LONE, members, now, nbytes, hopped=lone_request)
         if lone_request and self._lone_thread is not None and self._activity.running == 1:
             # nothing else runs on the node: every core for this one request
             self._held, self._idle = self._idle, []
@@ -442,7 +443,7 @@ class DynamicBatcher:
             )
             return
         index = self._idle.pop()
-        done = partial(self._finish, index, members, now, nbytes)
+        done = partial(self._finish, index, members, now, nbytes, hopped=lone_request)
         self._threads[index].submit(
             execute, (self._sessions[index], members, self._stats, self._name()), done
         )
@@ -469,12 +470,14 @@ class DynamicBatcher:
         nbytes: int,
         result: list[Outcome] | None,
         error: BaseException | None,
-        hopped: bool = True,
+        hopped: bool = False,
     ) -> None:
         """Completion on the loop: deliver each request's outcome.
 
-        ``hopped``: it ran on a worker thread, so what the hand-off cost (the
-        time from dispatch to here less the run's own) tells the inline gate.
+        ``hopped``: a lone request that ran on a worker thread, so what the hand-off
+        cost (the time from dispatch to here less the run's own) tells the inline
+        gate what running it in place would have saved (under load, hand-offs also
+        wait for a busy loop, which an in-place run does not save).
         """
         self._inflight -= 1
         self._activity.running -= 1

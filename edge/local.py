@@ -142,7 +142,8 @@ class LocalModels:
                     model.thread = SessionThread(f"local-{name}", loop)
                 handed = time.perf_counter_ns()
                 result, seconds = await model.thread.run(model.run_sync, inputs, outputs, cancel)
-                model.gate.record_hop(time.perf_counter_ns() - handed - int(seconds * 1e9))
+                if not waiting:  # a lone run's hand-off: what running it in place saves
+                    model.gate.record_hop(time.perf_counter_ns() - handed - int(seconds * 1e9))
             model.gate.record(int(seconds * 1e9), nbytes)
             # Device emulation (AgentConfig.local_slowdown and local_latency_ms):
             # the emulated device runs one request at a time, as the real one would.
