@@ -94,9 +94,8 @@ class Option:
     cost_per_inv_bps: float = 0.0
     rate_bps: float = 0.0
     rate_sigma: float = 0.0
-    # What the option would cost in a warm run (cloud options from an idle radio, or
-    # from one whose tail few requests have shared lately): no promotion, the tail
-    # priced at the expected gap to the next request.
+    # What the option would cost with the radio already up (cloud options from an
+    # idle radio): no promotion, the tail priced at the expected gap to the next request.
     warm_cost: float | None = None
     # What the cost drops by when the next request uses the radio too (its tail is
     # then shared, not paid to the end): 0 where every recent request used it.
@@ -450,11 +449,9 @@ class Policy:
         shared_j = 0.0  # the tail's part the next request takes over if it uses the radio
         if paid is not None and tail is not None and paid > tail:
             shared_j = profile.tail_power_w * (paid - tail)  # both <= tail_s
-        if tail is not None and (promotion > 0 or shared_j > 0):
-            # The same offload in a warm run: no promotion (its time and power), and the
-            # next request shares its tail.  Also from a radio still up whose tail few
-            # requests shared lately: priced alone, each offload there pays a long tail,
-            # the agent stays local, and the share never rises to make offloads cheap.
+        if promotion > 0 and tail is not None:
+            # The same offload from a radio already up: no promotion (its time and power),
+            # and in a warm run the next request shares its tail.
             saved_j = (profile.promotion_power_w + self.device.idle_power_w) * promotion
             saved_j += shared_j
             warm_cost = (

@@ -345,31 +345,6 @@ def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
     assert cold_alone.warm_cost == pytest.approx(cold_shared.warm_cost)
 
 
-def test_a_radio_still_in_its_tail_but_rarely_shared_is_weighed_by_the_warm_run_it_starts():
-    # The radio is up (1 s idle), but only one request in ten has used it lately, so a
-    # lone offload pays a tail ~10x as long as in a run of offloads and costs more than
-    # the local run.  Priced alone it would stay local for good (the share never rises);
-    # weighed by the warm run it starts (each request closing the last one's tail), it
-    # goes to the cloud, as it does where the share is already high.
-    weights = Weights(latency_s=1.0, energy_j=0.05)
-    p = _policy(local_ms=350, up_mbps=8.0, rtt_ms=70, link="lte", weights=weights)
-
-    def decide(share: float):
-        ctx = _ctx(deadline_ms=5000, in_bytes=60_000, rate_per_s=0.5, radio_idle_s=1.0)
-        ctx.radio_share = share
-        return p.decide("m", ctx)
-
-    rare = decide(0.1)
-    local = next(o for o in rare.options if o.name == "local")
-    cloud = next(o for o in rare.options if o.name == rare.where)
-    assert cloud.cost > local.cost  # alone, dearer than the local run
-    assert cloud.warm_cost is not None and cloud.warm_cost < local.cost
-    assert rare.where.startswith("cloud-") and rare.reason.startswith("wake the radio:")
-    shared = decide(1.0)
-    assert shared.where.startswith("cloud-") and shared.reason == "least cost"
-    assert all(o.warm_cost is None for o in shared.options if o.transport)  # nothing to share
-
-
 def test_a_link_always_slower_than_its_kind_relaxes_to_its_own_level_not_the_prior():
     from edge.core.estimators import LogRate
 
