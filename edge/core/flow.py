@@ -510,9 +510,10 @@ class RequestFlow:
         # The radio's promotion is in the transfer's time and the policy adds it
         # itself; a transfer quicker than the promotion found the radio up already.
         net = elapsed_s - choice.promotion_s if elapsed_s > choice.promotion_s else elapsed_s
-        core.est.link(choice.transport).observe(
-            sent, received, net, (queue_us + compute_us) / 1e6, now
-        )
+        if core.measures_current_link(choice.transport, now - elapsed_s):
+            core.est.link(choice.transport).observe(
+                sent, received, net, (queue_us + compute_us) / 1e6, now
+            )
         core.radio.transfer_done(now)
         core.usage.add(sent + received, now)
         core.out_bytes[self.model] = received
@@ -607,6 +608,9 @@ class EdgeCore:
         self._gap_fast: dict[str, float] = {}  # model -> short EWMA (RATE_FAST)
         self._gap_count: dict[str, int] = {}  # model -> gaps in the long EWMA since it started
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
+        # transport -> when its estimates last restarted for a new network (link_changed):
+        # a probe or a transfer sent before then measured the old one
+        self._restarted: dict[str, float] = {}
         # model -> (when, decision): its last decision (one per model: bounded)
         self.recent: dict[str, tuple[float, Decision]] = {}
         self._radio = Ewma(RADIO_SHARE_ALPHA)  # would a request use the radio, warm
@@ -678,6 +682,7 @@ class EdgeCore:
         if restart:
             self.est.reset_link(transport)
             self.breakers[transport].record_success(now)  # a new network: a clean slate
+            self._restarted[transport] = now
         self.est.set_link_prior(
             transport, link.up_mbps * 1e6 * f, link.down_mbps * 1e6 * f, link.rtt_ms / 1000
         )
@@ -812,6 +817,8 @@ class EdgeCore:
             self.breakers[transport].release(now)
             return  # this request's own failure; the endpoint is fine
         self.radio.transfer_done(now)  # the radio was on until the agent gave up
+        if not self.measures_current_link(transport, start):
+            return  # lost on the network before: it says nothing of this one
         self.breakers[transport].record_failure(now)
         if isinstance(error, DeadlineExceeded):
             self.est.link(transport).observe_timeout(choice.up_bytes, now - start, now)
@@ -872,11 +879,21 @@ class EdgeCore:
                     return True
         return False
 
+    def measures_current_link(self, transport: str, sent_at: float) -> bool:
+        """Whether something sent at ``sent_at`` measured the network ``transport`` is on
+        now: not if the estimates restarted for a new one since.  A probe caught in an
+        outage answers when the next network is up, seconds late: as that network's
+        first RTT it would price every offload seconds slow, and with the radio left
+        idle no later probe would come to correct it."""
+        restarted = self._restarted.get(transport)
+        return restarted is None or sent_at >= restarted
+
     def probe_done(self, transport: str, now: float, rtt_s: float) -> None:
         self._journal(("probe_done", transport, now, rtt_s))
         self.breakers[transport].record_success(now)
         self.radio.transfer_done(now)
-        self.est.link(transport).observe_probe(rtt_s, now)
+        if self.measures_current_link(transport, now - rtt_s):
+            self.est.link(transport).observe_probe(rtt_s, now)
 
     def probe_failed(self, transport: str, now: float) -> None:
         self._journal(("probe_failed", transport, now))

@@ -206,6 +206,28 @@ def test_a_weak_signal_lowers_the_link_prior_and_a_jump_restarts_the_estimates()
     assert core.policy.links["http"].kind == "wifi"
 
 
+def test_a_probe_or_an_offload_sent_before_a_new_network_does_not_teach_that_network():
+    # A probe sent in an outage answers 1.9 s later, once the next network is up: as
+    # that network's first RTT it priced every offload 1.9 s slow (the demo stayed local
+    # through a good LTE phase); one sent after the change is that network's RTT.
+    core = _core()
+    lte = load_link("lte")
+    assert core.link_changed("http", lte, 10.0, signal_dbm=-125.0)  # the outage
+    assert core.link_changed("http", lte, 20.0, signal_dbm=-90.0)  # LTE again
+    link = core.est.link("http")
+    core.probe_done("http", 20.1, 1.9)  # sent at 18.2, in the outage
+    assert link.rtt_s == pytest.approx(lte.rtt_ms / 1000)  # still the prior
+    core.probe_done("http", 21.0, 0.05)  # sent at 20.95
+    assert link.rtt_s == pytest.approx(0.05)
+    # an offload sent in the outage, answered on the new network: no rate learnt from it
+    flow = core.begin("m", now=19.0, in_bytes=60_000, connected={"http": True})
+    cloud = flow.policy.cloud_option(flow.mp, "http", flow.context(19.0))
+    flow._attempt = cloud
+    samples = link.samples
+    flow.offload_done(21.5, sent=60_000, received=1_000, elapsed_s=2.5)
+    assert link.samples == samples
+
+
 def test_a_hedge_answers_with_the_first_half_and_learns_from_the_second():
     core = _core()
     flow = core.begin("m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=1200)
