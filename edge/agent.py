@@ -166,6 +166,7 @@ class Agent:
             asyncio.create_task(self._every(lambda: 1.0, self._watch_config)),
         ]
         self.started_at = time.monotonic()
+        self.dataplane.core.serving(self.started_at)
         self.ready = True
 
     async def stop(self) -> None:

@@ -607,6 +607,10 @@ class EdgeCore:
         self._gap: dict[str, float] = {}  # model -> long EWMA of the time between arrivals
         self._gap_fast: dict[str, float] = {}  # model -> short EWMA (RATE_FAST)
         self._gap_count: dict[str, int] = {}  # model -> gaps in the long EWMA since it started
+        # When the agent began taking requests (serving()), and per model the wait from then
+        # to its first request: the rate's only measure until a second request comes.
+        self._serving_since: float | None = None
+        self._first_wait: dict[str, float] = {}
         self._signal: dict[str, float | None] = {}  # transport -> last reported signal (dBm)
         # transport -> when its estimates last restarted for a new network (link_changed):
         # a probe or a transfer sent before then measured the old one
@@ -635,14 +639,30 @@ class EdgeCore:
         self._radio.add(1.0 if used else 0.0)
 
     def rate_per_s(self, model: str) -> float | None:
-        """The model's recent request rate (None until two requests were seen)."""
-        gap = self._gap.get(model)
+        """The model's recent request rate (None until it was measured).
+
+        From the gaps between its requests; before a second one came, one
+        request in the time since the agent began serving (the rate's maximum
+        likelihood from that wait): a first request soon after start-up tells
+        that more will follow, and a warm run may be worth waking the radio for.
+        """
+        gap = self._gap.get(model) or self._first_wait.get(model)
         return 1.0 / gap if gap else None
+
+    def serving(self, now: float) -> None:
+        """The agent takes requests from ``now`` on (after loading and warming its models)."""
+        self._journal(("serving", now))
+        self._serving_since = now
 
     def _arrival(self, model: str, now: float) -> None:
         last = self._arrived.get(model)
         self._arrived[model] = now
-        if last is None or now < last:
+        if last is None:
+            since = self._serving_since
+            if since is not None and now > since:
+                self._first_wait[model] = now - since
+            return
+        if now < last:
             return
         gap = now - last
         fast, slow = self._gap_fast.get(model), self._gap.get(model)
@@ -971,6 +991,8 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
             core.link_changed(event[1], event[2], event[3], event[4])
         elif kind == "warmed":
             core.warmed(event[1], event[2], event[3])
+        elif kind == "serving":
+            core.serving(event[1])
         elif kind == "probes":
             core.probes(event[1])
         elif kind == "probe_done":

@@ -278,4 +278,5 @@ def run_ours(
             core.warmed(mp.local_model, float(seconds), 0.0)
     if data_used_mb:
         core.usage.add(int(data_used_mb * 1e6), 0.0)
+    core.serving(0.0)  # the workload's arrivals count from the agent's start
     return _Replay(sim, core, model, probe_interval_s, battery_percent).run(name)

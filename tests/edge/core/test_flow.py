@@ -454,6 +454,30 @@ def test_a_request_that_would_offload_in_a_warm_run_counts_as_using_the_radio():
     assert not _warm_run_offloads(Decision(None, [], "no usable option"), 0.4)
 
 
+def test_a_first_request_reads_its_rate_from_the_wait_since_the_agent_began_serving():
+    core = _core()
+    core.begin("m", now=1.0, in_bytes=1000, connected={"http": True})
+    assert core.rate_per_s("m") is None  # nothing to measure it by
+    core = _core()
+    core.serving(10.0)
+    core.begin("m", now=12.0, in_bytes=1000, connected={"http": True})
+    assert core.rate_per_s("m") == pytest.approx(0.5)  # one request in 2 s
+    core.begin("m", now=12.1, in_bytes=1000, connected={"http": True})
+    assert core.rate_per_s("m") == pytest.approx(10.0)  # the first real gap takes over
+
+
+def test_a_journal_replays_the_start_of_serving_and_so_the_first_requests_rate():
+    core = _core(journal=100)
+    core.events.clear()
+    core.serving(0.0)
+    flow = core.begin("m", now=1.5, in_bytes=60_000, connected={"http": True})
+    flow.start()
+    replica = _core(journal=100)
+    replica.events.clear()
+    replay_journal(core.events, replica)
+    assert replica.rate_per_s("m") == core.rate_per_s("m") == pytest.approx(1 / 1.5)
+
+
 def test_the_arrival_rate_is_steady_under_poisson_and_follows_a_burst_or_a_lull():
     core = _core()
     rng = np.random.default_rng(3)
