@@ -251,7 +251,6 @@ class RequestFlow:
         fid: int,
         model: str,
         mp: ModelPolicy,
-        *,
         start: float,
         deadline: float,
         in_bytes: int,
@@ -287,23 +286,21 @@ class RequestFlow:
 
     def context(self, now: float, mp: ModelPolicy | None = None) -> Context:
         core, mp = self.core, mp or self.mp
-        return Context(
-            now=now,
-            deadline_s=self.deadline - now,
-            in_bytes=self.in_bytes,
-            connected=core.usable(now, self.connected, mp.cloud_model),
-            battery_percent=self.battery,
-            # (read only against a cap: the calendar day costs a clock read and a lookup)
-            data_used_mb_today=(
-                core.usage.today(now) if self.policy.config.data_cap_mb_per_day is not None else 0.0
-            ),
-            radio_idle_s=core.radio.radio_idle_s(now),
-            out_bytes=core.out_bytes.get(self.model),
-            batch=self.batch,
-            local_backlog=self.local_backlog if mp.local_model else 0,
-            rate_per_s=core.rate_per_s(self.model),
-            local_cancellable=self._cancels_local(mp),
-            radio_share=core.radio_share,
+        return Context(  # (by position, in Context's field order: keywords cost ~0.2 us)
+            now,
+            self.deadline - now,  # deadline_s
+            self.in_bytes,
+            core.usable(now, self.connected, mp.cloud_model),  # connected
+            self.battery,  # battery_percent
+            # data_used_mb_today (read only against a cap: the day costs a clock read)
+            core.usage.today(now) if self.policy.config.data_cap_mb_per_day is not None else 0.0,
+            core.radio.radio_idle_s(now),
+            core.out_bytes.get(self.model),
+            self.batch,
+            self.local_backlog if mp.local_model else 0,
+            core.rate_per_s(self.model),
+            self._cancels_local(mp),  # local_cancellable
+            core.radio_share,
         )
 
     def _cancels_local(self, mp: ModelPolicy) -> bool:
@@ -799,21 +796,21 @@ class EdgeCore:
                 )
         run_mode = mode or (mp.mode if mp.local_model is not None else "cloud")
         return RequestFlow(
-            self,
+            self,  # (by position, in __init__'s order: keywords cost ~0.3 us per request)
             fid,
             model,
             mp,
-            start=now,
-            deadline=now + budget_ms / 1000.0,
-            in_bytes=in_bytes,
-            batch=batch,
-            connected=links,
-            local_backlog=local_backlog,
-            battery=battery,
-            deferrable=deferrable,
-            mode=run_mode,
-            budget_ms=budget_ms,
-            local_cancellable=local_cancellable,
+            now,  # start
+            now + budget_ms / 1000.0,  # deadline
+            in_bytes,
+            batch,
+            links,  # connected
+            local_backlog,
+            battery,
+            deferrable,
+            run_mode,
+            budget_ms,
+            local_cancellable,
         )
 
     def learn_failure(
