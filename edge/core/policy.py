@@ -208,6 +208,25 @@ def race_start_s(cloud: Option, due_s: float) -> float:
     return due_s
 
 
+def _run_discount(o: Option, rate_per_s: float | None) -> float:
+    """What ``o`` would cost less per request once offloading is what the requests do.
+
+    With the radio up, an offload pays the tail until the next request that
+    uses the radio: while most recent requests ran locally that is a long
+    tail (``o.shared_saving`` above the tail at the request rate).  The
+    requests that would use what an exploration teaches are the offloads it
+    leads to, each sharing the tail with the next (as likely as the next
+    request comes within it): pricing them with this request's lone tail
+    keeps a link that was slow once unexplored for good, since every
+    request that stays local makes the next offload's tail longer.  From an
+    idle radio nothing is discounted: the wake-up rule weighs warm runs.
+    """
+    if not rate_per_s or o.tail_s is None or o.promotion_s > 0:
+        return 0.0
+    p_next = rate_per_s * o.tail_s
+    return o.shared_saving * (p_next if p_next < 1.0 else 1.0)
+
+
 def horizon_requests(rate_per_s: float | None) -> float:
     """Requests expected within HORIZON_S (at least 1, at most MAX_HORIZON)."""
     if not rate_per_s:
@@ -669,13 +688,16 @@ class Policy:
             if claim is not None and ctx.now - claim < self.config.explore_after_s:
                 continue  # one exploring request at a time
             price = o.cost - best.cost
+            future = o.cost  # what the offloads it leads to would pay
+            if o.shared_saving > 0.0 and o.promotion_s == 0.0:
+                future -= _run_discount(o, ctx.rate_per_s)
             # Even an infinitely fast link saves at most this per request: if that
             # cannot repay the price, the belief's details do not matter.
             if o.rate_bps > 0:
-                ceiling = best.cost - o.cost + o.premium + o.cost_per_inv_bps / o.rate_bps
+                ceiling = best.cost - future + o.premium + o.cost_per_inv_bps / o.rate_bps
                 if ceiling * horizon <= price:
                     continue
-            p_better, saving = exploration_value(o, best.cost)
+            p_better, saving = exploration_value(o, best.cost + o.cost - future)
             value = saving * horizon
             hedge = False
             if local is not None:  # feasible: its run makes the deadline

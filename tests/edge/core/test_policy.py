@@ -163,6 +163,21 @@ def test_a_link_that_could_win_is_explored_once_then_the_claim_holds():
     assert p.decide("m", ctx).where == "local"
 
 
+def test_a_link_whose_tail_recent_local_runs_left_unshared_is_still_explored():
+    # LTE, the radio up from a transfer a second ago, but 9 of 10 recent requests ran
+    # locally: this offload alone would pay a long tail.  The offloads an exploration
+    # leads to would share it, one request to the next, so it is priced at that.
+    weights = Weights(latency_s=1.0, energy_j=0.05)
+
+    def decide(share: float) -> str:
+        p = _policy(local_ms=500, up_mbps=10.0, explore_after_s=5.0, link="lte", weights=weights)
+        ctx = _ctx(deadline_ms=5000, rate_per_s=0.5, radio_idle_s=1.0, radio_share=share)
+        return p.decide("m", ctx).reason
+
+    assert "explore" in decide(1.0)
+    assert "explore" in decide(0.1)
+
+
 def test_a_link_that_cannot_win_is_never_explored_however_old():
     # On LTE a 60 KB offload pays a promotion and ~12 J of tail: with energy
     # priced, even an infinitely fast link loses to a 40 ms local run.
