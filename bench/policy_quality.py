@@ -33,7 +33,9 @@ nothing from a cell where the policy had to decide.
 Targets (exit status 1 when any is missed):
   1. ours / oracle <= 1.10, averaged over all cells;
   2. ours <= the best baseline + 1% in every cell (a tie is reported as TIE,
-     not as a win);
+     not as a win; the summary also counts the losses to a fixed rule that
+     misses more deadlines than ours, which keeps its deadline promise by
+     racing the local run and pays that run's energy);
   3. deadline misses < 1% in every cell where the oracle has none;
   4. one cost-mode decision with two transports, context build included,
      <= 20 us median (the agent's per-request entry, EdgeCore.begin().start(),
@@ -166,9 +168,16 @@ def targets(rows: list[dict[str, Any]], decision: dict[str, Any]) -> list[tuple[
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("WIN", "TIE", "LOSS")}
     worst = max(rows, key=lambda r: r["ours_vs_best"])
     moot = sum(r["verdict"] == "TIE" and r["oracle_offload"] == 0 for r in rows)
+    # A loss to a fixed rule that misses more deadlines than ours: ours kept the promise
+    # (a local run that makes the deadline is raced, never given up) and paid for it.
+    promise = sum(
+        r["verdict"] == "LOSS" and r["policies"][r["best"]]["miss_rate"] > r["ours_miss"]
+        for r in rows
+    )
     t2 = (
         f"ours <= best baseline + 1% in every cell: {counts['WIN']} WIN, {counts['TIE']} TIE, "
-        f"{counts['LOSS']} LOSS; {moot} of the ties in cells where the oracle never offloads "
+        f"{counts['LOSS']} LOSS ({promise} of them to a rule that misses more deadlines); "
+        f"{moot} of the ties in cells where the oracle never offloads "
         f"(worst {worst['ours_vs_best']:.3f}x {short(worst['best'])} in "
         f"{grid.Cell(**{k: worst[k] for k in grid.Cell.__dataclass_fields__}).label()})"
     )
