@@ -382,3 +382,18 @@ async def test_an_agent_without_a_cloud_only_pays_the_first_call_before_it_is_re
         answer = await agent.infer("lin", {"x": x})
         assert answer.parameters["where"] == "local"
         assert agent.estimators.local_known("lin-local", 1).count == 1
+
+
+async def test_a_first_request_reads_its_rate_from_the_wait_since_the_agent_started(
+    tmp_path, edge_repos
+):
+    # One request in the time since the agent began serving: the only measure of the
+    # rate until a second one comes (EdgeCore.serving at start).
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LIN)
+    async with Agent(load_agent_config(cfg)) as agent:
+        core = agent.dataplane.core
+        assert core.rate_per_s("lin") is None
+        await asyncio.sleep(0.2)
+        await agent.infer("lin", {"x": np.zeros((1, 4), np.float32)})
+        waited = time.monotonic() - agent.started_at
+        assert 1.0 / waited <= core.rate_per_s("lin") <= 1.0 / 0.2
