@@ -106,6 +106,31 @@ def expected_tail_s(link: LinkProfile, rate_per_s: float) -> float:
     return (1.0 - math.exp(-rate_per_s * link.tail_s)) / rate_per_s
 
 
+def tail_extension_s(
+    link: LinkProfile, rate_per_s: float, paid_s: float, radio_idle_s: float | None
+) -> float:
+    """The seconds of tail a transfer now adds to the radio's time on: ``paid_s`` (the
+    tail it opens, until the next transfer at ``rate_per_s`` or the timer) less what
+    is left of the tail already running, up to that next transfer.
+
+    That remainder burns whether this request offloads or runs locally, so it is
+    not this offload's to pay: charged whole, an offload from a radio that is up
+    looks as dear as one that keeps it up alone, local answers win, the radio
+    goes idle, and the next offload must pay a wake-up (a warm link left unused
+    for a minute on a steady trace here).  Summed over a run of transfers, the
+    extensions are the radio's whole time in tails, as the forward shares are.
+    ``E[min(G, tail)] - E[min(G, left)] = (e^(-rate*left) - e^(-rate*tail)) / rate``
+    for an exponential gap ``G`` to the next transfer.
+    """
+    if radio_idle_s is None or radio_idle_s >= link.tail_s:
+        return paid_s  # asleep: the whole tail is new
+    left = link.tail_s - (radio_idle_s if radio_idle_s > 0.0 else 0.0)
+    if rate_per_s <= 0:
+        return link.tail_s - left
+    running = (1.0 - math.exp(-rate_per_s * left)) / rate_per_s
+    return paid_s - running if paid_s > running else 0.0
+
+
 def wake_energy_j(link: LinkProfile) -> float:
     """Joules a transfer from an idle radio pays before moving a byte: promotion and tail."""
     return link.promotion_power_w * link.promotion_s + link.tail_power_w * link.tail_s

@@ -20,7 +20,12 @@ import math
 from dataclasses import dataclass, field
 
 from devices.profiles import DeviceProfile, LinkProfile
-from edge.core.energy import expected_tail_s, local_energy_j, transfer_energy_j
+from edge.core.energy import (
+    expected_tail_s,
+    local_energy_j,
+    tail_extension_s,
+    transfer_energy_j,
+)
 from edge.core.estimators import Estimators
 
 LOCAL = "local"
@@ -405,7 +410,7 @@ class Policy:
         transport: str,
         ctx: Context,
         server: tuple[float, float] | None = None,
-        tails: dict[int, tuple[float | None, float | None]] | None = None,
+        tails: dict[int, tuple[float | None, float | None, float | None]] | None = None,
     ) -> Option:
         link = self.est.link(transport)
         profile = self.links[transport]
@@ -437,20 +442,23 @@ class Policy:
         latency_q = promotion + link.rtt_quantile + t_q + server_q  # rtt_quantile >= rtt_s
         # The tail this transfer opens (see transfer_energy_j): until the next request, at
         # the rate requests come, if each used the radio (``tail``); until the next one
-        # that does, at the share that recently did (``paid``, what this offload pays).
-        # Links that share a profile share both within a decision.
+        # that does, at the share that recently did (``paid``).  From a radio still up,
+        # what this offload pays is less the part of the running tail that would burn
+        # anyway if it ran locally (``extra``: see :func:`tail_extension_s`).  Links that
+        # share a profile share all three within a decision.
         key = id(profile)
         if tails is not None and key in tails:
-            tail, paid = tails[key]
+            tail, paid, extra = tails[key]
         else:
             rate, share = ctx.rate_per_s, ctx.radio_share
-            tail = paid = None
+            tail = paid = extra = None
             if rate:
-                tail = paid = expected_tail_s(profile, rate)
-                if share is not None and share < 1.0:
-                    paid = expected_tail_s(profile, rate * share)
+                used = rate * share if share is not None and share < 1.0 else rate
+                tail = expected_tail_s(profile, rate)
+                paid = tail if used == rate else expected_tail_s(profile, used)
+                extra = tail_extension_s(profile, used, paid, ctx.radio_idle_s)
             if tails is not None:
-                tails[key] = (tail, paid)
+                tails[key] = (tail, paid, extra)
         energy = transfer_energy_j(
             profile,
             up,
@@ -460,7 +468,7 @@ class Policy:
             server + link.rtt_s,
             self.device,
             ctx.radio_idle_s,
-            paid,
+            extra,
         )
         money = (up + down) / 1e6 * profile.cost_per_mb if profile.metered else 0.0
         # Cost is affine in the bottleneck's transfer time: latency, the radio's
@@ -469,8 +477,11 @@ class Policy:
         per_s = w.latency_s + w.energy_j * (profile.base_power_w + self.device.idle_power_w)
         warm_cost = None
         shared_j = 0.0  # the tail's part the next request takes over if it uses the radio
-        if paid is not None and tail is not None and paid > tail:
-            shared_j = profile.tail_power_w * (paid - tail)  # both <= tail_s
+        if extra is not None and tail is not None and paid is not None and paid > tail:
+            # what it pays less if the next request used the radio, as every one would
+            alike = tail_extension_s(profile, ctx.rate_per_s or 0.0, tail, ctx.radio_idle_s)
+            if extra > alike:
+                shared_j = profile.tail_power_w * (extra - alike)  # both <= tail_s
         if promotion > 0 and tail is not None:
             # The same offload from a radio already up: no promotion (its time and power),
             # and in a warm run the next request shares its tail.
@@ -521,7 +532,7 @@ class Policy:
                 options.append(local)
         if mode != "local" and mp.cloud_model is not None:
             server = self.server_time(mp)
-            tails: dict[int, tuple[float | None, float | None]] = {}
+            tails: dict[int, tuple[float | None, float | None, float | None]] = {}
             for transport in mp.transports:
                 if transport in self.links:
                     options.append(self.cloud_option(mp, transport, ctx, server, tails))
@@ -612,20 +623,35 @@ class Policy:
         expected saving of the requests that follow within the tail (each
         saving ``best - warm_cost``), over the expected length of that run
         at the current request rate, exceeds its extra cost now.
+
+        The same holds for a radio still up while most recent requests ran
+        locally: an offload now pays the rest of the tail alone (the recent
+        share prices it so), and running locally lets the radio go idle, after
+        which only a wake-up brings the warm run back.  Priced per request,
+        local stays the cheaper choice for good, even where a run of offloads,
+        each sharing the tail with the next, costs less than a run of local
+        answers.  So the radio is kept up when that run pays for this
+        request's lone tail: its warm cost is its cost less the tail the next
+        request would take over (``shared_saving``).
         """
         rate = ctx.rate_per_s
         if not rate:
             return None
         pick: tuple[float, Option] | None = None
         for o in options:
-            if o.transport is None or o.warm_cost is None:
+            if o.transport is None:
                 continue
+            warm_cost = o.warm_cost
+            if warm_cost is None:  # the radio is up (no promotion)
+                if o.shared_saving <= 0.0:
+                    continue
+                warm_cost = o.cost - o.shared_saving
             # Too late only for the promotion: the wake-up goes beside the local run,
             # which answers this request; the ones after it find the radio up.
             beside = late_only_for_promotion(o, ctx.deadline_s)
             if not o.feasible and o.reason != NO_ROOM and not beside:
                 continue
-            saving = best.cost - o.warm_cost
+            saving = best.cost - warm_cost
             if saving <= 0:
                 continue
             # The warm run's saving at the pessimistic edge of the rate belief: a
@@ -662,7 +688,8 @@ class Policy:
             return None
         gain, o, price, hedge = pick
         why = (
-            f"wake the radio{' (hedged)' if hedge else ''}: the warm run after it saves "
+            f"{'keep the radio up' if o.promotion_s == 0.0 else 'wake the radio'}"
+            f"{' (hedged)' if hedge else ''}: the warm run after it saves "
             f"{gain + price:.4g} > {price:.4g} now"
         )
         return Decision(o, options, why, hedge)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 
 from devices.profiles import load_device, load_link
-from edge.core.energy import RadioState, local_energy_j, transfer_energy_j
+from edge.core.energy import (
+    RadioState,
+    expected_tail_s,
+    local_energy_j,
+    tail_extension_s,
+    transfer_energy_j,
+)
 from shared.errors import InvalidInput
 
 IMAGE = 602_112  # a 1x3x224x224 FP32 tensor
@@ -93,6 +100,26 @@ def test_zero_throughput_with_bytes_to_move_is_a_clear_error():
         transfer_energy_j(lte, 10, 0, 0.0, 1e6, 0.0, pi)
     with pytest.raises(InvalidInput, match="downlink throughput"):
         transfer_energy_j(lte, 0, 10, 1e6, 0.0, 0.0, pi)
+
+
+def test_an_offload_from_a_radio_that_is_up_adds_only_the_tail_past_the_one_running():
+    lte = load_link("lte")
+    rate = 0.2
+    paid = expected_tail_s(lte, rate)
+    # asleep (or never used): the whole tail it opens is new
+    assert tail_extension_s(lte, rate, paid, None) == paid
+    assert tail_extension_s(lte, rate, paid, lte.tail_s + 1.0) == paid
+    # up for 4 s: 7.6 s of the running tail would burn anyway, up to the next transfer
+    left = lte.tail_s - 4.0
+    running = (1.0 - math.exp(-rate * left)) / rate
+    assert tail_extension_s(lte, rate, paid, 4.0) == pytest.approx(paid - running)
+    assert tail_extension_s(lte, rate, paid, 4.0) == pytest.approx(
+        (math.exp(-rate * left) - math.exp(-rate * lte.tail_s)) / rate
+    )
+    # the sooner after the last transfer, the less it adds; right after it, nothing
+    added = [tail_extension_s(lte, rate, paid, idle) for idle in (0.0, 1.0, 4.0, 8.0, 11.0)]
+    assert added == sorted(added) and added[0] == pytest.approx(0.0, abs=1e-12)
+    assert all(0.0 <= a <= paid for a in added)
 
 
 def test_radio_state_reports_idle_time_since_the_last_transfer():

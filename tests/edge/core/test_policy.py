@@ -10,7 +10,7 @@ import pytest
 
 from devices.profiles import load_device, load_link
 from edge.core.estimators import Estimators
-from edge.core.policy import Context, ModelPolicy, Policy, PolicyConfig, Weights
+from edge.core.policy import Context, Decision, ModelPolicy, Policy, PolicyConfig, Weights
 
 IMAGE = 602_112 + 256  # a 1x3x224x224 FP32 request
 
@@ -332,10 +332,43 @@ def test_a_wake_up_with_room_to_fall_back_goes_hedged_where_energy_is_free():
     assert d.reason.startswith("wake the radio:") and not d.hedge
 
 
+def _lte_choice(local_ms: float, idle: float | None, share: float) -> Decision:
+    weights = Weights(latency_s=1.0, energy_j=0.05)
+    p = _policy(local_ms=local_ms, up_mbps=8.0, rtt_ms=70, link="lte", weights=weights)
+    ctx = _ctx(deadline_ms=600, in_bytes=60_000, rate_per_s=0.5, radio_idle_s=idle)
+    ctx.radio_share = share
+    return p.decide("m", ctx)
+
+
+def test_the_tail_still_running_is_not_charged_to_the_offload_that_cuts_it_short():
+    # Up 5 s ago, 6.6 s of tail left, a third of recent requests offloaded: the tail
+    # left burns whether this request runs locally or not, so offloading is cheaper
+    # (charged the whole tail it opens, it cost about 0.5 against the local run's 0.32 and the
+    # radio was let go, on a steady link where offloading every request pays).
+    d = _lte_choice(240, 5.0, 0.3)
+    assert d.where.startswith("cloud-") and d.reason == "least cost"
+    cloud = next(o for o in d.options if o.name == "cloud-http")
+    assert cloud.cost < d.options[0].cost < cloud.cost + 0.1
+
+
+def test_a_radio_still_up_is_kept_up_when_the_warm_run_pays_for_this_offloads_tail():
+    # Up 9 s ago, 2.6 s of tail left: the offload now pays most of a tail alone and
+    # costs more than the local run, but in a run of offloads, each sharing the tail
+    # with the next, every request would cost less than locally: the radio stays up.
+    d = _lte_choice(280, 9.0, 0.3)
+    assert d.where.startswith("cloud-")
+    assert d.reason.startswith("keep the radio up:")
+    chosen = next(o for o in d.options if o.name == d.where)
+    local = d.options[0]
+    assert chosen.cost > local.cost > chosen.cost - chosen.shared_saving
+    # on a link where a run of offloads would not pay, the local run stays
+    assert _lte_choice(200, 9.0, 0.3).where == "local"
+
+
 def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
     # At 0.5 requests/s the next request comes in ~2 s; if only one in ten uses the
     # radio, the tail this offload opens runs ~10x as long before another closes it.
-    from edge.core.energy import expected_tail_s
+    from edge.core.energy import expected_tail_s, tail_extension_s
 
     weights = Weights(latency_s=1.0, energy_j=0.05)
     p = _policy(local_ms=300, up_mbps=8.0, rtt_ms=70, link="lte", weights=weights)
@@ -347,7 +380,10 @@ def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
         return next(o for o in p.decide("m", ctx).options if o.name == "cloud-http")
 
     shared, alone = cloud(1.0, 1.0), cloud(1.0, 0.1)
-    longer = expected_tail_s(lte, 0.05) - expected_tail_s(lte, 0.5)
+    # (less what is left of the running tail up to that request: it burns either way)
+    added = [tail_extension_s(lte, r, expected_tail_s(lte, r), 1.0) for r in (0.05, 0.5)]
+    longer = added[0] - added[1]
+    assert longer > 0.0
     assert alone.energy_j - shared.energy_j == pytest.approx(lte.tail_power_w * longer)
     # ... and says what sharing it would save: what a warm run's request is judged by
     assert alone.shared_saving == pytest.approx(0.05 * lte.tail_power_w * longer)
