@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 SMALL_BYTES = 4096
 
 
+#: The EWMA weight of a local model's latency.  A device's own runtime changes slowly
+#: (thermal throttling over minutes), and while offloading wins nothing corrects a
+#: mean that two slow runs pushed up: at 0.2 they made a 0.7 s model look like a
+#: 0.95 s one and the agent offloaded at a loss for good (bench/policy_quality.py:
+#: LOSS cells 6 -> 4 in the fast state's profile over 6 seeds).
+LOCAL_ALPHA = 0.1
+
+
 class LatencyEstimator:
     """Mean (EWMA) and a high quantile of a latency, honest about how much it has seen.
 
@@ -578,7 +586,7 @@ class Estimators:
         key = model if batch == 1 else f"{model}@{batch}"
         found = self._local.get(key)
         if found is None:
-            found = self._local[key] = LatencyEstimator(self.quantile)
+            found = self._local[key] = LatencyEstimator(self.quantile, LOCAL_ALPHA)
         return found
 
     def local_known(self, model: str, batch: int) -> LatencyEstimator | None:
@@ -642,6 +650,8 @@ class Estimators:
             latencies("queue"),
             latencies("compute"),
         )
+        for local in e._local.values():  # the weight is the code's, not the saved state's
+            local._ewma.alpha = LOCAL_ALPHA
         e._links = {k: LinkEstimator.from_dict(v, now, q) for k, v in d.get("links", {}).items()}
         e.extra = dict(d.get("extra", {}))
         return e

@@ -83,6 +83,25 @@ def test_a_corrupt_state_file_gives_fresh_estimates(tmp_path):
     assert Estimators.load(path, 0.0).local("m").count == 0
 
 
+def test_a_local_models_mean_is_not_thrown_by_two_slow_runs():
+    # The policy prices the local run at this mean, and an agent that offloads runs
+    # nothing locally to correct it: two slow draws at alpha 0.2 made a 0.7 s model
+    # look like a 0.95 s one, and the agent offloaded at a loss from then on.
+    est = Estimators()
+    now = time.monotonic()
+    for _ in range(20):
+        est.local("m").add(0.7, now)
+    est.local("m").add(1.4, now)
+    est.local("m").add(1.4, now)
+    assert est.local("m").mean < 0.7 * 1.2
+    # a state file written with another weight is read with this one
+    doc = est.to_dict(now)
+    doc["local"]["m"]["ewma"]["alpha"] = 0.2
+    restored = Estimators.from_dict(doc, now).local("m")
+    restored.add(1.4, now)
+    assert restored.mean == pytest.approx(est.local("m").mean + 0.1 * (1.4 - est.local("m").mean))
+
+
 def test_latency_estimator_ignores_garbage():
     e = LatencyEstimator()
     e.add(float("nan"), 0.0)
