@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from bench._packing_sim import Result, simulate_node
+from cloud.placement.packing import place
 from cloud.placement.serving import BATCHES, GRID, assess, chain
 from cloud.placement.sizing import Headroom, full_rate, size
-from cloud.placement.types import LatencyProfile, NodeSpec
+from cloud.placement.types import LatencyProfile, ModelDemand, NodeSpec
 
 MS = 1e-3
 
@@ -97,3 +98,22 @@ def test_a_trickle_needs_the_share_that_runs_one_request_within_its_objective() 
     slot = size(profile, 0.01, 0.05, 1.0, Headroom())
     assert slot.theta == pytest.approx(5 * MS / 0.05, rel=0.03)  # l(1)/theta <= L
     assert math.isinf(size(profile, 0.01, 0.004, 1.0, Headroom()).theta)
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.99])
+def test_a_copy_that_cannot_keep_up_in_full_batches_is_never_planned(quantile: float) -> None:
+    # 3 ms batches of one hold 333 req/s at most: at 400 req/s the queue only grows,
+    # however many late requests the plan allows (found by hypothesis: at the 0.5
+    # quantile one node was planned for it, under the bound of two).
+    profile = LatencyProfile("onnxruntime", 0.001, 0.002, 1, 10 << 20)
+    headroom = Headroom(quantile=quantile, cv=0.0)
+    assert size(profile, 400.0, 0.02, 1.0, headroom).theta == math.inf
+    assert full_rate(profile, 0.02, 1.0, headroom) < 1 / 0.003
+    late, _ = assess(np.array([0.5, 1.0]), 400.0, 0.001, 0.002, 1, 0.02, headroom)
+    assert (late == 1.0).all()
+    # a node and a half of work becomes two copies on two nodes
+    nodes = [NodeSpec(f"n{i}", 2 << 30, frozenset({"onnxruntime"})) for i in range(2)]
+    demand = ModelDemand("m", 400.0, 0.02, (profile,))
+    placement = place([demand], nodes, headroom=headroom)
+    assert len(placement.nodes_used()) == 2
+    assert sum(c.rate for c in placement.copies) == pytest.approx(400.0)
