@@ -410,7 +410,7 @@ class Policy:
         transport: str,
         ctx: Context,
         server: tuple[float, float] | None = None,
-        tails: dict[int, tuple[float | None, float | None, float | None]] | None = None,
+        tails: dict[int, tuple[float | None, float | None, float]] | None = None,
     ) -> Option:
         link = self.est.link(transport)
         profile = self.links[transport]
@@ -442,23 +442,30 @@ class Policy:
         latency_q = promotion + link.rtt_quantile + t_q + server_q  # rtt_quantile >= rtt_s
         # The tail this transfer opens (see transfer_energy_j): until the next request, at
         # the rate requests come, if each used the radio (``tail``); until the next one
-        # that does, at the share that recently did (``paid``).  From a radio still up,
+        # that does, at the share that recently did.  From a radio still up,
         # what this offload pays is less the part of the running tail that would burn
-        # anyway if it ran locally (``extra``: see :func:`tail_extension_s`).  Links that
-        # share a profile share all three within a decision.
+        # anyway if it ran locally (``extra``: see :func:`tail_extension_s`), and
+        # ``shared`` what it would pay less if the next request used the radio, as every
+        # one would.  Links that share a profile share all of these within a decision.
         key = id(profile)
         if tails is not None and key in tails:
-            tail, paid, extra = tails[key]
+            tail, extra, shared = tails[key]
         else:
             rate, share = ctx.rate_per_s, ctx.radio_share
-            tail = paid = extra = None
+            tail = extra = None
+            shared = 0.0
             if rate:
-                used = rate * share if share is not None and share < 1.0 else rate
                 tail = expected_tail_s(profile, rate)
-                paid = tail if used == rate else expected_tail_s(profile, used)
-                extra = tail_extension_s(profile, used, paid, ctx.radio_idle_s)
+                extra = tail_extension_s(profile, rate, tail, ctx.radio_idle_s)
+                if share is not None and share < 1.0:
+                    alike, used = extra, rate * share
+                    extra = tail_extension_s(
+                        profile, used, expected_tail_s(profile, used), ctx.radio_idle_s
+                    )
+                    if extra > alike:
+                        shared = extra - alike  # both <= tail_s
             if tails is not None:
-                tails[key] = (tail, paid, extra)
+                tails[key] = (tail, extra, shared)
         energy = transfer_energy_j(
             profile,
             up,
@@ -476,12 +483,7 @@ class Policy:
         w = self.config.weights
         per_s = w.latency_s + w.energy_j * (profile.base_power_w + self.device.idle_power_w)
         warm_cost = None
-        shared_j = 0.0  # the tail's part the next request takes over if it uses the radio
-        if extra is not None and tail is not None and paid is not None and paid > tail:
-            # what it pays less if the next request used the radio, as every one would
-            alike = tail_extension_s(profile, ctx.rate_per_s or 0.0, tail, ctx.radio_idle_s)
-            if extra > alike:
-                shared_j = profile.tail_power_w * (extra - alike)  # both <= tail_s
+        shared_j = profile.tail_power_w * shared  # what the next request takes over
         if promotion > 0 and tail is not None:
             # The same offload from a radio already up: no promotion (its time and power),
             # and in a warm run the next request shares its tail.
@@ -532,7 +534,7 @@ class Policy:
                 options.append(local)
         if mode != "local" and mp.cloud_model is not None:
             server = self.server_time(mp)
-            tails: dict[int, tuple[float | None, float | None, float | None]] = {}
+            tails: dict[int, tuple[float | None, float | None, float]] = {}
             for transport in mp.transports:
                 if transport in self.links:
                     options.append(self.cloud_option(mp, transport, ctx, server, tails))
