@@ -44,7 +44,7 @@ class LatencyEstimator:
     """
 
     PRIOR_LOG_SD = 0.2  # a run-to-run spread of ~20% before it is measured
-    PRIOR_WEIGHT = 5.0  # the prior counts as this many samples
+    PRIOR_WEIGHT = 2.0  # the prior counts as this many samples: five warm-up runs outweigh it
     TRUST_P2 = 20  # samples after which the P-square estimate stands alone
 
     def __init__(self, q: float = 0.95, alpha: float = 0.2) -> None:

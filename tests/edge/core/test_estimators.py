@@ -133,6 +133,21 @@ def test_a_few_samples_give_a_conservative_quantile_not_their_largest():
     assert est.quantile == pytest.approx(1.009, abs=0.01)  # measured: P-square alone
 
 
+def test_five_steady_warm_up_runs_outweigh_the_prior_spread():
+    # The agent seeds a local model with five warm-up runs (policy.warm_up_runs); an
+    # agent that then offloads learns no more, and a race's local run starts a
+    # reserve of this quantile before the deadline.  Five runs that agree to 1%
+    # must count for more than a guessed 20% spread: the old weight (five samples)
+    # kept the reserve at 1.26x the mean and started races that were not needed.
+    steady = Estimators(quantile=0.95).local("m")
+    for s in (1.0, 1.01, 0.99, 1.0, 1.005):
+        steady.add(s, 0.0)
+    assert 1.1 < steady.quantile < 1.22
+    one = Estimators(quantile=0.95).local("m")
+    one.add(1.0, 0.0)
+    assert one.quantile > 1.3  # one run says nothing of the spread: the prior's margin stays
+
+
 def test_the_policy_quantile_is_what_every_estimator_tracks(tmp_path):
     est = Estimators(quantile=0.5)
     for i in range(100):
