@@ -65,11 +65,10 @@ class PolicyConfig:
     battery_floor_percent: float = 15.0
     data_cap_mb_per_day: float | None = None
     default_deadline_ms: float = 1000.0
-    # How long what one exploring request teaches stays useful: the requests
-    # expected in this window are the horizon over which an exploration's
-    # expected saving is weighed against its price (0: never explore).  An
-    # estimate older than this is also no longer trusted to rule the link
-    # out of a deadline.
+    # An estimate older than this is no longer trusted to rule the link out of
+    # a deadline, and an exploring request claims its link for this long (one at
+    # a time per link); 0: never explore.  The requests an exploration's saving
+    # is counted over are those expected within HORIZON_S.
     explore_after_s: float = 10.0
     # Timed local runs at start that seed the local latency estimate (after one that
     # pays first-call costs).  A race stops its local run when the cloud answers first
