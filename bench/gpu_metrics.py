@@ -6,14 +6,15 @@ Needs an NVIDIA driver (``nvidia-smi`` and NVML); CI has none, so this runs
 where a GPU is lent (``scripts/gpu_check.sh`` runs it with the GPU tests).
 A ``ferry-cloud serve`` node with one tiny model is started as a real
 process; each moment scrapes its ``/metrics`` and reads ``nvidia-smi
---query-gpu`` right after.  The load is a bf16 matrix product in another
-process (PyTorch, else CuPy; without either the load rows are skipped and
-said so), so the node's figures must follow a GPU it does not use itself.
+--query-gpu`` right after.  The load is a half-precision matrix product on the
+first board, in another process (PyTorch, else CuPy; without either the load
+rows are skipped and said so), so the node's figures must follow a GPU it
+does not use itself.
 
 Checks, per board and moment: utilization within 0.15 of nvidia-smi's (the
 node caches a read for a second and NVML's rate is over its own sample
-period), used memory within 64 MiB, power within 10% (or 10 W); under load
-the node must report the board busy.  Exit status 1 on any miss, printing
+period), used memory within 64 MiB, power within 10% (or 10 W) where the
+board reports it; under load the node must report a board busy.  Exit status 1 on any miss, printing
 which; 2 where there is no NVIDIA driver to read.
 """
 
@@ -101,6 +102,9 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
 
 
 def compare(moment: str, node: dict, ref: dict, busy: bool, missed: list[str]) -> None:
+    nan = float("nan")
+    if busy and max((g.get("util", 0.0) for g in node.values()), default=0.0) < 0.5:
+        missed.append(f"{moment}: the node reports no board busy under load")
     for uuid, want in ref.items():
         got = node.get(uuid)
         if got is None:
@@ -109,7 +113,7 @@ def compare(moment: str, node: dict, ref: dict, busy: bool, missed: list[str]) -
         print(
             f"  {moment:<10} {uuid[:12]}  util {got['util']:.2f} / smi {want['util']:.2f}   "
             f"used {got['used'] / 2**30:6.2f} / {want['used'] / 2**30:6.2f} GiB   "
-            f"power {got['power']:6.1f} / {want['power']:6.1f} W"
+            f"power {got.get('power', nan):6.1f} / {want['power']:6.1f} W"
         )
         if abs(got["util"] - want["util"]) > UTIL_TOL:
             missed.append(
@@ -120,14 +124,11 @@ def compare(moment: str, node: dict, ref: dict, busy: bool, missed: list[str]) -
                 f"{moment}: used memory {got['used'] / MIB:.0f} MiB vs "
                 f"nvidia-smi {want['used'] / MIB:.0f} MiB"
             )
-        if want["power"] == want["power"] and abs(got["power"] - want["power"]) > max(
-            10.0, POWER_TOL * want["power"]
-        ):
-            missed.append(
-                f"{moment}: power {got['power']:.1f} W vs nvidia-smi {want['power']:.1f} W"
-            )
-        if busy and got["util"] < 0.5:
-            missed.append(f"{moment}: the node reports {got['util']:.2f} busy under load")
+        power = got.get("power", nan)
+        if want["power"] == want["power"] and not (
+            abs(power - want["power"]) <= max(10.0, POWER_TOL * want["power"])
+        ):  # (a board nvidia-smi reads power of, but the node does not, is a miss too)
+            missed.append(f"{moment}: power {power:.1f} W vs nvidia-smi {want['power']:.1f} W")
 
 
 def main(argv: list[str] | None = None) -> int:
