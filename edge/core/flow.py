@@ -180,6 +180,10 @@ class DecisionRecord:
     predicted_s: float | None
 
 
+def _cost(o: Option) -> float:
+    return o.cost
+
+
 def _warm_run_offloads(decision: Decision, deadline_s: float) -> bool:
     """Whether the request would use the radio in a warm run (radio up, its tail
     shared with the next request's): what the radio share counts.
@@ -189,9 +193,13 @@ def _warm_run_offloads(decision: Decision, deadline_s: float) -> bool:
     were the last to use the radio, keep running locally, and the share
     would never rise.  A cold option counts at its warm cost, its deadline
     (``deadline_s`` from now) judged without the promotion (the wake-up
-    rule's terms).
+    rule's terms).  An exploration counts as its least cost option would: it
+    is no sign that the next offloads will share its tail, and counted as
+    one, every exploration of a link never worth it would bring more offloads.
     """
     choice = decision.choice
+    if decision.exploring:
+        choice = min((o for o in decision.options if o.feasible), key=_cost, default=None)
     if choice is None or choice.transport is not None:
         return choice is not None
     cost = choice.cost

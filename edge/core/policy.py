@@ -150,6 +150,7 @@ class Decision:
     # Offload ``choice`` and run locally at once, answering with the first: an
     # exploration whose attempt leaves no room to fall back locally afterwards.
     hedge: bool = False
+    exploring: bool = False  # chosen for what it teaches, not as the least cost
 
     @property
     def where(self) -> str:
@@ -752,7 +753,7 @@ class Policy:
             f"explore{' (hedged)' if hedge else ''}: P(better) {p_better:.2f}, expected saving "
             f"{pick[0] + price:.4g} over {horizon:.0f} requests > price {price:.4g}"
         )
-        return Decision(o, options, why, hedge)
+        return Decision(o, options, why, hedge, True)
 
     def _race(self, o: Option, local: Option, ctx: Context, beat: float = math.inf) -> None:
         """Price ``o`` as a race against the local run (``o.race_s`` set); set its cost.

@@ -454,6 +454,23 @@ def test_a_request_that_would_offload_in_a_warm_run_counts_as_using_the_radio():
     assert not _warm_run_offloads(Decision(None, [], "no usable option"), 0.4)
 
 
+def test_an_exploration_counts_in_the_radio_share_as_its_least_cost_option_would():
+    # An exploration is an offload the policy would not make on cost: counted as using
+    # the radio, it makes the next offloads look as if they shared its tail, and on a
+    # link never worth offloading to, explorations bring more offloads after them.
+    from edge.core.flow import _warm_run_offloads
+    from edge.core.policy import Decision, Option
+
+    local = Option("local", None, 0.3, 0.35, 1.7, 0, 0, 0.0, cost=0.35)
+    dear = Option("cloud-http", "http", 0.15, 0.16, 5.0, 60_000, 1_000, 0.0, cost=0.5)
+    cheap = Option("cloud-mqtt", "mqtt", 0.15, 0.16, 5.0, 60_000, 1_000, 0.0, cost=0.2)
+    explored = Decision(dear, [local, dear], "explore", exploring=True)
+    assert not _warm_run_offloads(explored, 0.4)
+    assert _warm_run_offloads(Decision(dear, [local, dear], "least cost"), 0.4)
+    # Exploring one link while another is the least cost: the request uses the radio.
+    assert _warm_run_offloads(Decision(dear, [local, dear, cheap], "explore", exploring=True), 0.4)
+
+
 def test_a_first_request_reads_its_rate_from_the_wait_since_the_agent_began_serving():
     core = _core()
     core.begin("m", now=1.0, in_bytes=1000, connected={"http": True})
