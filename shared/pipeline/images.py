@@ -112,7 +112,12 @@ def _declared_size(data: bytes, fmt: str, target: Target) -> tuple[int, int]:
         width, height = _bomb_size(data)
     except Exception as exc:
         raise InvalidInput(f"{target.where}: not a readable {fmt.upper()} image: {exc}") from None
-    if width < 1 or height < 1 or width * height > target.max_pixels:
+    if width < 1 or height < 1:
+        raise InvalidInput(
+            f"{target.where}: not a readable {fmt.upper()} image: its header declares no "
+            f"size ({width}x{height}; cut short?)"
+        )
+    if width * height > target.max_pixels:
         raise InvalidInput(
             f"{target.where}: the image declares {width}x{height} pixels; this model accepts "
             f"at most {target.max_pixels:,} pixels per image (preprocess key 'max_pixels')"
@@ -291,16 +296,33 @@ def _pillow(
 # ---- resize and crop --------------------------------------------------------------------------
 
 _CV_INTERPOLATION = {"nearest": 0, "bilinear": 1, "bicubic": 2, "area": 3, "lanczos": 4}
+#: Pillow's Image.Resampling values by name (NEAREST 0, BOX 4, BILINEAR 2, BICUBIC 3,
+#: LANCZOS 1), so that Pillow is imported only where it resizes
+_PIL_RESAMPLE = {"nearest": 0, "bilinear": 2, "bicubic": 3, "area": 4, "lanczos": 1}
+
+
+#: a shorter-side resize bigger than this many crops resizes only the part the crop keeps
+CROP_FIRST = 8
 
 
 def _fit(pixels: np.ndarray, target: Target) -> np.ndarray:
-    """Resize (stretch, or shorter side then centre crop) to the target's size."""
+    """Resize (stretch, or shorter side then centre crop) to the target's size.
+
+    A shorter-side resize of a long strip would be huge (a 167-byte 30000x1
+    PNG to 256 pixels high is 7.7 million wide: gigabytes, seconds), so past
+    ``CROP_FIRST`` crops' worth only the crop's pixels are computed
+    (:func:`_crop_resized`): the same samples as resizing it all, to within
+    fixed-point rounding (area averaging with OpenCV: Pillow's box filter, as
+    the Pillow decoder resizes, within a grey level on photos)."""
     height, width = pixels.shape[:2]
     if target.resize == "shorter_side":
         side = target.shorter_side or max(target.height, target.width)
         factor = side / min(width, height)
         new_h = max(target.height, round(height * factor))
         new_w = max(target.width, round(width * factor))
+        crop = max(side * side, target.height * target.width)
+        if new_h * new_w > CROP_FIRST * crop:
+            return _crop_resized(pixels, new_h, new_w, target)
         pixels = _resize(pixels, new_h, new_w, target)
         top = (new_h - target.height) // 2
         left = (new_w - target.width) // 2
@@ -308,6 +330,41 @@ def _fit(pixels: np.ndarray, target: Target) -> np.ndarray:
     else:
         pixels = _resize(pixels, target.height, target.width, target)
     return pixels
+
+
+def _crop_resized(pixels: np.ndarray, new_h: int, new_w: int, target: Target) -> np.ndarray:
+    """The centre crop of ``pixels`` resized to (new_h, new_w), computed for the crop's
+    pixels alone (see ``_fit``).  OpenCV's affine warp samples where its resize
+    would (pixel centres mapped by the same scale; nearest: the same floor); Pillow
+    resizes the crop's box (a sub-pixel region, read with its filter's reach)
+    where OpenCV is not used, and for area averaging, which OpenCV cannot warp."""
+    height, width = pixels.shape[:2]
+    fx, fy = width / new_w, height / new_h  # source pixels per resized pixel
+    top, left = (new_h - target.height) // 2, (new_w - target.width) // 2
+    cv2 = _module("opencv") if target.decoder != "pillow" else None
+    if cv2 is not None and target.interpolation != "area":
+        if target.interpolation == "nearest":  # its resize takes floor(x * scale); the warp rounds
+            shift_x, shift_y = left * fx - 0.5 + 1e-6, top * fy - 0.5 + 1e-6
+        else:
+            shift_x, shift_y = (left + 0.5) * fx - 0.5, (top + 0.5) * fy - 0.5
+        to_source = np.array([[fx, 0.0, shift_x], [0.0, fy, shift_y]], np.float64)
+        out = cv2.warpAffine(
+            np.ascontiguousarray(pixels),
+            to_source,
+            (target.width, target.height),
+            flags=_CV_INTERPOLATION[target.interpolation] | cv2.WARP_INVERSE_MAP,
+            borderMode=cv2.BORDER_REPLICATE,
+        )
+        return out if out.ndim == 3 else out[:, :, None]
+    from PIL import Image
+
+    gray = pixels.shape[2] == 1
+    image = Image.fromarray(pixels[:, :, 0] if gray else np.ascontiguousarray(pixels))
+    box = (left * fx, top * fy, (left + target.width) * fx, (top + target.height) * fy)
+    out = np.asarray(
+        image.resize((target.width, target.height), _PIL_RESAMPLE[target.interpolation], box)
+    )
+    return out[:, :, None] if gray else out
 
 
 def _resize(pixels: np.ndarray, height: int, width: int, target: Target) -> np.ndarray:
@@ -323,13 +380,7 @@ def _resize(pixels: np.ndarray, height: int, width: int, target: Target) -> np.n
         return out if out.ndim == 3 else out[:, :, None]
     from PIL import Image
 
-    resample = {
-        "nearest": Image.Resampling.NEAREST,
-        "bilinear": Image.Resampling.BILINEAR,
-        "bicubic": Image.Resampling.BICUBIC,
-        "area": Image.Resampling.BOX,
-        "lanczos": Image.Resampling.LANCZOS,
-    }[target.interpolation]
+    resample = _PIL_RESAMPLE[target.interpolation]
     gray = pixels.shape[2] == 1
     image = Image.fromarray(pixels[:, :, 0] if gray else np.ascontiguousarray(pixels))
     out = np.asarray(image.resize((width, height), resample))

@@ -96,6 +96,50 @@ def test_a_declared_20000_by_20000_image_is_refused_before_any_pixel_is_allocate
     assert grown_kib < 100 * 1024  # 20000^2 RGB would be 1.1 GiB
 
 
+def test_a_long_strip_is_resized_only_where_the_crop_reads(monkeypatch) -> None:
+    # A 167-byte 30000x1 PNG resized whole to 256 high is 7.7 million pixels wide
+    # (gigabytes, seconds): only the part the centre crop keeps is resized.
+    sizes: list[tuple[int, int]] = []
+    resize = images._resize
+
+    def recorded(pixels, height, width, t):
+        sizes.append((height, width))
+        return resize(pixels, height, width, t)
+
+    monkeypatch.setattr(images, "_resize", recorded)
+    ways = [{}, {"interpolation": "area"}, {"decoder": "pillow"}]  # warped, or a box resized
+    for shape in [(1, 30_000, 3), (30_000, 1, 3)]:
+        data = encode(np.full(shape, 200, np.uint8), "PNG")
+        for way in ways:
+            out = images.decode(data, target(resize="shorter_side", shorter_side=72, **way))
+            assert out.shape == (64, 64, 3) and int(out.min()) == int(out.max()) == 200
+    assert all(h * w <= images.CROP_FIRST * 72 * 72 for h, w in sizes)
+
+
+def test_a_strip_resized_where_the_crop_reads_matches_the_whole_resize(monkeypatch) -> None:
+    y, x = np.mgrid[0:100, 0:1500]
+    smooth = np.stack(
+        [127 + 100 * np.sin(x / 37 + y / 23), 127 + 100 * np.cos(x / 53), 127 + 90 * np.sin(y / 9)],
+        axis=-1,
+    ).astype(np.uint8)
+    data = encode(smooth, "PNG")
+    t = target(resize="shorter_side", shorter_side=72)
+    area = target(resize="shorter_side", shorter_side=72, interpolation="area")
+    cut, cut_area = images.decode(data, t).astype(int), images.decode(data, area).astype(int)
+    monkeypatch.setattr(images, "CROP_FIRST", 10**9)
+    whole, whole_area = images.decode(data, t).astype(int), images.decode(data, area).astype(int)
+    assert np.abs(cut - whole).max() <= 1  # warped: the same samples, fixed-point rounding
+    assert np.abs(cut_area - whole_area).mean() < 3  # cut first: within a pixel at the cut
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_an_image_cut_inside_its_header_is_refused_as_unreadable(fmt: str) -> None:
+    data = encode(photo(), fmt)[:10]
+    with pytest.raises(InvalidInput, match="not a readable") as caught:
+        images.decode(data, target())
+    assert "max_pixels" not in str(caught.value)
+
+
 def test_a_decompression_bomb_past_pillows_own_limit_is_refused_with_its_size() -> None:
     data = png_declaring(60_000, 60_000)  # 3.6 Gpx: Pillow itself raises DecompressionBombError
     with pytest.raises(InvalidInput, match="60000x60000"):
