@@ -29,7 +29,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from cloud.batcher import DynamicBatcher
-from cloud.classification import requested_classes, top_k
 from cloud.idempotency import IdempotencyCache, fingerprint, idempotency_key, response_bytes
 from cloud.loading import (
     LONE_MIN_RUN_S,
@@ -40,7 +39,6 @@ from cloud.loading import (
     warm_up,
 )
 from cloud.stats import OTHER, ModelStats
-from cloud.validation import output_tensor, validated_inputs, validated_outputs
 from cloud.workers import NodeActivity
 from shared.errors import (
     FerryError,
@@ -51,6 +49,7 @@ from shared.errors import (
 )
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline import open_session
+from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import (
     ModelConfig,
     ModelRepository,
@@ -66,6 +65,7 @@ from shared.repository.capacity import (
     check_capacity,
     model_file_bytes,
 )
+from shared.repository.validation import output_tensor, validated_inputs, validated_outputs
 from shared.runtimes import Session
 from shared.runtimes.base import available_cpus
 from shared.tensors import Limits, Tensor

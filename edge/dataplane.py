@@ -42,7 +42,9 @@ from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
 from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotFound, ModelNotReady
 from shared.messages import InferRequest, InferResponse
+from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import triton_model_config, v2_model_metadata
+from shared.repository.validation import output_tensor, validated_inputs, validated_outputs
 from shared.runtimes.base import Cancel
 from shared.tensors import Tensor
 
@@ -418,15 +420,21 @@ class EdgeDataPlane:
         name = flow.mp.local_model
         assert name is not None
         local = self.local.get(name)
-        outputs, seconds = await self.local.run(
-            name, request.input_dict(), request.output_names(), cancel
-        )
-        names = request.output_names() or list(outputs)
-        specs = {t.name: t.datatype for t in local.config.outputs}
-        tensors = [
-            Tensor(n, specs[n], outputs[n]) if n in specs else Tensor.from_array(n, outputs[n])
-            for n in names
-        ]
+        config = local.config
+        # The cloud's checks and Triton's classification extension, on the local
+        # variant's own config: the same request gets the same answer or error here.
+        inputs = validated_inputs(config, request)
+        wanted = validated_outputs(config, request)
+        classes = requested_classes(config, request)
+        outputs, seconds = await self.local.run(name, inputs, wanted, cancel)
+        tensors = []
+        for n in wanted or list(outputs):
+            if classes and n in classes:
+                labels = getattr(local.session, "labels", {}).get(n)
+                strings = top_k(outputs[n], classes[n], bool(config.max_batch_size), labels)
+                tensors.append(Tensor(n, "BYTES", strings))
+            else:
+                tensors.append(output_tensor(n, outputs[n], config))
         return (
             InferResponse(
                 model_name=flow.model,

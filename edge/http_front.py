@@ -40,7 +40,13 @@ from shared.tokens import Tokens, bearer
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "deferred"]
+EXTENSIONS = [
+    "classification",
+    "binary_tensor_data",
+    "model_configuration",
+    "statistics",
+    "deferred",
+]
 
 
 def _json(data: Any, status: int = 200) -> Response:

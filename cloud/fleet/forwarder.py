@@ -25,7 +25,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from cloud.classification import requested_classes, top_k
 from cloud.fleet.view import FleetView
 from cloud.mqtt_front import FORWARDED, MqttFront
 from shared import envelope
@@ -33,6 +32,7 @@ from shared.errors import DeadlineExceeded, FerryError, ModelNotReady
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import reply_topic, request_topic
 from shared.mqtt.codec import PublishProperties
+from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import ModelConfig
 from shared.tensors import Limits, Tensor
 

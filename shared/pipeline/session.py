@@ -166,6 +166,8 @@ class PipelineSession:
             if not isinstance(item, bytes | bytearray):
                 raise InvalidInput(f"{image.target.where} item {i}: expected encoded image bytes")
             blobs.append(bytes(item))
+        if not blobs:
+            raise InvalidInput(f"{image.target.where}: no images (a batch of 0)")
         # the calling thread decodes the first image while the pool decodes the rest
         pool = decode_pool() if len(blobs) > 1 else None
         pending = [pool.submit(images.decode, b, image.target) for b in blobs[1:]] if pool else []

@@ -63,3 +63,57 @@ async def test_a_bad_image_sent_to_the_agent_is_an_invalid_input(
     async with Agent(load_agent_config(cfg)) as agent:
         with pytest.raises(InvalidInput, match="not a JPEG"):
             await agent.infer("pages", {"image": np.array([[b"text, not pixels"]], dtype=object)})
+
+
+async def test_an_empty_batch_or_one_over_the_local_max_is_refused_as_the_cloud_refuses_it(
+    tmp_path: Path, example_repository: Path
+) -> None:
+    cfg = agent_toml(tmp_path, example_repository, models=MODELS.format(mode="local"))
+    blob = orientation_jpegs(1, seed=3)[0][0]
+    async with Agent(load_agent_config(cfg)) as agent:
+        for rows in (0, 33):  # the local variant's max_batch_size is 32, as the cloud's
+            images = np.array([[blob]] * rows, dtype=object).reshape(rows, 1)
+            with pytest.raises(InvalidInput, match=r"batch dimension must be 1\.\.32"):
+                await agent.infer("pages", {"image": images})
+        # and the agent still answers
+        response = await agent.infer("pages", {"image": np.array([[blob]], dtype=object)})
+        assert response.parameters["where"] == "local"
+
+
+async def test_classification_is_answered_locally_as_the_cloud_answers_it(
+    tmp_path: Path, example_repository: Path, cloud
+) -> None:
+    from shared.messages import InferRequest, RequestedOutput
+    from shared.tensors import Tensor
+
+    blob = orientation_jpegs(1, seed=5, quality=80)[0][0]
+    asked = [RequestedOutput("fetch_name_0", parameters={"classification": 2})]
+    got = {}
+    for mode in ("local", "cloud"):
+        cfg = agent_toml(
+            tmp_path, example_repository, http=cloud.http_url, models=MODELS.format(mode=mode)
+        )
+        async with Agent(load_agent_config(cfg)) as agent:
+            image = Tensor("image", "BYTES", np.array([[blob]], dtype=object))
+            response = await agent.dataplane.infer(
+                "pages", InferRequest(inputs=[image], outputs=asked)
+            )
+            (out,) = response.outputs
+            assert out.datatype == "BYTES" and out.data.shape == (1, 2)
+            got[mode] = [s.split(b":")[1:] for s in out.data[0]]  # index and label
+            bad = [RequestedOutput("fetch_name_0", parameters={"classification": -1})]
+            with pytest.raises(InvalidInput, match="classification must be"):
+                await agent.dataplane.infer("pages", InferRequest(inputs=[image], outputs=bad))
+    assert got["local"][0] == got["cloud"][0]  # the same top class (int8 beside FP32)
+
+
+async def test_a_request_the_cloud_refuses_as_invalid_is_not_answered_by_a_local_fallback(
+    tmp_path: Path, example_repository: Path, cloud
+) -> None:
+    cfg = agent_toml(
+        tmp_path, example_repository, http=cloud.http_url, models=MODELS.format(mode="cloud")
+    )
+    blob = orientation_jpegs(1, seed=3)[0][0]
+    async with Agent(load_agent_config(cfg)) as agent:
+        with pytest.raises(InvalidInput, match=r"batch dimension must be 1\.\.32"):
+            await agent.infer("pages", {"image": np.array([[blob]] * 33, dtype=object)})

@@ -1,11 +1,11 @@
-"""Triton's classification format ("value:index") from cloud.classification.top_k."""
+"""Triton's classification format ("value:index") from shared.pipeline.classification.top_k."""
 
 from __future__ import annotations
 
 import numpy as np
 from ml_dtypes import bfloat16
 
-from cloud.classification import top_k
+from shared.pipeline.classification import top_k
 
 
 def test_batched_float_output_gives_top_k_per_item_largest_first():
