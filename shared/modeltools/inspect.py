@@ -43,6 +43,8 @@ def describe(path: Path) -> dict[str, Any]:
             f"cannot tell the backend of {path.name}; expected one of {sorted(SUFFIX_BACKENDS)}"
         )
     files = {path.name: path.stat().st_size}
+    if not files[path.name]:
+        raise InvalidInput(f"{path} is empty (0 bytes): not a model")
     info: dict[str, Any] = {"path": str(path), "backend": backend}
     if backend == "onnxruntime":
         info.update(_describe_onnx(path, files))
@@ -181,6 +183,9 @@ def _describe_onnx(path: Path, files: dict[str, int]) -> dict[str, Any]:
     except Exception as exc:  # the protobuf parser raises DecodeError and friends
         raise InvalidInput(f"{path.name} is not a readable ONNX model: {exc}") from exc
     graph = model.graph
+    if not graph.node and not graph.input and not graph.output:
+        # protobuf reads any few stray bytes as a message with nothing set
+        raise InvalidInput(f"{path.name} holds no ONNX graph (cut short, or not a model)")
     for init in graph.initializer:
         for entry in init.external_data:
             if entry.key == "location":

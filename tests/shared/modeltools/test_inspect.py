@@ -111,6 +111,16 @@ def test_unknown_and_missing_files_raise_clear_errors(tmp_path: Path) -> None:
         describe(tmp_path / "broken.onnx")
 
 
+def test_an_empty_or_graphless_file_is_not_described_as_a_model(tmp_path: Path) -> None:
+    # serve refuses to load these; inspect must not call them a valid model either
+    (tmp_path / "zero.onnx").write_bytes(b"")
+    with pytest.raises(InvalidInput, match="empty"):
+        describe(tmp_path / "zero.onnx")
+    (tmp_path / "stray.onnx").write_bytes(b"\x08\x07")  # ir_version 7 and nothing else
+    with pytest.raises(InvalidInput, match="no ONNX graph"):
+        describe(tmp_path / "stray.onnx")
+
+
 def test_a_zipmap_output_is_described_as_the_tensor_ferry_serves(tmp_path: Path) -> None:
     from tests.shared.runtimes.conftest import _zipmap
 
