@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable
@@ -41,6 +40,7 @@ from cloud.loading import (
 from cloud.stats import OTHER, ModelStats
 from cloud.workers import NodeActivity
 from shared.errors import (
+    DeadlineExceeded,
     FerryError,
     InvalidInput,
     ModelNotFound,
@@ -91,6 +91,20 @@ class LoadedModel:
 
     def all_sessions(self) -> list[Session]:
         return [*self.sessions, self.lone] if self.lone is not None else list(self.sessions)
+
+
+def with_timeout(params: dict[str, Any], start: float, deadline: float | None) -> float | None:
+    """``deadline`` tightened by the request's V2 ``timeout`` (microseconds from
+    ``start``; 0: none), which is checked."""
+    timeout_us = params.get("timeout")
+    if timeout_us is None:
+        return deadline
+    if type(timeout_us) is not int or timeout_us < 0:
+        raise InvalidInput(f"timeout must be a non-negative integer (us), got {timeout_us!r}")
+    if not timeout_us:
+        return deadline
+    until = start + timeout_us / 1e6
+    return until if deadline is None else min(deadline, until)
 
 
 class DataPlane:
@@ -521,11 +535,18 @@ class DataPlane:
                     f"model {name!r} moved away from node {self.node}; try again",
                     retry_after=0.05,
                 )
+            # the caller's V2 timeout bounds the wait for a home and the forward too
+            deadline = with_timeout(request.parameters, start, deadline)
             # placed but between homes (its node died, its new one is loading it): wait
             # for a node to serve it, here or elsewhere, within the deadline
-            give_up = min(deadline or math.inf, start + remote.handover_wait_s)
+            give_up = start + remote.handover_wait_s
             while not remote.hosted(name) and name not in self._models:
-                if time.monotonic() >= give_up or not remote.placed(name):
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise DeadlineExceeded(
+                        f"model {name!r} found no node to serve it within the deadline"
+                    )
+                if now >= give_up or not remote.placed(name):
                     raise ModelNotReady(
                         f"model {name!r} is being moved between nodes; try again",
                         retry_after=1.0,
@@ -547,15 +568,7 @@ class DataPlane:
             priority = params.get("priority")
             if priority is not None and (type(priority) is not int or priority < 0):
                 raise InvalidInput(f"priority must be a non-negative integer, got {priority!r}")
-            timeout_us = params.get("timeout")
-            if timeout_us is not None:
-                if type(timeout_us) is not int or timeout_us < 0:
-                    raise InvalidInput(
-                        f"timeout must be a non-negative integer (us), got {timeout_us!r}"
-                    )
-                if timeout_us:
-                    t_deadline = start + timeout_us / 1e6
-                    deadline = t_deadline if deadline is None else min(deadline, t_deadline)
+            deadline = with_timeout(params, start, deadline)
             key = idempotency_key(params) if "idempotency_key" in params else None
         except FerryError:
             model.stats.record_failure(int((time.monotonic() - start) * 1e9), OTHER)

@@ -128,3 +128,52 @@ def test_fleet_answers_every_request_through_node_death_join_and_controller_rest
         assert c.stats.answered == c.stats.sent > 20
     log = controller.output()
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_forwarded_http_request_keeps_its_v2_timeout_when_the_host_hangs(
+    tmp_path: Path, broker: Broker, example_repository: Path
+) -> None:
+    import signal
+    import urllib.error
+
+    from tests.fleet_lab import lab_input
+
+    repository = build_lab_repository(tmp_path / "repo", example_repository)
+    watch = FleetWatch(broker)
+    controller = start_controller(repository, broker)
+    nodes = {n: start_node(repository, broker, tmp_path, n) for n in ("n1", "n2")}
+    stopped = None
+    try:
+        watch.wait("every model hosted", lambda: all(watch.view.hosts(m) for m in MODELS), 60)
+        away = [(m, n) for n in nodes for m in MODELS if watch.hosts(m) == [n]]
+        assert away, {m: watch.hosts(m) for m in MODELS}
+        model, host = away[0]
+        asked = next(n for n in nodes if n != host)
+        name, shape, data = lab_input(model)
+        body = {
+            "inputs": [
+                {"name": name, "shape": shape, "datatype": "FP32", "data": data.ravel().tolist()}
+            ],
+            "parameters": {"timeout": 1_000_000},  # 1 s, in microseconds
+        }
+        stopped = nodes[host]
+        stopped.proc.send_signal(signal.SIGSTOP)  # hung: its connections stay open
+        request = urllib.request.Request(
+            f"{nodes[asked].http_url}/v2/models/{model}/infer",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        started = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=60)
+        took = time.monotonic() - started
+        assert caught.value.code == 504
+        assert json.load(caught.value)["code"] == "deadline_exceeded"
+        assert took < 10, took  # the forward's own limit (30 s) was what it waited before
+    finally:
+        if stopped is not None:
+            stopped.proc.send_signal(signal.SIGCONT)
+        controller.terminate()
+        for node in nodes.values():
+            node.terminate()
+        watch.close()
