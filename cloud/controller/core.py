@@ -186,6 +186,12 @@ class ControllerCore:
         self.planned_rates = {d.name: d.rate for d in demands}
         if old is not None and new.generation <= old.generation:
             new = _with_generation(new, old.generation + 1)
+        elif old is None:
+            # No placement retained (a broker that lost its store): the generations
+            # the nodes still follow say where the count was, and it only grows.
+            followed = max((s.following or 0 for s in self.view.online()), default=0)
+            if new.generation <= followed:
+                new = _with_generation(new, followed + 1)
         changes = moves(old or Placement(), new)
         self.current = new
         self.moves_total += len(changes)

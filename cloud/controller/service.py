@@ -139,7 +139,15 @@ class ControllerService(RoutedApp):
     def _on_connect(self) -> None:
         assert self._client is not None
         self._client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC)
-        self._client.publish(CONTROLLER_TOPIC, json.dumps({"state": "online"}).encode(), retain=True)
+        self._client.publish(
+            CONTROLLER_TOPIC, json.dumps({"state": "online"}).encode(), retain=True
+        )
+        current = self.core.current
+        if current is not None:
+            # Back from a broker that may have lost its retained messages (restarted
+            # without its store): the placement in force is retained again, so a node
+            # that restarts while this controller is down still finds it.
+            self._publish(PLACEMENT_TOPIC, json.dumps(current.to_dict()).encode())
 
     def _on_message(self, message: Publish) -> None:
         self._handle(message.topic, message.payload)

@@ -87,6 +87,15 @@ def test_a_restarted_controller_republishes_nothing_for_the_same_fleet() -> None
     assert again.current is not None and again.current.generation == step.placement.generation
 
 
+def test_a_controller_that_finds_no_placement_retained_counts_on_from_what_nodes_follow() -> None:
+    # a broker that lost its store: the nodes still follow generation 7
+    core = _core([_entry("a")])
+    for node in ("n1", "n2"):
+        core.on_status(node, {**_status(node, 50.0, {"a": 10}), "following": 7})
+    step = core.step(2.0)
+    assert step is not None and step.placement.generation == 8
+
+
 def test_a_measured_rate_far_above_the_plan_triggers_a_replacement_after_the_interval() -> None:
     core = _core([_entry("a", rate=1.0)])
     core.on_status("n1", _status("n1", 1.0, {"a": 0}))

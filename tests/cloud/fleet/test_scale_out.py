@@ -177,3 +177,30 @@ def test_a_forwarded_http_request_keeps_its_v2_timeout_when_the_host_hangs(
         for node in nodes.values():
             node.terminate()
         watch.close()
+
+
+def test_the_placement_is_retained_again_after_the_broker_loses_its_store(
+    tmp_path: Path, broker: Broker, example_repository: Path
+) -> None:
+    repository = build_lab_repository(tmp_path / "repo", example_repository)
+    watch = FleetWatch(broker)
+    controller = start_controller(repository, broker)
+    node = start_node(repository, broker, tmp_path, "n1")
+    after = None
+    try:
+        watch.wait("a placement", lambda: watch.view.placement is not None, 60)
+        generation = watch.generation()
+        watch.close()
+        broker.stop()
+        for stored in broker.workdir.glob("*.db"):
+            stored.unlink()  # a cold restart: no retained message survives
+        broker.start()
+        after = FleetWatch(broker)  # a node (re)starting now must find the placement
+        after.wait("the placement retained again", lambda: after.view.placement is not None, 30)
+        assert after.generation() is not None and generation is not None
+        assert after.generation() >= generation
+    finally:
+        controller.terminate()
+        node.terminate()
+        if after is not None:
+            after.close()
