@@ -151,9 +151,22 @@ class EdgeDataPlane:
         """The names an app may ask for: the policy file's, else the local models'."""
         return sorted(self.core.policy.config.models) or self.local.names()
 
+    def _known(self, name: str) -> None:
+        """ModelNotFound unless ``name`` is one of the policy's models or a local model.
+
+        Any other name would be offloaded under its own name, reported ready, and a
+        deferrable request for it kept pending until its time to live: a typo must be
+        a 404 here, as the cloud would answer it."""
+        if name not in self.core.policy.config.models and not self.local.has(name):
+            raise ModelNotFound(
+                f"unknown model {name!r}: not in the agent's [models] and no local model "
+                "of that name"
+            )
+
     def resolve(self, name: str, version: str | None = None) -> Any:
         """The loaded local variant serving ``name`` (checked against ``version``), or None
         for a model served by the cloud only; ModelNotFound for neither."""
+        self._known(name)
         mp = self.core.policy.model_policy(name)
         model = None
         if mp.local_model and self.local.has(mp.local_model):
@@ -238,6 +251,7 @@ class EdgeDataPlane:
         deferrable: bool = False,
     ) -> InferResponse:
         start = time.monotonic()
+        self._known(model)
         # The app's id is echoed back but never used inside: apps reuse ids
         # ("1"), and the MQTT correlation, the deferred store and the cloud's
         # idempotency cache all need one unique per request.

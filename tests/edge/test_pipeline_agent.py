@@ -117,3 +117,19 @@ async def test_a_request_the_cloud_refuses_as_invalid_is_not_answered_by_a_local
     async with Agent(load_agent_config(cfg)) as agent:
         with pytest.raises(InvalidInput, match=r"batch dimension must be 1\.\.32"):
             await agent.infer("pages", {"image": np.array([[blob]] * 33, dtype=object)})
+
+
+async def test_a_model_the_agent_does_not_know_is_not_found_not_offloaded_or_deferred(
+    tmp_path: Path, example_repository: Path, cloud
+) -> None:
+    from shared.errors import ModelNotFound
+
+    cfg = agent_toml(
+        tmp_path, example_repository, http=cloud.http_url, models=MODELS.format(mode="cost")
+    )
+    x = {"x": np.zeros((1, 3, 224, 224), np.float32)}
+    async with Agent(load_agent_config(cfg)) as agent:
+        assert not agent.dataplane.model_ready("nosuch")
+        for deferrable in (False, True):
+            with pytest.raises(ModelNotFound, match="unknown model 'nosuch'"):
+                await agent.infer("nosuch", x, deferrable=deferrable)
