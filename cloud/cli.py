@@ -76,11 +76,13 @@ def _serve(args: argparse.Namespace) -> int:
     from cloud.server import serve
 
     overrides = {
-        "repository": str(args.repository) if args.repository else None,
+        # (absolute: a relative path in the file is read from the file's folder, one given
+        #  here from the working directory)
+        "repository": str(args.repository.resolve()) if args.repository else None,
         "http.host": args.http_host,
         "http.port": args.http_port,
         "http.enabled": False if args.no_http else None,
-        "http.tokens_file": str(args.tokens_file) if args.tokens_file else None,
+        "http.tokens_file": str(args.tokens_file.resolve()) if args.tokens_file else None,
         "mqtt.url": args.mqtt,
         "node": args.node,
         "models": args.models.split(",") if args.models else None,

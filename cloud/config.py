@@ -174,6 +174,19 @@ def _non_negative(value: int, source: str, key: str) -> int:
     return value
 
 
+def _grace(value: float, source: str) -> float:
+    value = float(value)
+    if not value >= 0:  # also NaN
+        raise ConfigError(f"{source}: key 'shutdown_grace_s': expected a number >= 0, got {value}")
+    return value
+
+
+def _port(value: int, source: str, key: str) -> int:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{source}: key {key!r}: expected a port from 0 to 65535, got {value}")
+    return value
+
+
 def _positive(table: dict[str, Any], key: str, default: float, source: str) -> float:
     value = float(table.get(key, default))
     if not value > 0:
@@ -213,8 +226,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         tokens = http_data.get("tokens_file")
         http = HttpConfig(
             host=http_data.get("host", "127.0.0.1"),
-            port=http_data.get("port", 8000),
-            tokens_file=Path(tokens) if tokens else None,
+            port=_port(http_data.get("port", 8000), source, "http.port"),
+            tokens_file=(base / tokens) if tokens else None,
             open_metrics=http_data.get("open_metrics", False),
             header_timeout_s=_positive(http_data, "header_timeout_s", 10.0, source),
             body_timeout_s=_positive(http_data, "body_timeout_s", 60.0, source),
@@ -231,11 +244,13 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         if mqtt_data.get("username"):
             broker = replace(broker, username=mqtt_data["username"])
         if mqtt_data.get("password_file"):
-            secret = _read_secret(mqtt_data["password_file"], source, "mqtt.password_file")
+            secret = _read_secret(
+                str(base / mqtt_data["password_file"]), source, "mqtt.password_file"
+            )
             broker = replace(broker, password=secret)
 
         def opt_path(key: str) -> Path | None:
-            return Path(mqtt_data[key]) if mqtt_data.get(key) else None
+            return (base / mqtt_data[key]) if mqtt_data.get(key) else None
 
         if not broker.tls:
             for key in _TLS_KEYS:
@@ -261,7 +276,15 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
     for key in _NODE_LIMITS:
         if key in limits_data:
             node_limits[key] = _non_negative(limits_data[key], source, f"limits.{key}")
-    limits = Limits(**{k: v for k, v in limits_data.items() if k not in _NODE_LIMITS})
+    codec_limits = {}
+    for key, value in limits_data.items():
+        if key not in _NODE_LIMITS:
+            if value < 1:  # a 0 or negative bound would refuse every request
+                raise ConfigError(
+                    f"{source}: key 'limits.{key}': expected an integer >= 1, got {value}"
+                )
+            codec_limits[key] = value
+    limits = Limits(**codec_limits)
     ttl = float(data.get("idempotency_ttl_s", 600.0))
     if not ttl >= 0:  # also NaN
         raise ConfigError(f"{source}: key 'idempotency_ttl_s': expected a number >= 0, got {ttl}")
@@ -283,7 +306,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         http=http,
         mqtt=mqtt,
         limits=limits,
-        shutdown_grace_s=float(data.get("shutdown_grace_s", 30.0)),
+        shutdown_grace_s=_grace(data.get("shutdown_grace_s", 30.0), source),
         max_queue_size=node_limits.get("max_queue_size", DEFAULT_MAX_QUEUE_SIZE),
         max_inflight_mqtt=node_limits.get("max_inflight_mqtt", DEFAULT_MAX_INFLIGHT_MQTT),
         max_inflight_bytes=node_limits.get("max_inflight_bytes", DEFAULT_MAX_INFLIGHT_BYTES),

@@ -104,7 +104,13 @@ class Agent:
         """``journal``: keep that many of the decision flow's events (and decisions) in
         memory, to replay them (:func:`edge.core.flow.replay_journal`); 0 keeps none."""
         self.config = config
-        config.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            config.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file of that name, a read-only or virtual file system
+            raise ConfigError(
+                f"key 'state_dir': cannot use {config.state_dir} as the agent's state folder: "
+                f"{exc.strerror or exc}"
+            ) from None
         self.state_file = config.state_dir / "estimates.json"
         self.estimators = Estimators.load(
             self.state_file, time.monotonic(), config.policy.deadline_quantile

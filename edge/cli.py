@@ -62,12 +62,15 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     from edge.config import load_agent_config
     from edge.http_front import start_local_api
     from shared.aio.threads import favour_the_loop
+    from shared.errors import ConfigError
     from shared.tokens import load_tokens
 
     favour_the_loop()
 
     config = load_agent_config(config_path)
     if api_port is not None:
+        if not 0 <= api_port <= 65535:
+            raise ConfigError(f"--api-port: expected a port from 0 to 65535, got {api_port}")
         config = replace(config, api_port=api_port)
     tokens = load_tokens(config.api_tokens_file) if config.api_tokens_file else None
     agent = Agent(config)
@@ -82,7 +85,11 @@ async def _run(config_path: Path, api_port: int | None) -> int:
         f"transports={','.join(agent.transports) or '-'}",
     ]
     if config.api_port is not None:
-        server = await start_local_api(agent, config.api_host, config.api_port, tokens=tokens)
+        try:
+            server = await start_local_api(agent, config.api_host, config.api_port, tokens=tokens)
+        except FerryError:
+            await agent.stop()
+            raise
         parts.append(f"http=http://{config.api_host}:{server.port}")
     print("ferry-edge ready " + " ".join(parts), flush=True)
     await stop.wait()

@@ -40,7 +40,7 @@ from urllib.parse import unquote
 
 from shared.aio.eager import eager_future
 from shared.buffered import tail_for
-from shared.errors import FerryError
+from shared.errors import ConfigError, FerryError
 from shared.http.wire import CONTINUE, BodyPool, Head, HttpError, RequestParser, response_head
 
 log = logging.getLogger(__name__)
@@ -445,9 +445,13 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True
-        )
+        try:
+            self._server = await loop.create_server(
+                lambda: _Connection(self), host, port, reuse_address=True
+            )
+        except (OSError, OverflowError) as exc:  # in use, not this host's, out of range
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
         self._reaper = asyncio.create_task(self._reap_forever())
         return self.port
 

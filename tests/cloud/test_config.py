@@ -29,6 +29,11 @@ def test_command_line_overrides_the_file(tmp_path: Path):
         ("repository = \n", "not valid TOML"),
         ('repository = "r"\ninline_run_us = -5\n', "'inline_run_us'"),
         ('repository = "r"\ninline_run_us = 1e9\n', "'inline_run_us'"),
+        # a bound of 0 or less would refuse every request of a node that says it is ready
+        ('repository = "r"\n[limits]\nmax_body_bytes = -1\n', "'limits.max_body_bytes'"),
+        ('repository = "r"\n[limits]\nmax_elements = 0\n', "'limits.max_elements'"),
+        ('repository = "r"\n[http]\nport = 70000\n', "'http.port': expected a port"),
+        ('repository = "r"\nshutdown_grace_s = -1\n', "'shutdown_grace_s'"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str):
@@ -82,3 +87,20 @@ def test_negative_node_limit_is_an_error(tmp_path: Path):
     cfg.write_text('repository = "r"\n[limits]\nmax_queue_size = -1\n')
     with pytest.raises(ConfigError, match=r"'limits\.max_queue_size'"):
         load_config(cfg, {})
+
+
+def test_relative_secret_and_token_paths_are_read_from_the_config_files_folder(
+    tmp_path: Path, monkeypatch
+):
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    (folder / "pw.txt").write_text("secret\n")
+    cfg = folder / "cloud.toml"
+    cfg.write_text(
+        'repository = "r"\n[http]\ntokens_file = "tok.txt"\n'
+        '[mqtt]\nurl = "mqtt://127.0.0.1:1883"\npassword_file = "pw.txt"\nusername = "u"\n'
+    )
+    monkeypatch.chdir(tmp_path)  # elsewhere: the file's folder decides, as for repository
+    config = load_config(cfg, {})
+    assert config.http is not None and config.http.tokens_file == folder / "tok.txt"
+    assert config.mqtt is not None and config.mqtt.broker.password == "secret"

@@ -397,3 +397,14 @@ async def test_a_first_request_reads_its_rate_from_the_wait_since_the_agent_star
         await agent.infer("lin", {"x": np.zeros((1, 4), np.float32)})
         waited = time.monotonic() - agent.started_at
         assert 1.0 / waited <= core.rate_per_s("lin") <= 1.0 / 0.2
+
+
+def test_a_state_dir_that_cannot_be_a_folder_is_a_config_error_naming_the_key(
+    tmp_path, example_repository
+) -> None:
+    from shared.errors import ConfigError
+
+    cfg = agent_toml(tmp_path, example_repository)
+    (tmp_path / "state").write_text("a file where the folder should be")
+    with pytest.raises(ConfigError, match="key 'state_dir'"):
+        Agent(load_agent_config(cfg))

@@ -198,7 +198,9 @@ async def test_a_stop_finishes_running_requests_and_refuses_new_connections() ->
     app.gate.clear()
     server = await serve(app)
     port = server.port
-    slow = asyncio.create_task(exchange(port, b"POST /slow HTTP/1.1\r\nContent-Length: 1\r\n\r\ns", b"s!"))
+    slow = asyncio.create_task(
+        exchange(port, b"POST /slow HTTP/1.1\r\nContent-Length: 1\r\n\r\ns", b"s!")
+    )
     await asyncio.sleep(0.1)
     drain = asyncio.create_task(server.drain(time.monotonic() + 5))
     await asyncio.sleep(0.1)
@@ -232,3 +234,15 @@ def test_the_router_matches_templates_decodes_segments_and_says_405() -> None:
 def test_json_response_sets_its_content_type() -> None:
     response = json_response({"a": 1}, 201)
     assert response.status == 201 and ("Content-Type", "application/json") in response.headers
+
+
+async def test_a_port_in_use_or_out_of_range_is_a_config_error_not_a_traceback() -> None:
+    from shared.errors import ConfigError
+
+    first = await serve(Echo())
+    try:
+        for port in (first.port, 70000):
+            with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1"):
+                await HttpServer(Echo(), ServerOptions()).start("127.0.0.1", port)
+    finally:
+        await first.close()
