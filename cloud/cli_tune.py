@@ -10,6 +10,7 @@ is then 1.  Bad arguments are a ConfigError before anything is measured.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,8 @@ def _shapes(values: list[str]) -> dict[str, tuple[int, ...]] | None:
 def _check(args: argparse.Namespace) -> list[str] | None:
     from shared.runtimes import BACKENDS
 
-    if args.latency_ms <= 0 or args.duration_s <= 0:
-        raise ConfigError("--latency-ms and --duration-s must be positive")
+    if not (0 < args.latency_ms < math.inf and 0 < args.duration_s < math.inf):  # also NaN
+        raise ConfigError("--latency-ms and --duration-s must be positive and finite")
     for flag in ("max_threads", "max_batch"):
         value = getattr(args, flag)
         if value is not None and value < 1:

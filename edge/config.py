@@ -9,6 +9,7 @@ profile, a bad broker URL, an unreadable credentials file).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,8 +205,16 @@ def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
 def _policy(data: dict[str, Any], source: str) -> PolicyConfig:
     pol = data.get("policy", {})
     weights = Weights(**{k: float(v) for k, v in pol.get("weights", {}).items()})
-    if any(v < 0 for v in (weights.latency_s, weights.energy_j, weights.data_mb, weights.money)):
-        raise ConfigError(f"{source}: key 'policy.weights': weights must be non-negative")
+    for key, value in (
+        ("latency_s", weights.latency_s),
+        ("energy_j", weights.energy_j),
+        ("data_mb", weights.data_mb),
+        ("money", weights.money),
+    ):
+        if not 0 <= value < math.inf:  # also NaN
+            raise ConfigError(
+                f"{source}: key 'policy.weights.{key}': expected a finite number >= 0, got {value}"
+            )
     quantile = float(pol.get("deadline_quantile", 0.95))
     if not 0.5 <= quantile < 1:
         raise ConfigError(

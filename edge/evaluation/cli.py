@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import tomllib
 from dataclasses import replace
 from pathlib import Path
@@ -89,6 +90,16 @@ def _transports(spec: str | None, from_file: tuple[str, ...] | None) -> tuple[st
 
 def run_evaluate(args: argparse.Namespace) -> int:
     config = load_policy_file(args.policy)
+    if config.models and args.model not in config.models:
+        raise ConfigError(
+            f"--model: {args.model!r} is not in {args.policy}'s [models] "
+            f"({', '.join(sorted(config.models))})"
+        )
+    if not 0 <= args.miss_penalty < math.inf:  # also NaN
+        raise ConfigError(f"--miss-penalty: expected a finite number >= 0, got {args.miss_penalty}")
+    given = getattr(args, "probe_interval_s", None)
+    if given is not None and not 0 < given < math.inf:
+        raise ConfigError(f"--probe-interval-s: expected a number > 0, got {given}")
     workload = load_workload(args.workload)
     if args.seed is not None:
         workload = replace(workload, seed=args.seed)
@@ -108,7 +119,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         down_note = name
     file_transports, file_interval = _agent_file_settings(args.policy)
     transports = _transports(getattr(args, "transports", None), file_transports)
-    interval = getattr(args, "probe_interval_s", None) or file_interval or PROBE_INTERVAL_S
+    interval = given if given is not None else file_interval or PROBE_INTERVAL_S
     ev = evaluate(
         up=up,
         down=down,

@@ -9,6 +9,7 @@ real top-1 confidences (for the cascade baseline).
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -58,6 +59,10 @@ class Samples(NamedTuple):
 
 def measure(repository: Path, model: str, runs: int, threads: int = 0, seed: int = 0) -> Samples:
     """Latency samples (s) and top-1 confidences of ``model`` on batch-1 inputs."""
+    if runs < 1:
+        raise ConfigError(f"--runs: expected at least 1 timed run, got {runs}")
+    if threads < 0:
+        raise ConfigError(f"--threads: expected 0 (the runtime's default) or more, got {threads}")
     repo = ModelRepository(repository)
     config = repo.read_config(model)
     version = repo.selected_versions(model, config)[-1]
@@ -93,7 +98,7 @@ def write_profile(
 def read_profile(path: Path, speed_factor: float = 1.0) -> ComputeProfile:
     try:
         doc = json.loads(Path(path).read_text())
-        return ComputeProfile(
+        profile = ComputeProfile(
             local_s=tuple(float(x) for x in doc["local_s"]),
             cloud_s=tuple(float(x) for x in doc["cloud_s"]),
             confidences=tuple(float(x) for x in doc.get("confidences", ())),
@@ -102,3 +107,13 @@ def read_profile(path: Path, speed_factor: float = 1.0) -> ComputeProfile:
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path}: not a compute profile ({exc})") from None
+    for key in ("local_s", "cloud_s"):
+        samples = getattr(profile, key)
+        if not samples or not all(0 < x < math.inf for x in samples):  # also NaN
+            raise ConfigError(
+                f"{path}: key {key!r}: expected one or more finite run times > 0 s, "
+                f"got {list(samples)[:5]}{' ...' if len(samples) > 5 else ''}"
+            )
+    if not all(0 <= c <= 1 for c in profile.confidences):
+        raise ConfigError(f"{path}: key 'confidences': expected values from 0 to 1")
+    return profile

@@ -50,6 +50,10 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+#: a start offset past this (a year) would leave the clock no sub-millisecond precision
+MAX_START_OFFSET_S = 365 * 86400.0
+
+
 class _Link:
     """One direction's bottleneck: a token schedule that follows the trace.
 
@@ -226,8 +230,13 @@ class LinkEmulator:
         loop: bool = True,
         start_offset_s: float = 0.0,
     ) -> None:
-        if delay_ms < 0:
-            raise ConfigError(f"delay_ms must be >= 0, got {delay_ms}")
+        if not 0 <= delay_ms < math.inf:  # also NaN
+            raise ConfigError(f"delay_ms must be a finite number >= 0, got {delay_ms}")
+        if not 0 <= start_offset_s <= MAX_START_OFFSET_S:
+            raise ConfigError(
+                f"start_offset_s must be 0..{MAX_START_OFFSET_S:g} s (the trace loops), "
+                f"got {start_offset_s}"
+            )
         self.listen, self.target = listen, target
         self.delay_s = delay_ms / 1000.0
         self._clock = _Clock(start_offset_s)

@@ -165,7 +165,11 @@ def read_mahimahi(path: Path) -> Trace:
         values = _scan_mahimahi(path, lines)
     if values.size == 0:
         raise ConfigError(f"{path}: empty trace (expected one millisecond timestamp per line)")
-    return Trace(path.name, values, max(int(values[-1]), 1))
+    if values[-1] <= 0:  # mahimahi's mm-link refuses it too: its period would be 0
+        raise ConfigError(
+            f"{path}: the trace must last a nonzero time (its last timestamp is 0 ms)"
+        )
+    return Trace(path.name, values, int(values[-1]))
 
 
 def _scan_mahimahi(path: Path, lines: list[str]) -> np.ndarray:

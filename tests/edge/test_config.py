@@ -27,6 +27,8 @@ def test_the_shipped_example_agent_config_parses():
             "unknown key 'policy.weights.latency'",
         ),
         ('repository = "r"\n[models.m]\nmode = "fast"\n', "'models.m.mode'"),
+        ('repository = "r"\n[policy.weights]\nenergy_j = nan\n', "'policy.weights.energy_j'"),
+        ('repository = "r"\n[policy.weights]\nlatency_s = inf\n', "'policy.weights.latency_s'"),
         ('repository = "r"\n[models.m]\nmode = "local"\n', "'models.m.local'"),
         (
             'repository = "r"\n[models.m]\nlocal = "a"\ntransports = ["carrier-pigeon"]\n',

@@ -258,3 +258,25 @@ def test_bad_workload_key_is_a_clear_error(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "unknown key 'counts'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"--model": "nosuch"}, "--model: 'nosuch' is not in"),
+        ({"--miss-penalty": "-5"}, "--miss-penalty"),
+        ({"--probe-interval-s": "0"}, "--probe-interval-s"),
+    ],
+)
+def test_evaluate_refuses_a_model_the_policy_lacks_and_nonsense_numbers(
+    tmp_path, change: dict, message: str
+):
+    args = _inputs(tmp_path)
+    for flag, value in change.items():
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    proc = _cli(*args, "--up", "steady:5")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

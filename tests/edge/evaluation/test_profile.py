@@ -40,3 +40,15 @@ def test_a_profile_records_the_samples_and_that_the_local_run_can_be_cancelled(
     del doc["local_cancellable"]
     out.write_text(json.dumps(doc))
     assert not read_profile(out).local_cancellable
+
+
+def test_a_profile_without_usable_run_times_is_refused_naming_the_key(tmp_path) -> None:
+    import pytest
+
+    from shared.errors import ConfigError
+
+    for local, key in (([], "local_s"), ([float("nan")], "local_s"), ([-1.0, 0.0], "local_s")):
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({"local_s": local, "cloud_s": [0.1]}))
+        with pytest.raises(ConfigError, match=key):
+            read_profile(path)

@@ -359,3 +359,20 @@ async def test_command_line_reports_a_missing_trace_clearly() -> None:
     _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2
     assert b"/nonexistent/trace.up" in err and b"no such file" in err
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"delay_ms": float("nan")}, "delay_ms"),
+        ({"delay_ms": -1.0}, "delay_ms"),
+        ({"start_offset_s": 1e30}, "start_offset_s"),
+        ({"start_offset_s": -5.0}, "start_offset_s"),
+    ],
+)
+def test_nonsense_timing_is_refused_not_run(kw: dict, message: str) -> None:
+    from edge.netem.traces import steady
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        LinkEmulator((HOST, 0), (HOST, 1), steady(10, 10), **kw)

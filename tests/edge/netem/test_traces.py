@@ -299,3 +299,12 @@ def test_trace_spec_names_a_file_or_a_synthetic_trace(tmp_path: Path) -> None:
         trace_from_spec("/nonexistent/x.up")
     with pytest.raises(ConfigError, match="bad synthetic"):
         trace_from_spec("steady:fast")
+
+
+def test_a_trace_whose_every_timestamp_is_zero_is_refused_as_mahimahi_refuses_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "zeros.up"
+    path.write_text("0\n" * 100)  # read as 1,200 Mbps over 1 ms before
+    with pytest.raises(ConfigError, match="nonzero time"):
+        read_mahimahi(path)
