@@ -293,6 +293,15 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
             raise ConfigError(
                 f"{source}: key 'cloud.http': expected an http:// or https:// URL, got {http_url!r}"
             )
+    if cloud.get("key_file") and not cloud.get("cert_file"):
+        raise ConfigError(f"{source}: key 'cloud.key_file': needs cloud.cert_file as well")
+    secure = (mqtt_url or "").startswith("mqtts://") or (http_url or "").startswith("https://")
+    for key in ("ca_file", "cert_file", "key_file", "tls_insecure"):
+        if cloud.get(key) and not secure:
+            raise ConfigError(
+                f"{source}: key 'cloud.{key}': TLS options need an mqtts:// or https:// "
+                "endpoint, but every endpoint is plain"
+            )
     token = cloud.get("token_file")
     password = cloud.get("password_file")
     return CloudEndpoints(

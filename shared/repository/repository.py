@@ -225,6 +225,7 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
     file_in = [TensorSpec(t.name, t.datatype, tuple(t.dims[strip:])) for t in session.inputs]
     file_out = [TensorSpec(t.name, t.datatype, tuple(t.dims[strip:])) for t in session.outputs]
     note = " (batch dimension left out)" if strip else ""
+    _check_stage_names(config, session, where)
     inputs = _merge(config.inputs, file_in, "input", where, note, exhaustive=True)
     outputs = _merge(config.outputs, file_out, "output", where, note, exhaustive=False)
     if (
@@ -244,6 +245,26 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
         inputs=inputs,
         outputs=outputs,
     )
+
+
+def _check_stage_names(config: ModelConfig, session: Session, where: str) -> None:
+    """A [[preprocess]] or [[postprocess]] name the declared tensors do not carry is
+    that stage's mistake: said so, rather than as a declared tensor the file lacks."""
+    declared_in = sorted(t.name for t in config.inputs)
+    for i, stage in enumerate(config.preprocess):
+        if declared_in and stage.input not in declared_in:
+            raise ConfigError(
+                f"{where}: key 'preprocess[{i}].input': {stage.input!r} is not one of the "
+                f"declared [[input]] names {declared_in}"
+            )
+    declared_out = {t.name for t in config.outputs}
+    unmatched = sorted(declared_out - {t.name for t in session.outputs})
+    for i, stage in enumerate(config.postprocess):
+        if unmatched and stage.name not in declared_out:
+            raise ConfigError(
+                f"{where}: key 'postprocess[{i}].name': {stage.name!r} is not one of the "
+                f"declared [[output]] names; the declared {unmatched} match no output"
+            )
 
 
 def _merge(

@@ -28,6 +28,14 @@ def test_the_shipped_example_agent_config_parses():
         ),
         ('repository = "r"\n[models.m]\nmode = "fast"\n', "'models.m.mode'"),
         ('repository = "r"\n[policy.weights]\nenergy_j = nan\n', "'policy.weights.energy_j'"),
+        (
+            'repository = "r"\n[cloud]\nhttp = "http://127.0.0.1:8000"\ntls_insecure = true\n',
+            "'cloud.tls_insecure': TLS options need",
+        ),
+        (
+            'repository = "r"\n[cloud]\nhttp = "https://127.0.0.1:8000"\nkey_file = "k.pem"\n',
+            "'cloud.key_file': needs cloud.cert_file",
+        ),
         ('repository = "r"\n[policy.weights]\nlatency_s = inf\n', "'policy.weights.latency_s'"),
         ('repository = "r"\n[models.m]\nmode = "local"\n', "'models.m.local'"),
         (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +195,24 @@ def test_the_pipeline_output_always_matches_the_model_input_shape_and_dtype(
         {"FP32": np.float32, "FP16": np.float16, "UINT8": np.uint8}[datatype]
     )
     assert session.run(feed)["y"].shape == expected
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ('input = "image"', 'input = "nosuch"', "preprocess[0].input"),
+        ('name = "angle"', 'name = "rotation"', "postprocess[0].name"),
+    ],
+)
+def test_a_stage_name_the_declared_tensors_lack_is_blamed_on_the_stage(
+    tmp_path: Path, example_repository: Path, old: str, new: str, key: str
+) -> None:
+    import shutil
+
+    shutil.copytree(example_repository / "orientation-int8-jpeg", tmp_path / "m")
+    config = tmp_path / "m" / "config.toml"
+    text = config.read_text()
+    assert old in text
+    config.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError, match=re.escape(f"key '{key}'")):
+        open_model(tmp_path, "m")
