@@ -104,6 +104,8 @@ class Agent:
         """``journal``: keep that many of the decision flow's events (and decisions) in
         memory, to replay them (:func:`edge.core.flow.replay_journal`); 0 keeps none."""
         self.config = config
+        if not config.repository.is_dir():
+            raise ConfigError(f"key 'repository': {config.repository} is not a folder")
         try:
             config.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a file of that name, a read-only or virtual file system

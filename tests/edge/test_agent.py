@@ -408,3 +408,13 @@ def test_a_state_dir_that_cannot_be_a_folder_is_a_config_error_naming_the_key(
     (tmp_path / "state").write_text("a file where the folder should be")
     with pytest.raises(ConfigError, match="key 'state_dir'"):
         Agent(load_agent_config(cfg))
+
+
+def test_a_repository_that_is_not_a_folder_is_a_config_error_naming_the_key(
+    tmp_path, example_repository
+) -> None:
+    from shared.errors import ConfigError
+
+    cfg = agent_toml(tmp_path, tmp_path / "nope")
+    with pytest.raises(ConfigError, match="key 'repository'"):
+        Agent(load_agent_config(cfg))
