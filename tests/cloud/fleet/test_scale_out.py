@@ -34,13 +34,21 @@ def _ready_everywhere(node_url: str, model: str) -> bool:
         return False
 
 
+def _lab(tmp_path: Path, broker: Broker, example: Path, names: tuple[str, ...]):
+    """The lab's models, a controller and ``names`` nodes following it, and a watch."""
+    repository = build_lab_repository(tmp_path / "repo", example)
+    watch = FleetWatch(broker)
+    controller = start_controller(repository, broker)
+    nodes = {n: start_node(repository, broker, tmp_path, n) for n in names}
+    return repository, watch, controller, nodes
+
+
 def test_fleet_answers_every_request_through_node_death_join_and_controller_restart(
     tmp_path: Path, broker: Broker, example_repository: Path
 ) -> None:
-    repository = build_lab_repository(tmp_path / "repo", example_repository)
-    watch = FleetWatch(broker)
-    controller = start_controller(repository, broker)
-    nodes = {n: start_node(repository, broker, tmp_path, n) for n in ("n1", "n2", "n3")}
+    repository, watch, controller, nodes = _lab(
+        tmp_path, broker, example_repository, ("n1", "n2", "n3")
+    )
     clients: list[HttpClient | MqttClient] = []
     try:
         watch.wait(
@@ -138,10 +146,7 @@ def test_a_forwarded_http_request_keeps_its_v2_timeout_when_the_host_hangs(
 
     from tests.fleet_lab import lab_input
 
-    repository = build_lab_repository(tmp_path / "repo", example_repository)
-    watch = FleetWatch(broker)
-    controller = start_controller(repository, broker)
-    nodes = {n: start_node(repository, broker, tmp_path, n) for n in ("n1", "n2")}
+    _, watch, controller, nodes = _lab(tmp_path, broker, example_repository, ("n1", "n2"))
     stopped = None
     try:
         watch.wait("every model hosted", lambda: all(watch.view.hosts(m) for m in MODELS), 60)
@@ -182,10 +187,8 @@ def test_a_forwarded_http_request_keeps_its_v2_timeout_when_the_host_hangs(
 def test_the_placement_is_retained_again_after_the_broker_loses_its_store(
     tmp_path: Path, broker: Broker, example_repository: Path
 ) -> None:
-    repository = build_lab_repository(tmp_path / "repo", example_repository)
-    watch = FleetWatch(broker)
-    controller = start_controller(repository, broker)
-    node = start_node(repository, broker, tmp_path, "n1")
+    _, watch, controller, nodes = _lab(tmp_path, broker, example_repository, ("n1",))
+    node = nodes["n1"]
     after = None
     try:
         watch.wait("a placement", lambda: watch.view.placement is not None, 60)
