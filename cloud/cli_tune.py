@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shared.configcheck import writable_file, writable_folder
 from shared.errors import ConfigError, FerryError
 
 
@@ -83,6 +84,9 @@ def run_tune_command(args: argparse.Namespace) -> int:
 
     backends = _check(args)
     shapes = _shapes(args.shape)
+    writable_file(args.out, "--out")  # before the sweep, not after it
+    if args.report:
+        writable_folder(args.report, "--report")
     repository = ModelRepository(args.repository)
     names = repository.model_names()
     if args.models:

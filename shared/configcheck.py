@@ -6,6 +6,7 @@ reads the same way everywhere: file, dotted key, what was expected.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,26 @@ def check_keys(data: dict[str, Any], schema: dict[str, Any], source: str, prefix
             )
         else:
             _no_nul(value, source, dotted)
+
+
+def writable_folder(path: Path, flag: str) -> Path:
+    """``path`` as a folder outputs can be written to (made if missing), checked before
+    the work that fills it: a long run must not end in a traceback at its last step."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot make the folder {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag}: the folder {path} is not writable")
+    return path
+
+
+def writable_file(path: Path, flag: str) -> Path:
+    """``path`` as a file that can be written (its folder made if missing), checked
+    before the work (see :func:`writable_folder`)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag}: {path} is a folder; give a file name")
+    writable_folder(path.parent if str(path.parent) else Path("."), flag)
+    return path

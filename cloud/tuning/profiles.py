@@ -158,7 +158,11 @@ def write_profiles(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # no stray half of an atomic write
+        raise
 
 
 def read_document(path: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from edge.evaluation.profile import measure, read_profile, write_profile
 from edge.evaluation.report import plots, table
 from edge.evaluation.workload import load_workload
 from edge.netem.traces import Trace, steady, trace_from_spec
+from shared.configcheck import writable_file, writable_folder
 from shared.errors import ConfigError
 
 __all__ = ["add_evaluate_arguments", "load_workload", "run_evaluate", "run_profile"]
@@ -117,6 +118,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
         name = f"steady:{link.down_mbps:g} (link profile {link.name!r}, no --down)"
         down = steady(link.down_mbps, up.period_ms / 1000.0, name=name)
         down_note = name
+    if args.out:
+        writable_folder(args.out, "--out")  # before the replay, not after it
     file_transports, file_interval = _agent_file_settings(args.policy)
     transports = _transports(getattr(args, "transports", None), file_transports)
     interval = given if given is not None else file_interval or PROBE_INTERVAL_S
@@ -150,6 +153,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    writable_file(args.out, "--out")  # before the runs, not after them
     local = measure(args.repository, args.local_model, args.runs, threads=args.threads)
     cloud = measure(args.cloud_repository or args.repository, args.cloud_model, args.runs)
     write_profile(

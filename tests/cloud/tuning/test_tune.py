@@ -252,3 +252,18 @@ def test_on_a_gpu_node_tensorrt_is_listed_with_why_it_was_not_tried(repo: Path) 
     assert lin.skipped["tensorrt"].startswith("not in [placement] backends")
     # a CPU node does not pad every model's table with a backend it can never run
     assert "tensorrt" not in plan_model(repository, "text", cores=2).skipped
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_sweep(
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "already-a-folder"
+    folder.mkdir()
+    assert _tune(repo, folder, "--models", "lin") == 2
+    assert "--out" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.tmp"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert _tune(repo, tmp_path / "p.json", "--models", "lin", "--report", str(blocker / "r")) == 2
+    assert "--report" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -280,3 +280,11 @@ def test_evaluate_refuses_a_model_the_policy_lacks_and_nonsense_numbers(
     proc = _cli(*args, "--up", "steady:5")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_replay(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = _cli(*_inputs(tmp_path), "--up", "steady:5", "--out", str(blocker / "report"))
+    assert proc.returncode == 2 and "--out" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
