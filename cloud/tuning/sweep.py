@@ -224,6 +224,11 @@ def measure_model(
                 if shapes is None and any(d < 0 for s in config.inputs for d in s.dims):
                     note = "dynamic input dims measured as 1 (--shape gives real ones)"
                     result.notes = sorted({*result.notes, note})
+                unused = sorted(set(shapes or ()) - {s.name for s in config.inputs})
+                if unused:  # a typo must not pass for a measured shape
+                    names = sorted(s.name for s in config.inputs)
+                    note = f"--shape {unused} names no input of this model (its inputs: {names})"
+                    result.notes = sorted({*result.notes, note})
                 for threads in target.threads:
                     progress(f"{plan.name} {target.backend} {threads}t", 0)
                     result.trials.append(sweep.trial(target, path, config, threads))

@@ -267,3 +267,14 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_sweep(
     assert _tune(repo, tmp_path / "p.json", "--models", "lin", "--report", str(blocker / "r")) == 2
     assert "--report" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_shape_for_an_input_the_model_lacks_is_noted_not_passed_off_as_measured(
+    repo: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "p.json"
+    assert (
+        _tune(repo, out, "--models", "lin", "--backends", "onnxruntime", "--shape", "nosuch:4") == 0
+    )
+    notes = json.loads(out.read_text())["models"]["lin"]["notes"]
+    assert any("--shape ['nosuch'] names no input" in n for n in notes), notes
