@@ -192,11 +192,15 @@ class EdgeDataPlane:
         return {**triton_model_config(model.config), "name": name}
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
+        """A local variant is loaded, or (cloud-only) a transport could take it now."""
         try:
-            self.resolve(name, version)
+            model = self.resolve(name, version)
         except FerryError:
             return False
-        return True
+        if model is not None:
+            return True
+        cloud_model = self.core.policy.model_policy(name).cloud_model
+        return any(self.usable(time.monotonic(), cloud_model).values())
 
     def repository_index(self) -> list[dict[str, str]]:
         entries = []

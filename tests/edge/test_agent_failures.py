@@ -344,3 +344,25 @@ async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another
     finally:
         await hole.close()
         node.kill()
+
+
+async def test_a_cloud_only_model_is_ready_only_while_a_node_serves_it(
+    tmp_path, edge_repos, broker
+):
+    node = cloud_server(edge_repos[0], "--node", "mqtt-node", "--mqtt", broker.url).start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        mqtt=broker.url,
+        models='[models.c]\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            mqtt = agent.transports["mqtt"]
+            await _until_serves(mqtt, True)
+            assert agent.dataplane.model_ready("c")
+            node.kill()  # the broker publishes the node's last will
+            await _until_serves(mqtt, False)
+            assert not agent.dataplane.model_ready("c")  # no route: not ready
+    finally:
+        node.kill()
