@@ -22,6 +22,14 @@ SLOW_DEVICE = "[emulation]\nlocal_latency_ms = 400\n"
 X = np.ones((1, 4), np.float32)
 
 
+def _over_mqtt(tmp_path, edge_repos, broker, node: str, models: str, extra: str = ""):
+    """A cloud node on ``broker`` serving the first repository, and an agent config that
+    reaches it over MQTT with ``models``."""
+    started = cloud_server(edge_repos[0], "--node", node, "--mqtt", broker.url).start()
+    cfg = agent_toml(tmp_path, edge_repos[1], mqtt=broker.url, models=models, extra=extra)
+    return started, cfg
+
+
 @pytest.fixture(scope="module")
 def cloud(edge_repos):
     proc = cloud_server(edge_repos[0], "--node", "failures").start()
@@ -177,13 +185,13 @@ async def test_killing_the_cloud_mid_request_is_answered_locally_in_time(tmp_pat
 async def test_a_dead_node_behind_a_live_broker_sends_work_local_without_waiting(
     tmp_path, edge_repos, broker
 ):
-    node = cloud_server(edge_repos[0], "--node", "mqtt-node", "--mqtt", broker.url).start()
-    cfg = agent_toml(
+    node, cfg = _over_mqtt(
         tmp_path,
-        edge_repos[1],
-        mqtt=broker.url,
-        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n',
-        extra=SLOW_DEVICE,
+        edge_repos,
+        broker,
+        "mqtt-node",
+        '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n',
+        SLOW_DEVICE,
     )
     try:
         async with Agent(load_agent_config(cfg)) as agent:
@@ -222,12 +230,12 @@ async def test_two_requests_with_the_same_client_id_get_their_own_answers(
     from shared.messages import InferRequest
     from shared.tensors import Tensor
 
-    node = cloud_server(edge_repos[0], "--node", "ids", "--mqtt", broker.url).start()
-    cfg = agent_toml(
+    node, cfg = _over_mqtt(
         tmp_path,
-        edge_repos[1],
-        mqtt=broker.url,
-        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
+        edge_repos,
+        broker,
+        "ids",
+        '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
     )
     try:
         async with Agent(load_agent_config(cfg)) as agent:
@@ -349,12 +357,8 @@ async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another
 async def test_a_cloud_only_model_is_ready_only_while_a_node_serves_it(
     tmp_path, edge_repos, broker
 ):
-    node = cloud_server(edge_repos[0], "--node", "mqtt-node", "--mqtt", broker.url).start()
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        mqtt=broker.url,
-        models='[models.c]\ncloud = "lin"\nmode = "cloud"\n',
+    node, cfg = _over_mqtt(
+        tmp_path, edge_repos, broker, "mqtt-node", '[models.c]\ncloud = "lin"\nmode = "cloud"\n'
     )
     try:
         async with Agent(load_agent_config(cfg)) as agent:
