@@ -101,5 +101,5 @@ def writable_file(path: Path, flag: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{flag}: {path} is a folder; give a file name")
-    writable_folder(path.parent if str(path.parent) else Path("."), flag)
+    writable_folder(path.parent, flag)  # (Path("x").parent is ".")
     return path
