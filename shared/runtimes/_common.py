@@ -56,7 +56,8 @@ def check_inputs(
             )
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
-        checked[spec.name] = np.ascontiguousarray(array)
+        # np.require, not np.ascontiguousarray: that one makes a scalar (rank 0) a [1]
+        checked[spec.name] = np.require(array, requirements="C")
     return checked
 
 

@@ -65,6 +65,18 @@ def mlp_onnx(tmp_path: Path) -> Model:
 
 
 @pytest.fixture
+def scalar_onnx(tmp_path: Path) -> Model:
+    """``y = x + x`` on a rank-0 FP32 ``x`` (a sample rate, a threshold): y is rank 0 too."""
+    path = _save(
+        tmp_path / "scalar.onnx",
+        [helper.make_node("Add", ["x", "x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+    )
+    return Model(path, lambda x: {"y": x + x})
+
+
+@pytest.fixture
 def conv_onnx(tmp_path: Path) -> Model:
     """A 3x3 Conv (padding 1) + Relu on NCHW ``x [N, 3, 8, 8]`` -> ``y [N, 2, 8, 8]``."""
     rng = np.random.default_rng(11)

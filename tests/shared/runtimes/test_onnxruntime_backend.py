@@ -48,6 +48,14 @@ def test_conv_nchw_matches_numpy(conv_onnx, batch: int) -> None:
     np.testing.assert_allclose(out["y"], conv_onnx.reference(x)["y"], rtol=1e-4, atol=1e-4)
 
 
+def test_a_scalar_input_keeps_rank_0_through_the_run(scalar_onnx) -> None:
+    session = load(scalar_onnx.path, RuntimeOptions(threads=1))
+    assert session.inputs[0].dims == ()
+    out = session.run({"x": np.array(3.5, dtype=np.float32)})
+    assert out["y"].shape == ()
+    assert out["y"] == np.float32(7.0)
+
+
 def test_only_the_requested_outputs_come_back(mlp_onnx) -> None:
     session = load(mlp_onnx.path, ONE_THREAD)
     x = np.ones((2, 4), np.float32)

@@ -54,6 +54,15 @@ def test_mlp_matches_numpy_for_any_batch_size(mlp_file: Path, mlp_onnx) -> None:
             np.testing.assert_allclose(out[name], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_scalar_input_keeps_rank_0_in_both_formats(scalar_onnx, tmp_path: Path) -> None:
+    # a [1] in its place is refused by OpenVINO: "model input (shape=[]) ... incompatible"
+    for path in (scalar_onnx.path, _to_ir(scalar_onnx.path, tmp_path / "ir")):
+        session = load(path, EXACT)
+        out = session.run({"x": np.array(3.5, dtype=np.float32)})
+        assert out["y"].shape == ()
+        assert out["y"] == np.float32(7.0)
+
+
 def test_conv_nchw_matches_numpy_with_f32_precision(conv_onnx) -> None:
     session = load(conv_onnx.path, EXACT)
     for batch in (1, 4):
