@@ -96,6 +96,7 @@ class DynamicBatcher:
         inline_us: float = 0.0,
         lone: Session | None = None,
         activity: NodeActivity | None = None,
+        oversize_alone: bool = False,
     ) -> None:
         if not sessions:
             raise ConfigError(f"model {model!r} version {version}: no sessions to run batches on")
@@ -105,6 +106,8 @@ class DynamicBatcher:
         self._max_bs = max(0, int(max_batch_size))
         self._stats = stats
         self._merge = policy is not None and self._max_bs > 0
+        # an inferred max_batch_size bounds merged batches only (ModelConfig)
+        self._oversize_alone = oversize_alone
         self._delay_ns = int(policy.max_queue_delay_us) * 1000 if policy else 0
         self._preferred = sorted(
             {p for p in (policy.preferred_batch_sizes if policy else ()) if 0 < p <= self._max_bs},
@@ -279,6 +282,8 @@ class DynamicBatcher:
                 )
             n = rows
         if not 1 <= n <= self._max_bs:
+            if self._oversize_alone and n >= 0:
+                return n, None  # runs alone: a key no other request shares
             raise InvalidInput(
                 f"{self._name()}: batch dimension {n} is outside 1..{self._max_bs} (max_batch_size)"
             )
@@ -373,7 +378,7 @@ class DynamicBatcher:
                     continue
                 if first is None:
                     first = req
-                    if not self._merge:
+                    if not self._merge or req.key is None:
                         return [req], None
                 elif req.key != first.key:
                     continue  # cannot be concatenated: waits for a later batch

@@ -289,6 +289,7 @@ class DataPlane:
             inline_us=self.inline_run_us,
             lone=lone,
             activity=self.activity,
+            oversize_alone=vconfig.max_batch_size_inferred,
         )
         log.info(
             "model %s version %s: %d session(s) x %d thread(s)%s, ~%d KiB",

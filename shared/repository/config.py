@@ -141,6 +141,10 @@ class ModelConfig:
     Before :func:`complete_config`, ``backend`` and ``max_batch_size`` may be
     None and the tensors empty (the file will tell).  When ``max_batch_size``
     is above 0 the tensor dims leave out the batch dimension.
+    ``max_batch_size_inferred``: the config left it out and the file's dynamic
+    first dimensions gave it.  It then bounds only the batches Ferry merges:
+    a request of any size the runtime accepts runs (alone, when above it), as a
+    time-major ``[T, F]`` input that looks batched must not be capped at 32 steps.
     """
 
     name: str
@@ -156,6 +160,7 @@ class ModelConfig:
     preprocess: tuple[ImageInput, ...] = ()
     postprocess: tuple[OutputStage, ...] = ()
     source: Path | None = None
+    max_batch_size_inferred: bool = False
 
 
 # ---- config.toml -------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
 
     ``max_batch_size`` left out becomes :data:`DEFAULT_MAX_BATCH_SIZE` when
     every input and output of the file has a dynamic (-1) first dimension,
-    else 0.  Declared inputs must match the file's exactly (names, datatypes,
+    else 0 (inferred: a bound on merged batches, not on requests).  Declared inputs must match the file's exactly (names, datatypes,
     fixed dims); declared outputs may be a subset (the rest stay hidden).
     """
     where = str(config.source) if config.source else f"model {config.name!r}"
@@ -207,6 +207,7 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
         )
     found = list(session.inputs) + list(session.outputs)
     max_batch_size = config.max_batch_size
+    inferred = max_batch_size is None
     if max_batch_size is None:
         batchable = bool(found) and all(t.dims and t.dims[0] == -1 for t in found)
         preferred = config.dynamic_batching.preferred_batch_sizes if config.dynamic_batching else ()
@@ -244,6 +245,7 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
         max_batch_size=max_batch_size,
         inputs=inputs,
         outputs=outputs,
+        max_batch_size_inferred=inferred and max_batch_size > 0,
     )
 
 

@@ -37,7 +37,12 @@ def validated_inputs(config: ModelConfig, request: InferRequest) -> dict[str, np
             )
         shape = tensor.shape
         if config.max_batch_size:
-            if not shape or not 1 <= shape[0] <= config.max_batch_size:
+            if config.max_batch_size_inferred:  # any size the runtime takes (see ModelConfig)
+                if not shape:
+                    raise InvalidInput(
+                        f"input {tensor.name!r}: expected a first (batch) dimension, got a scalar"
+                    )
+            elif not shape or not 1 <= shape[0] <= config.max_batch_size:
                 raise InvalidInput(
                     f"input {tensor.name!r}: batch dimension must be 1..{config.max_batch_size}, "
                     f"got shape {list(shape)}"

@@ -247,3 +247,36 @@ async def test_a_failed_hot_reload_keeps_the_old_version_serving_and_the_node_re
     response = await dp.infer("b", _request(np.ones((1, 4), np.float32)))
     assert response.outputs[0].data.shape == (1, 3)
     await dp.close()
+
+
+async def test_an_inferred_batch_limit_bounds_merged_batches_not_requests(tmp_path):
+    # A [?, 4] input with no config: the first dim may be time steps, not a batch, and
+    # ONNX Runtime takes any length; a declared max_batch_size is a limit on requests.
+    w, b = write_linear_model(tmp_path / "bare" / "1" / "model.onnx", seed=5)
+    write_linear_model(tmp_path / "merged" / "1" / "model.onnx", seed=5)
+    (tmp_path / "merged" / "config.toml").write_text(
+        "[dynamic_batching]\nmax_queue_delay_us = 20000\npreferred_batch_sizes = [4]\n"
+    )
+    write_linear_model(tmp_path / "declared" / "1" / "model.onnx", seed=5)
+    (tmp_path / "declared" / "config.toml").write_text("max_batch_size = 8\n")
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    for name in ("bare", "merged", "declared"):
+        await dp.load(name)
+    assert dp.get("bare").config.max_batch_size == 32
+    x = np.random.default_rng(0).random((40, 4), dtype=np.float32)
+    for name in ("bare", "merged"):
+        out = await dp.infer(name, _request(x))
+        np.testing.assert_allclose(out.outputs[0].data, linear_reference(x, w, b), rtol=1e-5)
+    empty = await dp.infer("bare", _request(np.ones((0, 4), np.float32)))
+    assert empty.outputs[0].shape == (0, 3)
+    # with dynamic batching the long request runs alone; the short ones still merge
+    small = [np.full((1, 4), i, np.float32) for i in range(6)]
+    results = await asyncio.gather(
+        *(dp.infer("merged", _request(s)) for s in small), dp.infer("merged", _request(x))
+    )
+    for s, r in zip(small, results, strict=False):
+        np.testing.assert_allclose(r.outputs[0].data, linear_reference(s, w, b), rtol=1e-5)
+    assert results[-1].outputs[0].shape == (40, 3)
+    with pytest.raises(InvalidInput, match=r"batch dimension must be 1\.\.8"):
+        await dp.infer("declared", _request(x))
+    await dp.close()
