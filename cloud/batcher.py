@@ -121,6 +121,7 @@ class DynamicBatcher:
         dpl = int(policy.default_priority_level) if policy else 0
         self._default_level = dpl if 1 <= dpl <= self._levels else self._levels
         self._timeout_ns = int(policy.default_timeout_us) * 1000 if policy else 0
+        self._override = policy.allow_timeout_override if policy else True
 
         # A lone request on an idle model that runs in under ``inline_us`` runs on the
         # loop: the hand-off to a worker and back would cost more than the run.
@@ -234,7 +235,9 @@ class DynamicBatcher:
                 retry_after=self._retry_after(),
             )
         deadline_ns = None if deadline is None else int(deadline * 1e9)
-        if self._timeout_ns:
+        if self._timeout_ns and (deadline_ns is None or not self._override):
+            # the model's default timeout: for requests without their own, or (override
+            # off) the sooner of the two, as Triton's allow_timeout_override
             limit = arrival + self._timeout_ns
             deadline_ns = limit if deadline_ns is None else min(deadline_ns, limit)
         if deadline_ns is not None and deadline_ns <= arrival:
@@ -291,12 +294,12 @@ class DynamicBatcher:
         return n, key if len(key) == 1 else tuple(sorted(key))
 
     def _level(self, priority: int | None) -> int:
-        if not self._priorities or not priority:  # None or 0: the default level
+        if priority is not None and priority < 0:
+            raise InvalidInput(f"{self._name()}: priority {priority} is negative (1 = highest)")
+        if not self._priorities or not priority or priority > self._levels:
+            # None, 0 or past the model's levels: the default level, as in Triton (a client
+            # sends one priority to models with different numbers of levels)
             return self._default_level - 1
-        if not 1 <= priority <= self._levels:
-            raise InvalidInput(
-                f"{self._name()}: priority {priority} is outside 1..{self._levels} (1 = highest)"
-            )
         return priority - 1
 
     def _retry_after(self) -> float:

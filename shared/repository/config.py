@@ -56,6 +56,9 @@ class DynamicBatching:
     priority_levels: int = 1
     default_priority_level: int = 1
     default_timeout_us: int = 0
+    #: a request's own deadline replaces ``default_timeout_us`` (Triton's
+    #: ``allow_timeout_override``); false: the sooner of the two applies
+    allow_timeout_override: bool = True
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ _BATCHING = (  # preferred_batch_sizes first: the others are integers
     "priority_levels",
     "default_priority_level",
     "default_timeout_us",
+    "allow_timeout_override",
 )
 
 
@@ -281,11 +285,18 @@ def _tensors(value: object, source: str, key: str) -> tuple[TensorSpec, ...]:
 def _batching(value: object, source: str) -> DynamicBatching:
     t = check_table(value, source, "dynamic_batching", _BATCHING)
     k = "dynamic_batching."
-    ints = {f: check_int(t[f], source, k + f) for f in _BATCHING[1:] if f in t}
+    ints = {f: check_int(t[f], source, k + f) for f in _BATCHING[1:-1] if f in t}
     preferred = check_int_list(
         t.get("preferred_batch_sizes", []), source, k + "preferred_batch_sizes", 1
     )
-    batching = DynamicBatching(preferred_batch_sizes=tuple(sorted(set(preferred))), **ints)
+    override = check_bool(
+        t.get("allow_timeout_override", True), source, k + "allow_timeout_override"
+    )
+    batching = DynamicBatching(
+        preferred_batch_sizes=tuple(sorted(set(preferred))),
+        allow_timeout_override=override,
+        **ints,
+    )
     levels, default = batching.priority_levels, batching.default_priority_level
     if levels > 0 and not 1 <= default <= levels:
         fail(source, k + "default_priority_level", f"a level from 1 to {levels}", default)

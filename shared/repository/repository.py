@@ -27,6 +27,7 @@ from shared.repository.config import (
     parse_config,
 )
 from shared.repository.legacy import parse_legacy_config
+from shared.repository.pbtxt import TRITON_CONFIG_FILE, parse_triton_config
 from shared.runtimes import BACKENDS, MODEL_FILES
 from shared.runtimes.base import Session, TensorSpec
 
@@ -84,7 +85,7 @@ class ModelRepository:
     def _is_model(self, folder: Path) -> bool:
         if not folder.is_dir():
             return False
-        if (folder / CONFIG_FILE).is_file() or (folder / LEGACY_CONFIG_FILE).is_file():
+        if any((folder / f).is_file() for f in (CONFIG_FILE, LEGACY_CONFIG_FILE, TRITON_CONFIG_FILE)):
             return True
         return any(_is_version(p) for p in folder.iterdir())
 
@@ -110,12 +111,15 @@ class ModelRepository:
         return folder
 
     def read_config(self, name: str) -> ModelConfig:
-        """``config.toml``, else ``config.txt`` (dl_inference), else all defaults."""
+        """``config.toml``, else ``config.txt`` (dl_inference), else ``config.pbtxt``
+        (Triton), else all defaults."""
         folder = self.model_dir(name)
         if (folder / CONFIG_FILE).is_file():
             return parse_config(folder / CONFIG_FILE, name)
         if (folder / LEGACY_CONFIG_FILE).is_file():
             return parse_legacy_config(folder / LEGACY_CONFIG_FILE, name)
+        if (folder / TRITON_CONFIG_FILE).is_file():
+            return parse_triton_config(folder / TRITON_CONFIG_FILE, name)
         return ModelConfig(name=name)
 
     # ---- versions ------------------------------------------------------------------------

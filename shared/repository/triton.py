@@ -70,7 +70,7 @@ def triton_model_config(config: ModelConfig, platform_hint: str | None = None) -
             "default_queue_policy": {
                 "timeout_action": "REJECT",
                 "default_timeout_microseconds": batching.default_timeout_us,
-                "allow_timeout_override": True,
+                "allow_timeout_override": batching.allow_timeout_override,
                 "max_queue_size": batching.max_queue_size,
             },
         }

@@ -278,6 +278,29 @@ async def test_default_timeout_applies_to_requests_without_a_deadline(linear):
     await batcher.stop()
 
 
+@pytest.mark.parametrize("override", [True, False])
+async def test_a_request_deadline_replaces_the_default_timeout_when_override_is_allowed(
+    linear, override
+):
+    gated = GatedSession(linear)
+    batcher = await started(
+        gated, policy_=policy(default_timeout_us=50_000, allow_timeout_override=override)
+    )
+    first = await hold_first(batcher, gated, {"x": xs(1)})
+    waiting = asyncio.create_task(batcher.infer({"x": xs(1)}, deadline=time.monotonic() + 30))
+    if override:
+        await asyncio.sleep(0.15)  # past the 50 ms default, well within its own 30 s
+        assert not waiting.done()
+    else:  # the sooner of the two: expired in the queue while the first still runs
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(waiting, timeout=5)
+    gated.gate.set()
+    await first
+    if override:
+        await waiting
+    await batcher.stop()
+
+
 async def test_full_queue_rejects_with_overloaded_and_retry_after(linear):
     gated = GatedSession(linear)
     stats = ModelStats("m", 1)
@@ -349,8 +372,10 @@ async def test_high_priority_request_runs_before_queued_low_priority_ones(linear
     gated.gate.set()
     await asyncio.gather(first, high, *lows)
     assert [float(s[0, 0]) for s in gated.seen] == [0, 9, 1, 2, 3]
+    # past the model's levels: the default level, as in Triton; a negative one is refused
+    await batcher.infer({"x": xs(1)}, priority=3)
     with pytest.raises(InvalidInput):
-        await batcher.infer({"x": xs(1)}, priority=3)
+        await batcher.infer({"x": xs(1)}, priority=-1)
     await batcher.stop()
 
 

@@ -280,3 +280,27 @@ async def test_an_inferred_batch_limit_bounds_merged_batches_not_requests(tmp_pa
     with pytest.raises(InvalidInput, match=r"batch dimension must be 1\.\.8"):
         await dp.infer("declared", _request(x))
     await dp.close()
+
+
+async def test_a_triton_repository_serves_its_config_pbtxt_versions_and_labels(tmp_path):
+    write_softmax_model(tmp_path / "sm" / "1" / "model.onnx")
+    write_softmax_model(tmp_path / "sm" / "2" / "model.onnx")
+    (tmp_path / "sm" / "labels.txt").write_text("cat\ndog\nbird\nfish\n")
+    (tmp_path / "sm" / "config.pbtxt").write_text(
+        'name: "sm"\nbackend: "onnxruntime"\nmax_batch_size: 4\n'
+        "version_policy: { all { } }\n"
+        'output [ { name: "probs" data_type: TYPE_FP32 dims: [ 4 ] label_filename: "labels.txt" } ]\n'
+        "dynamic_batching { }\n"
+    )
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    await dp.load("sm")
+    x = np.array([[0.0, 3.0, 1.0, 2.0]], np.float32)
+    for version in ("1", "2"):
+        req = _request(x)
+        req.model_version = version
+        req.outputs = [RequestedOutput("probs", parameters={"classification": 1})]
+        out = (await dp.infer("sm", req)).outputs[0]
+        assert out.data.tolist()[0][0].endswith(b":1:dog")
+    with pytest.raises(InvalidInput, match=r"batch dimension must be 1\.\.4"):
+        await dp.infer("sm", _request(np.ones((5, 4), np.float32)))
+    await dp.close()

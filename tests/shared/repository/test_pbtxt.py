@@ -1,0 +1,165 @@
+"""Triton's ``config.pbtxt``: a Triton repository serves with the settings it declares."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from shared.errors import ConfigError
+from shared.repository import ModelRepository, complete_config
+from shared.repository.config import DynamicBatching, InstanceGroup, VersionPolicy
+from shared.repository.pbtxt import parse_text_proto, parse_triton_config
+from shared.runtimes.base import TensorSpec
+from tests.shared.repository import open_session, write_identity_model
+
+# As a Triton user writes it: comments, both list forms, tuning blocks Ferry has no use for.
+SIMPLE = """
+name: "simple"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+version_policy: { specific: { versions: [1, 3] } }
+input [
+  {
+    name: "x"
+    data_type: TYPE_FP32
+    dims: [ 3 ]
+  },
+  { name: "mask", data_type: TYPE_BOOL, dims: [2] }
+]
+output [
+  { name: "x_out"  data_type: TYPE_FP32 dims: [ 3 ] label_filename: "labels.txt" },
+  { name: "mask_out" data_type: TYPE_BOOL dims: [ 2 ] }
+]
+dynamic_batching {
+  preferred_batch_size: [ 4, 8 ]
+  max_queue_delay_microseconds: 100   # Triton's default is 0
+  priority_levels: 2
+  default_priority_level: 2
+  default_queue_policy {
+    timeout_action: REJECT
+    default_timeout_microseconds: 5000000
+    allow_timeout_override: false
+    max_queue_size: 16
+  }
+}
+instance_group [ { count: 2 kind: KIND_CPU }, { count: 1, kind: KIND_CPU } ]
+optimization { execution_accelerators { cpu_execution_accelerator: [ { name: "openvino" } ] } }
+model_warmup [ { name: "zeros" batch_size: 1 inputs { key: "x" value: { data_type: TYPE_FP32
+  dims: [3] zero_data: true } } } ]
+parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+"""
+
+
+def write(root: Path, name: str, text: str, versions=(1,)) -> Path:
+    for v in versions:
+        write_identity_model(
+            root / name / str(v) / "model.onnx",
+            [("x", "FP32", ["N", 3]), ("mask", "BOOL", ["N", 2])],
+        )
+    path = root / name / "config.pbtxt"
+    path.write_text(text)
+    return path
+
+
+def test_a_triton_config_is_read_with_every_setting_ferry_has(tmp_path: Path, caplog) -> None:
+    path = write(tmp_path, "simple", SIMPLE, versions=(1, 2, 3))
+    with caplog.at_level(logging.WARNING):
+        config = ModelRepository(tmp_path).read_config("simple")
+    assert config.source == path
+    assert config.backend == "onnxruntime" and config.max_batch_size == 8
+    assert config.inputs == (TensorSpec("x", "FP32", (3,)), TensorSpec("mask", "BOOL", (2,)))
+    assert [t.name for t in config.outputs] == ["x_out", "mask_out"]
+    assert config.dynamic_batching == DynamicBatching(
+        max_queue_delay_us=100,
+        preferred_batch_sizes=(4, 8),
+        max_queue_size=16,
+        priority_levels=2,
+        default_priority_level=2,
+        default_timeout_us=5_000_000,
+        allow_timeout_override=False,
+    )
+    assert config.instance_group == InstanceGroup(count=3, kind="cpu")
+    assert config.version_policy == VersionPolicy(latest=None, specific=(1, 3))
+    assert ModelRepository(tmp_path).selected_versions("simple", config) == [1, 3]
+    assert [(p.output, p.labels) for p in config.postprocess] == [("x_out", "labels.txt")]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for ignored in ("optimization", "model_warmup", "parameters"):
+        assert ignored in warned
+    session = open_session(tmp_path / "simple" / "3" / "model.onnx")
+    assert complete_config(config, session).max_batch_size == 8
+    session.close()
+
+
+def test_version_policies_and_no_batching_map_to_ferry_keys(tmp_path: Path) -> None:
+    repo = ModelRepository(tmp_path)
+    write(
+        tmp_path,
+        "latest2",
+        "max_batch_size: 0\nversion_policy { latest { num_versions: 2 } }\n",
+        (1, 2, 3),
+    )
+    write(tmp_path, "all", "version_policy: { all: {} }\n", (1, 2, 3))
+    latest = repo.read_config("latest2")
+    assert latest.max_batch_size == 0
+    assert repo.selected_versions("latest2", latest) == [2, 3]
+    assert repo.selected_versions("all", repo.read_config("all")) == [1, 2, 3]
+    assert repo.model_names() == ["all", "latest2"]
+
+
+def test_the_text_format_reads_as_protobuf_does() -> None:
+    fields = parse_text_proto(
+        """
+        # a comment
+        a: 1 a: 2            # a repeated scalar, and the list form below
+        b: [3, 4]
+        s: "x\\"y" 'z'       # escapes; adjacent strings concatenate
+        m < k: true f: -1.5e3 h: 0x10 >
+        e: KIND_GPU;
+        """,
+        "t",
+    )
+    assert fields == {
+        "a": [1, 2],
+        "b": [3, 4],
+        "s": ['x"yz'],
+        "m": [{"k": [True], "f": [-1500.0], "h": [16]}],
+        "e": ["KIND_GPU"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("sequence_batching { }", "sequence batching"),
+        ("ensemble_scheduling { step [] }", "ensembles"),
+        (
+            'input [ { name: "x" data_type: TYPE_FP32 dims: [3] reshape { shape: [1, 3] } } ]',
+            "reshape",
+        ),
+        ('name: "other"', "not the folder's name"),
+        ('platform: "tensorflow_savedmodel"', "not a runtime Ferry runs"),
+        ("max_batch_sise: 8", "unknown field"),
+        ("dynamic_batching { default_queue_policy { timeout_action: DELAY } }", "timeout_action"),
+        ("model_transaction_policy { decoupled: true }", "decoupled"),
+        ("dynamic_batching { max_queue_delay_microseconds: 100", "not closed"),
+        ("max_batch_size 8", "expected ':' or '{'"),
+        ('input [ { name: "x" dims: [3] } ]', r"input\[0\]\.data_type' is required"),
+        ("instance_group [ { kind: KIND_CPU }, { kind: KIND_GPU } ]", "one kind"),
+        ("max_batch_size: -1", "max_batch_size"),
+    ],
+)
+def test_what_ferry_cannot_honour_is_refused_naming_the_file(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, "m", text)
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_triton_config(path, "m")
+    assert str(path) in str(err.value)
+
+
+def test_a_config_toml_beside_the_pbtxt_wins(tmp_path: Path) -> None:
+    write(tmp_path, "m", "max_batch_size: 8\n")
+    (tmp_path / "m" / "config.toml").write_text("max_batch_size = 4\n")
+    assert ModelRepository(tmp_path).read_config("m").max_batch_size == 4
