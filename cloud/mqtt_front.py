@@ -49,7 +49,13 @@ from shared.mqtt import (
     shared_request_topic,
     status_topic,
 )
-from shared.mqtt.codec import Publish, PublishProperties, Will, topic_matches
+from shared.mqtt.codec import (
+    Publish,
+    PublishProperties,
+    Will,
+    topic_matches,
+    topic_name_problem,
+)
 from shared.tensors import Limits
 from shared.tls import client_tls_context
 
@@ -121,6 +127,7 @@ class MqttFront:
         self.received = 0  # requests the broker delivered
         self.replies_sent = 0
         self.refused = 0
+        self.bad_reply_topics = 0  # requests whose Response Topic no one may publish to
 
     # ---- lifecycle --------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> None:
@@ -255,10 +262,28 @@ class MqttFront:
         """Answer without decoding the tensors."""
         self.refused += 1
         props = message.properties
-        if not props.response_topic:
+        if not self._replyable(message):
             return
         request_id = envelope.peek_request_id(message.payload) or ""
         self._reply(props, envelope.encode_error_reply(request_id, error))
+
+    def _replyable(self, message: Publish) -> bool:
+        """Whether a reply can go to the request's Response Topic (logged when not)."""
+        topic = message.properties.response_topic
+        if not topic:
+            return False
+        problem = topic_name_problem(topic)
+        if problem is not None:
+            self.bad_reply_topics += 1
+            log.warning(
+                "request on %s names Response Topic %r, which %s: not served, no reply "
+                "(a PUBLISH there would get this node disconnected)",
+                message.topic,
+                topic[:200],
+                problem.removeprefix("it "),
+            )
+            return False
+        return True
 
     def _reply(self, props: PublishProperties, payload: bytes) -> None:
         if self._client is not None and props.response_topic:
@@ -372,6 +397,8 @@ class MqttFront:
     async def _answer(self, message: Publish, received: float, model: str | None) -> None:
         props = message.properties
         response_topic = props.response_topic
+        if response_topic and not self._replyable(message):
+            return
         expiry = props.message_expiry
         deadline = received + expiry if expiry else None
         payload = message.payload

@@ -327,6 +327,29 @@ def encode_connect(
     return _fixed(CONNECT << 4, len(body)) + body
 
 
+def topic_name_problem(topic: str) -> str | None:
+    """Why ``topic`` is no topic to publish to, or None (MQTT 5 section 4.7.3).
+
+    A PUBLISH to a wildcard, an empty or a NUL-bearing topic is a protocol
+    error the broker answers by disconnecting the sender: a client-chosen
+    Response Topic must be checked before a reply goes to it, or one bad
+    request takes a node (and every request it holds) off the broker.
+    """
+    if not topic:
+        return "it is empty"
+    if "+" in topic or "#" in topic:
+        return "it holds a wildcard ('+' or '#')"
+    if "\x00" in topic:
+        return "it holds a NUL character"
+    if len(topic.encode("utf-8", "surrogatepass")) > 0xFFFF:
+        return "it is longer than 65,535 bytes"
+    try:
+        topic.encode("utf-8")
+    except UnicodeEncodeError:
+        return "it is not valid UTF-8"
+    return None
+
+
 def publish_header(
     topic: str,
     payload_length: int,
@@ -340,6 +363,9 @@ def publish_header(
     """Everything of a PUBLISH but its payload, which the caller writes after it as is."""
     if qos not in (0, 1, 2):
         raise ValueError(f"QoS {qos}")
+    problem = topic_name_problem(topic)
+    if problem is not None:  # the broker would disconnect us for it
+        raise ValueError(f"cannot publish to topic {topic[:200]!r}: {problem}")
     variable = _string(topic)
     if qos:
         if not packet_id:

@@ -191,14 +191,20 @@ class RawClient:
             self.replies.setdefault(correlation, []).append((now, result))
 
     def publish(
-        self, model: str, x: np.ndarray, *, expiry: int = 30, parameters: dict | None = None
+        self,
+        model: str,
+        x: np.ndarray,
+        *,
+        expiry: int = 30,
+        parameters: dict | None = None,
+        reply_topic: str | None = None,
     ) -> bytes:
         rid = uuid.uuid4().hex
         req = InferRequest(
             inputs=[Tensor.from_array("x", x)], id=rid, parameters=dict(parameters or {})
         )
         props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = self.reply_topic
+        props.ResponseTopic = reply_topic or self.reply_topic
         props.CorrelationData = rid.encode()
         props.MessageExpiryInterval = expiry
         self.client.publish(
@@ -255,6 +261,31 @@ def test_message_expiry_becomes_a_deadline_error_reply(broker, tmp_path):
             kinds.append("ok")
     # 60 runs of 40-100 ms (by the machine) cannot all fit in the 1 s expiry
     assert kinds[0] == "ok" and "deadline" in kinds
+
+
+def test_a_wildcard_response_topic_is_not_published_to_and_the_node_stays_connected(
+    broker, tmp_path
+):
+    """A PUBLISH to a wildcard is a protocol error: the broker would disconnect the node and
+    every request it held would go unanswered.  The bad request is dropped, logged."""
+    node = _slow_node(broker, build_slow_repository(tmp_path / "repo"))
+    raw = RawClient(broker)
+    try:
+        x = np.ones((1, 4), np.float32)
+        sent = [raw.publish("slow", x * (i + 1)) for i in range(6)]
+        for bad in ("ferry/v1/replies/+/x", "ferry/v1/replies/#"):
+            raw.publish("slow", x, reply_topic=bad)
+        sent += [raw.publish("slow", x * (i + 7)) for i in range(6)]
+        raw.wait_replies(sent, timeout=30)
+    finally:
+        raw.close()
+        node.terminate()
+    for i, c in enumerate(sent):
+        (_, result), *more = raw.replies[c]
+        assert not more
+        np.testing.assert_allclose(result.outputs[0].data, np.full((1, 4), i + 1))
+    log = node.output()
+    assert "wildcard" in log and "broker disconnected us" not in log
 
 
 def test_flood_beyond_the_in_flight_cap_gets_overloaded_replies_with_a_retry_hint(broker, tmp_path):

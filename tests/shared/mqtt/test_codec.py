@@ -172,3 +172,21 @@ def test_random_bytes_never_raise_anything_but_malformed_packet(first: int, body
 )
 def test_topic_filters_match_as_the_specification_says(pattern, topic, matches) -> None:
     assert codec.topic_matches(pattern, topic) is matches
+
+
+@pytest.mark.parametrize(
+    ("topic", "problem"),
+    [
+        ("ferry/v1/replies/+/x", "wildcard"),
+        ("ferry/v1/replies/#", "wildcard"),
+        ("", "empty"),
+        ("a\x00b", "NUL"),
+        ("t" * 65_536, "65,535"),
+    ],
+)
+def test_no_publish_goes_to_a_topic_the_broker_would_disconnect_us_for(topic, problem) -> None:
+    assert problem in (codec.topic_name_problem(topic) or "")
+    with pytest.raises(ValueError, match=problem):
+        codec.publish_header(topic, 0)
+    assert codec.topic_name_problem("ferry/v1/replies/edge-7") is None
+    assert codec.topic_name_problem("$share/g/x") is None
