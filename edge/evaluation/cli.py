@@ -33,7 +33,11 @@ def add_evaluate_arguments(ev: argparse.ArgumentParser) -> None:
     """The options of ``ferry-edge evaluate`` (edge/cli.py builds the parser)."""
     ev.add_argument("--policy", type=Path, required=True, help="agent.toml or a policy-only TOML")
     ev.add_argument("--device", default="raspberry-pi-4b", help="device profile name or TOML")
-    ev.add_argument("--link", default="lte", help="link profile name or TOML (energy, RTT)")
+    ev.add_argument(
+        "--link",
+        help="link profile name or TOML (energy, RTT) of the one radio the replay has "
+        "(default: the one the file's [links] names, else lte)",
+    )
     ev.add_argument(
         "--up",
         required=True,
@@ -65,18 +69,49 @@ def add_evaluate_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--out", type=Path, help="folder for report.md and PNG plots")
 
 
-def _agent_file_settings(path: Path) -> tuple[tuple[str, ...] | None, float | None]:
-    """Transports with an endpoint and the probe interval, when ``path`` is an agent.toml."""
+def _agent_file_settings(
+    path: Path,
+) -> tuple[tuple[str, ...] | None, float | None, dict[str, str]]:
+    """Transports with an endpoint, the probe interval and the ``[links]`` the file
+    names, when ``path`` is an agent.toml."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return None, None  # load_policy_file has already reported a broken file
+        return None, None, {}  # load_policy_file has already reported a broken file
     cloud = data.get("cloud")
     transports = None
     if isinstance(cloud, dict):
         transports = tuple(t for t in TRANSPORTS if cloud.get(t))
     interval = data.get("probe_interval_s")
-    return transports, float(interval) if isinstance(interval, (int, float)) else None
+    links = data.get("links")
+    named = (
+        {t: v for t, v in links.items() if isinstance(v, str)} if isinstance(links, dict) else {}
+    )
+    return transports, float(interval) if isinstance(interval, (int, float)) else None, named
+
+
+def _link_name(
+    given: str | None, named: dict[str, str], transports: tuple[str, ...] | None
+) -> tuple[str, str]:
+    """The link profile of the replay's one radio, and a note when the file says otherwise."""
+    used = {t: n for t, n in named.items() if transports is None or t in transports}
+    if given is not None:
+        other = {t: n for t, n in used.items() if n != given}
+        note = ""
+        if other:
+            listed = ", ".join(f"{t} = {n!r}" for t, n in sorted(other.items()))
+            note = f"note: --link {given} replaces the file's [links] ({listed}): the replay has one radio\n\n"
+        return given, note
+    if not used:
+        return "lte", ""
+    names = sorted(set(used.values()))
+    if len(names) > 1:
+        listed = ", ".join(f"{t} = {n!r}" for t, n in sorted(used.items()))
+        raise ConfigError(
+            f"--link: the file's [links] name different profiles ({listed}) and the replay has "
+            "one radio: pick one with --link"
+        )
+    return names[0], ""
 
 
 def _transports(spec: str | None, from_file: tuple[str, ...] | None) -> tuple[str, ...] | None:
@@ -103,9 +138,14 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--probe-interval-s: expected a number > 0, got {given}")
     workload = load_workload(args.workload)
     if args.seed is not None:
+        if args.seed < 0:
+            raise ConfigError(f"--seed: expected an integer >= 0, got {args.seed}")
         workload = replace(workload, seed=args.seed)
     device = load_device(args.device)
-    link = load_link(args.link)
+    file_transports, file_interval, file_links = _agent_file_settings(args.policy)
+    transports = _transports(getattr(args, "transports", None), file_transports)
+    link_name, link_note = _link_name(args.link, file_links, transports)
+    link = load_link(link_name)
     if args.profile is None:
         raise ConfigError("--profile is required: measure one with 'ferry-edge profile'")
     profile = read_profile(args.profile, speed_factor=device.speed_factor)
@@ -116,12 +156,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
         down_note = down.name
     else:
         name = f"steady:{link.down_mbps:g} (link profile {link.name!r}, no --down)"
-        down = steady(link.down_mbps, up.period_ms / 1000.0, name=name)
+        # over a minute at least: a steady trace's packets are whole per period, and a
+        # period as short as a one-line uplink trace's would round the rate to nothing
+        down = steady(link.down_mbps, max(up.period_ms / 1000.0, 60.0), name=name)
         down_note = name
     if args.out:
         writable_folder(args.out, "--out")  # before the replay, not after it
-    file_transports, file_interval = _agent_file_settings(args.policy)
-    transports = _transports(getattr(args, "transports", None), file_transports)
     interval = given if given is not None else file_interval or PROBE_INTERVAL_S
     ev = evaluate(
         up=up,
@@ -140,7 +180,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     report = (
         f"# {title}\n\n{workload.count} requests, seed {workload.seed}; "
         f"uplink {up.name} ({up.mean_mbps():.2f} Mbps mean), downlink {down_note} "
-        f"({down.mean_mbps():.2f} Mbps mean); static choice: {ev.static_choice}\n\n"
+        f"({down.mean_mbps():.2f} Mbps mean); static choice: {ev.static_choice}\n\n{link_note}"
     )
     report += table(ev.sim, ev.results) + "\n"
     print(report)

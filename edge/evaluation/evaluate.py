@@ -125,7 +125,14 @@ def summarize(sim: Simulator, result: Result) -> dict[str, float]:
     outs = result.outcomes
     if not outs:
         raise ValueError(f"{result.name}: no requests were replayed")
-    lat = np.array([o.latency_s for o in outs]) * 1000
+    # an unanswered request counts at least its deadline (as Simulator.cost charges it),
+    # never as an instant answer
+    lat = (
+        np.array(
+            [max(o.latency_s, o.deadline_s) if o.where == "none" else o.latency_s for o in outs]
+        )
+        * 1000
+    )
     costs = [sim.cost(o) for o in outs]
     return {
         "mean_cost": float(np.mean(costs)),

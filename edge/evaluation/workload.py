@@ -63,7 +63,7 @@ class Workload:
     input_bytes: Spread = 602_368
     output_bytes: int = 1_024
     # None: the policy file's deadline for the model (its deadline_ms, else the default)
-    deadline_ms: Spread | None = 500.0
+    deadline_ms: Spread | None = None
     seed: int = 0
     # The device's battery at the start (None: mains power, or no battery reading)
     battery_percent: float | None = None

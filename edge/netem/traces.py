@@ -23,6 +23,9 @@ import numpy as np
 
 from shared.errors import ConfigError
 
+#: the largest timestamp an int64 millisecond array holds
+_MAX_MS = 2**63 - 1
+
 #: Packets per millisecond per Mbps: 1e6 / 8 / 1500 / 1000.
 _PKTS_PER_MS_PER_MBPS = 1.0 / 12.0
 
@@ -187,6 +190,11 @@ def _scan_mahimahi(path: Path, lines: list[str]) -> np.ndarray:
             ) from None
         if value < 0:
             raise ConfigError(f"{path}:{lineno}: negative timestamp {value}")
+        if value > _MAX_MS:
+            raise ConfigError(
+                f"{path}:{lineno}: timestamp {value} ms is past {_MAX_MS} ms (about 292 million "
+                "years); expected milliseconds from the trace's start"
+            )
         if out and value < out[-1]:
             raise ConfigError(
                 f"{path}:{lineno}: timestamp {value} goes back in time (after {out[-1]})"

@@ -17,6 +17,7 @@ from edge.core.policy import ModelPolicy, PolicyConfig, Weights
 from edge.evaluation.baselines import run_bound
 from edge.evaluation.evaluate import BASELINES, ComputeProfile, Workload, evaluate, summarize
 from edge.evaluation.report import plots
+from edge.evaluation.sim import Result, no_answer
 from edge.netem.traces import commute, load_trace, markov_fading, steady
 from shared.errors import BackendMissing
 from tests.support import ROOT, cellular_trace_dir, cellular_trace_pairs
@@ -266,6 +267,7 @@ def test_bad_workload_key_is_a_clear_error(tmp_path):
         ({"--model": "nosuch"}, "--model: 'nosuch' is not in"),
         ({"--miss-penalty": "-5"}, "--miss-penalty"),
         ({"--probe-interval-s": "0"}, "--probe-interval-s"),
+        ({"--seed": "-1"}, "--seed"),
     ],
 )
 def test_evaluate_refuses_a_model_the_policy_lacks_and_nonsense_numbers(
@@ -288,3 +290,70 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_the_replay(tmp_path
     proc = _cli(*_inputs(tmp_path), "--up", "steady:5", "--out", str(blocker / "report"))
     assert proc.returncode == 2 and "--out" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _deadlines_of(args: list[str]) -> str:
+    proc = _cli(*args, "--up", "steady:5")
+    assert proc.returncode == 0, proc.stderr
+    return next(line for line in proc.stdout.splitlines() if line.startswith("| ferry |"))
+
+
+def test_a_workload_without_deadlines_takes_the_policy_files(tmp_path):
+    args = _inputs(tmp_path)
+    workload = Path(args[args.index("--workload") + 1])
+    workload.write_text(workload.read_text().replace("deadline_ms = 500\n", ""))
+    policy = Path(args[args.index("--policy") + 1])
+    rows = []
+    for deadline in (100, 5000):
+        policy.write_text(
+            f"[policy]\ndeadline_ms = {deadline}\n" + policy.read_text().split("\n", 2)[-1]
+        )
+        rows.append(_deadlines_of(args))
+    assert rows[0] != rows[1]  # 100 ms misses what 5 s does not
+
+
+def test_a_one_line_uplink_trace_keeps_the_profiles_downlink_rate(tmp_path):
+    trace = tmp_path / "one.mm"
+    trace.write_text("1\n")
+    proc = _cli(*_inputs(tmp_path), "--up", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    assert "(link profile 'lte', no --down) (13.00 Mbps mean)" in proc.stdout
+
+
+def test_a_timestamp_past_int64_is_a_clear_error(tmp_path):
+    trace = tmp_path / "huge.mm"
+    trace.write_text("99999999999999999999\n")
+    proc = _cli(*_inputs(tmp_path), "--up", str(trace))
+    assert proc.returncode == 2 and "huge.mm:1" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_link_comes_from_the_files_links_unless_given(tmp_path):
+    args = _inputs(tmp_path)
+    policy = Path(args[args.index("--policy") + 1])
+    policy.write_text(
+        '[cloud]\nhttp = "http://c:8000"\n[links]\nhttp = "wifi"\n' + policy.read_text()
+    )
+    without = list(args)
+    del without[without.index("--link") : without.index("--link") + 2]
+    proc = _cli(*without, "--up", "steady:5")
+    assert proc.returncode == 0, proc.stderr
+    assert "wifi link" in proc.stdout
+    proc = _cli(*args, "--up", "steady:5")  # --link lte: said to replace the file's
+    assert proc.returncode == 0 and "replaces the file's [links] (http = 'wifi')" in proc.stdout
+    policy.write_text(
+        policy.read_text()
+        .replace(
+            '[cloud]\nhttp = "http://c:8000"\n',
+            '[cloud]\nhttp = "http://c:8000"\nmqtt = "mqtt://c"\n',
+        )
+        .replace('[links]\nhttp = "wifi"\n', '[links]\nhttp = "wifi"\nmqtt = "lte"\n')
+    )
+    proc = _cli(*without, "--up", "steady:5")
+    assert proc.returncode == 2 and "one radio" in proc.stderr, proc.stderr
+
+
+def test_an_unanswered_request_counts_its_deadline_in_the_latency_figures():
+    ev = _run(steady(8, 30), steady(20, 30), count=5)
+    stats = summarize(ev.sim, Result("refuses", [no_answer(0.5), no_answer(0.5, 0.2)]))
+    assert stats["p50_ms"] == pytest.approx(500.0) and stats["miss_rate"] == 1.0
