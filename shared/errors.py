@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
 
     INVALID_ARGUMENT = "invalid_argument"
     PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     NOT_FOUND = "not_found"
     UNAVAILABLE = "unavailable"
     SHUTTING_DOWN = "shutting_down"
@@ -37,6 +38,7 @@ class ErrorCode(str, Enum):
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.SHUTTING_DOWN: 503,
@@ -95,6 +97,13 @@ class InvalidInput(FerryError):
 
 class PayloadTooLarge(FerryError):
     code = ErrorCode.PAYLOAD_TOO_LARGE
+
+
+class UnsupportedMediaType(FerryError):
+    """A body in an encoding Ferry cannot read (a ``Content-Encoding`` other than gzip,
+    deflate or identity)."""
+
+    code = ErrorCode.UNSUPPORTED_MEDIA_TYPE
 
 
 class ModelNotFound(FerryError):
@@ -180,6 +189,7 @@ _BY_CODE: dict[str, type[FerryError]] = {
     for cls in (
         InvalidInput,
         PayloadTooLarge,
+        UnsupportedMediaType,
         ModelNotFound,
         EndpointUnavailable,
         ShuttingDown,

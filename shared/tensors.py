@@ -309,7 +309,7 @@ def cast_json_data(name: str, datatype: str, shape: tuple[int, ...], data: objec
         out = arr.astype(target)
     if count and target.kind != "b" and target.kind not in _INTS and target.itemsize < 8:
         overflow = ~np.isfinite(out)
-        if tokens:
+        if tokens or overflow.any():  # a value non-finite as sent is no overflow
             overflow &= np.isfinite(arr)
         if overflow.any():
             value = float(arr.reshape(-1)[np.flatnonzero(overflow.reshape(-1))[0]])

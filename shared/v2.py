@@ -11,6 +11,8 @@ views over the output arrays, so the only copy is the socket write.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import msgspec
@@ -249,6 +251,26 @@ def _tensors(
     return tensors
 
 
+_NONFINITE = re.compile(rb"(?<![\w\"])-?(?:NaN|Infinity)(?![\w\"])")
+
+
+def _decode_nonfinite(header: bytes | memoryview) -> _JsonRequest | None:
+    """A request whose numbers include bare ``NaN``/``Infinity`` tokens, else None.
+
+    They are not JSON, but Python's ``json.dumps`` (and so tritonclient's
+    JSON mode) writes them, and Triton's parser reads them: an FP32 input
+    holding inf must not be refused as malformed.  Only this rare path pays
+    for the slower parser.
+    """
+    text = bytes(header)
+    if not _NONFINITE.search(text):
+        return None
+    try:
+        return msgspec.convert(json.loads(text), _JsonRequest)
+    except (ValueError, TypeError, msgspec.ValidationError, RecursionError):
+        return None
+
+
 def decode_request(
     body: bytes | memoryview, header_length: int | None = None, limits: Limits = DEFAULT_LIMITS
 ) -> InferRequest:
@@ -257,7 +279,9 @@ def decode_request(
     try:
         raw = _request_decoder.decode(header)
     except (msgspec.DecodeError, ValueError) as exc:
-        raise InvalidInput(f"malformed inference request: {exc}") from None
+        raw = _decode_nonfinite(header)
+        if raw is None:
+            raise InvalidInput(f"malformed inference request: {exc}") from None
     except RecursionError:
         raise InvalidInput("malformed inference request: JSON nested too deeply") from None
     if not raw.inputs:

@@ -14,6 +14,7 @@ checks a config against the session loaded from the version's file.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,8 @@ from shared.repository.legacy import parse_legacy_config
 from shared.repository.pbtxt import TRITON_CONFIG_FILE, parse_triton_config
 from shared.runtimes import BACKENDS, MODEL_FILES
 from shared.runtimes.base import Session, TensorSpec
+
+log = logging.getLogger(__name__)
 
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -80,12 +83,15 @@ class ModelRepository:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._warned: set[str] = set()
 
     # ---- models --------------------------------------------------------------------------
     def _is_model(self, folder: Path) -> bool:
         if not folder.is_dir():
             return False
-        if any((folder / f).is_file() for f in (CONFIG_FILE, LEGACY_CONFIG_FILE, TRITON_CONFIG_FILE)):
+        if any(
+            (folder / f).is_file() for f in (CONFIG_FILE, LEGACY_CONFIG_FILE, TRITON_CONFIG_FILE)
+        ):
             return True
         return any(_is_version(p) for p in folder.iterdir())
 
@@ -97,7 +103,12 @@ class ModelRepository:
         for folder in self.root.iterdir():
             try:
                 validate_model_name(folder.name)
-            except InvalidInput:
+            except InvalidInput as exc:
+                # a model folder whose name no URL can carry: said (once), not skipped silently
+                hidden = folder.name.startswith(".")
+                if not hidden and folder.name not in self._warned and self._is_model(folder):
+                    self._warned.add(folder.name)
+                    log.warning("%s: not served: %s", folder, exc.message)
                 continue
             if self._is_model(folder):
                 names.append(folder.name)

@@ -404,3 +404,48 @@ def test_a_version_in_the_url_that_only_int_would_take_is_refused(server, versio
         server.http_url + f"/v2/models/linear/versions/{version}/infer", b'{"inputs": []}'
     )
     assert status == 400 and "plain non-negative integer" in doc["error"], doc
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_compressed_requests_are_inflated(server, algorithm, binary):
+    x = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)
+    client = triton.InferenceServerClient(_host(server))
+    inp = triton.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    plain = client.infer("linear", [inp]).as_numpy("y")
+    packed = client.infer("linear", [inp], request_compression_algorithm=algorithm)
+    np.testing.assert_array_equal(packed.as_numpy("y"), plain)
+
+
+def test_an_unknown_content_encoding_is_415_and_a_bomb_is_413(server):
+    import zlib
+
+    body = json.dumps(
+        {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    ).encode()
+    url = server.http_url + "/v2/models/linear/infer"
+    status, _, doc = _post(url, body, {"Content-Encoding": "br"})
+    assert status == 415 and doc["code"] == "unsupported_media_type" and "'br'" in doc["error"]
+    bomb = zlib.compress(b" " * (64 * 1024 * 1024), 9)  # 64 MiB of spaces in ~64 KiB
+    status, _, doc = _post(url, bomb, {"Content-Encoding": "deflate"})
+    assert status == 413 and doc["code"] == "payload_too_large"
+    status, _, doc = _post(url, b"not gzip at all", {"Content-Encoding": "gzip"})
+    assert status == 400 and "gzip" in doc["error"]
+    assert _post(url, zlib.compress(body), {"Content-Encoding": "deflate"})[0] == 200
+
+
+def test_json_inputs_may_hold_the_bare_nan_and_infinity_pythons_json_writes(server):
+    # tritonclient's JSON mode serialises with json.dumps: bare NaN / Infinity tokens
+    x = np.array([[np.inf, -np.inf, np.nan]], np.float32)
+    client = triton.InferenceServerClient(_host(server))
+    inp = triton.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=False)
+    out = triton.InferRequestedOutput("y", binary_data=True)
+    got = client.infer("echo_fp32", [inp], outputs=[out]).as_numpy("y")
+    np.testing.assert_array_equal(got, x)
+    status, _, doc = _post(
+        server.http_url + "/v2/models/echo_fp32/infer",
+        b'{"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1e300, 1, 2]}]}',
+    )
+    assert status == 400 and "out of range" in doc["error"]  # overflow is still refused

@@ -354,3 +354,19 @@ def test_available_memory_takes_the_tighter_of_host_and_cgroup(monkeypatch) -> N
     assert capacity.available_memory() == 1 << 30
     monkeypatch.setattr(capacity, "_cgroup_room", lambda: None)
     assert capacity.available_memory() == 8 << 30
+
+
+def test_a_model_folder_whose_name_no_url_can_carry_is_named_in_a_warning(
+    repo: ModelRepository, caplog
+) -> None:
+    import logging
+
+    model(repo.root, "ok")
+    model(repo.root, "sp ace")
+    model(repo.root, "a:b")
+    with caplog.at_level(logging.WARNING):
+        assert repo.model_names() == ["ok"]
+        repo.model_names()  # once, not on every scan
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and all("not served" in w for w in warned)
+    assert any("sp ace" in w for w in warned) and any("a:b" in w for w in warned)
