@@ -70,3 +70,31 @@ def test_ours_is_no_worse_than_the_best_static_policy(trace, heavier, deadline_m
     assert totals["ferry"] <= totals[best] * 1.01, (totals, best)
     if misses["oracle"] == 0:
         assert misses["ferry"] <= 0.01 * 450, misses
+
+
+def test_a_fast_link_behind_a_slow_prior_is_learned_from_an_idle_radio():
+    """Latency-only weights, the LTE profile's 6 Mbps prior and its 0.26 s wake-up, a
+    50 Mbps link: a cold offload looks slower than a 0.22 s local run, a warm one is
+    not.  Pricing every follow-up with the wake-up kept ours local for good (2.4x
+    always-cloud); the follow-ups find the radio up, so exploring pays."""
+    device = load_device("raspberry-pi-4b")
+    profile = ComputeProfile(tuple(x * 2.2 for x in LOCAL), CLOUD, (0.95,), device.speed_factor)
+    config = PolicyConfig(
+        weights=Weights(latency_s=10.0, energy_j=0.0, data_mb=0.0),
+        models={"m": ModelPolicy(local_model="m-local", cloud_model="m")},
+    )
+    ev = evaluate(
+        up=steady(50.0, 300),
+        down=steady(13.0, 300),
+        link=load_link("lte"),
+        device=device,
+        profile=profile,
+        config=config,
+        model="m",
+        workload=Workload(
+            count=300, rate_per_s=3.0, input_bytes=82_000, output_bytes=1_024, deadline_ms=1000.0
+        ),
+        transports=("mqtt", "http"),
+    )
+    cost = {name: sum(ev.sim.cost(o) for o in r.outcomes) for name, r in ev.results.items()}
+    assert cost["ferry"] <= 1.05 * cost["always-cloud"] < cost["always-local"], cost
