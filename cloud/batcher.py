@@ -97,6 +97,7 @@ class DynamicBatcher:
         lone: Session | None = None,
         activity: NodeActivity | None = None,
         oversize_alone: bool = False,
+        merge: bool = True,
     ) -> None:
         if not sessions:
             raise ConfigError(f"model {model!r} version {version}: no sessions to run batches on")
@@ -105,7 +106,8 @@ class DynamicBatcher:
         self._sessions = list(sessions)
         self._max_bs = max(0, int(max_batch_size))
         self._stats = stats
-        self._merge = policy is not None and self._max_bs > 0
+        # merge: False where the outputs are not batch-major (cloud.loading.outputs_follow_batch)
+        self._merge = merge and policy is not None and self._max_bs > 0
         # an inferred max_batch_size bounds merged batches only (ModelConfig)
         self._oversize_alone = oversize_alone
         self._delay_ns = int(policy.max_queue_delay_us) * 1000 if policy else 0
@@ -248,8 +250,11 @@ class DynamicBatcher:
         if deadline_ns is not None:
             heapq.heappush(self._deadlines, (deadline_ns, next(self._seq), req))
         self._set_depth(self._depth + 1)
-        if self._depth == 1 and self._idle and not self._inflight and self._gate.allows(
-            input_bytes(inputs)
+        if (
+            self._depth == 1
+            and self._idle
+            and not self._inflight
+            and self._gate.allows(input_bytes(inputs))
         ):
             # A tiny model with nothing running or queued: run it here rather than a loop
             # turn later in the scheduler task (it answers before its caller suspends).
@@ -433,7 +438,10 @@ class DynamicBatcher:
             self._inflight += 1
             self._activity.running += 1
             try:  # tiny: runs in place, cheaper than any hand-off
-                result, error = execute(self._sessions[index], members, self._stats, self._name()), None
+                result, error = (
+                    execute(self._sessions[index], members, self._stats, self._name()),
+                    None,
+                )
             except Exception as exc:
                 result, error = None, exc
             self._finish(index, members, now, nbytes, result, error)

@@ -33,6 +33,7 @@ from cloud.loading import (
     LONE_MIN_RUN_S,
     MemoryProbe,
     batch1_run_s,
+    outputs_follow_batch,
     planned_sessions,
     session_threads,
     warm_up,
@@ -272,6 +273,18 @@ class DataPlane:
                 lone = open_session(backend, path, lone_options, config)
             for session in [*sessions, lone] if lone is not None else sessions:
                 warm_up(session, vconfig)
+            merge = True
+            if vconfig.dynamic_batching is not None and (vconfig.max_batch_size or 0) >= 2:
+                if outputs_follow_batch(sessions[0], vconfig) is False:
+                    merge = False
+                    log.warning(
+                        "model %s version %s: a two-item batch's outputs do not have 2 as "
+                        "their first dimension, so the batch cannot be cut back per request; "
+                        "its requests run alone (declare max_batch_size = 0 if the first "
+                        "dimension is not a batch)",
+                        name,
+                        version,
+                    )
         except BaseException:
             for session in [*sessions, lone] if lone is not None else sessions:
                 session.close()
@@ -290,6 +303,7 @@ class DataPlane:
             lone=lone,
             activity=self.activity,
             oversize_alone=vconfig.max_batch_size_inferred,
+            merge=merge,
         )
         log.info(
             "model %s version %s: %d session(s) x %d thread(s)%s, ~%d KiB",

@@ -31,6 +31,8 @@ import os
 import statistics
 import time
 
+import numpy as np
+
 from shared.pipeline import sample_inputs
 from shared.repository import ModelConfig
 from shared.runtimes.base import Session
@@ -101,6 +103,29 @@ def warm_up(session: Session, config: ModelConfig) -> bool:
         log.warning("model %s: warm-up run on zeros failed (%s); loaded anyway", config.name, exc)
         return False
     return True
+
+
+def outputs_follow_batch(session: Session, config: ModelConfig) -> bool | None:
+    """Whether every output of a two-item batch has 2 as its first dimension.
+
+    Dynamic batching concatenates requests along dim 0 and cuts the outputs
+    back along dim 0.  A model whose outputs are not batch-major (a transpose,
+    a flattened or pooled output) fails that cut for most batch sizes, but
+    one whose size happens to match would hand one client another's rows: a
+    two-item run at load tells (dynamic inner dims are 1, so a dim that moved
+    shows).  None: the run failed and says nothing (the warm-up has warned).
+    """
+    base = sample_inputs(session, config, 2)
+    inputs = {}
+    for name, arr in base.items():
+        if arr.ndim == 0:
+            return None
+        inputs[name] = arr if arr.shape[0] == 2 else np.concatenate([arr[:1], arr[:1]])
+    try:
+        out = session.run(inputs)
+    except Exception:
+        return None
+    return all(a.ndim >= 1 and a.shape[0] == 2 for a in out.values())
 
 
 #: a batch-1 run at least this long gains from more intra-op threads (a smaller model's

@@ -240,7 +240,9 @@ async def test_a_repository_config_past_the_node_bounds_fails_its_load_only(repo
 async def test_a_failed_hot_reload_keeps_the_old_version_serving_and_the_node_ready(repo):
     dp = DataPlane(ModelRepository(repo), "n", strict_readiness=True)
     await dp.load("b")
-    (repo / "b" / "config.toml").write_text('[[input]]\nname = "nope"\ndatatype = "FP32"\ndims = [4]\n')
+    (repo / "b" / "config.toml").write_text(
+        '[[input]]\nname = "nope"\ndatatype = "FP32"\ndims = [4]\n'
+    )
     with pytest.raises(ConfigError):
         await dp.load("b")
     assert dp.is_ready() and dp.model_ready("b")
@@ -303,4 +305,35 @@ async def test_a_triton_repository_serves_its_config_pbtxt_versions_and_labels(t
         assert out.data.tolist()[0][0].endswith(b":1:dog")
     with pytest.raises(InvalidInput, match=r"batch dimension must be 1\.\.4"):
         await dp.infer("sm", _request(np.ones((5, 4), np.float32)))
+    await dp.close()
+
+
+async def test_a_model_whose_outputs_are_not_batch_major_never_merges_requests(tmp_path):
+    # Y = transpose(X): with X [n, 3, 2], Y is [2, 3, n]; a batch of two requests gives
+    # [2, 3, 2], whose first dim matches the item count, and was cut into rows that mixed
+    # the two clients' values.  Found at load: every request then runs alone.
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["X"], ["Y"], perm=[2, 1, 0])],
+        "t",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["n", "h", "w"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["a", "b", "c"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "t" / "1").mkdir(parents=True)
+    onnx.save(model, str(tmp_path / "t" / "1" / "model.onnx"))
+    (tmp_path / "t" / "config.toml").write_text(
+        "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_us = 50000\npreferred_batch_sizes = [2]\n"
+    )
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    await dp.load("t")
+    xs = [np.random.default_rng(i).random((1, 3, 2), dtype=np.float32) for i in range(6)]
+    results = await asyncio.gather(
+        *(dp.infer("t", InferRequest(inputs=[Tensor.from_array("X", x)])) for x in xs)
+    )
+    for x, r in zip(xs, results, strict=True):
+        np.testing.assert_array_equal(r.outputs[0].data, x.transpose(2, 1, 0))
     await dp.close()
