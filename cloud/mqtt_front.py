@@ -323,6 +323,10 @@ class MqttFront:
     def username(self) -> str | None:
         return self.config.broker.username
 
+    def serves(self, name: str) -> bool:
+        """Whether this node takes ``name``'s requests from the broker now."""
+        return shared_request_topic(name) in self._subscribed
+
     def publish_status(self) -> None:
         """Publish the node's status now (after a placement step, say)."""
         if self.connected:

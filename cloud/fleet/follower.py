@@ -106,6 +106,8 @@ class PlacementFollower:
         self.view.on_status(node, document)
         if was_online and not self.view.nodes[node].online:
             self.forwarder.node_lost(node)
+        else:
+            self.forwarder.hosts_changed()
         self._wake.set()  # a handover may be waiting for this node
 
     def _status_extra(self) -> dict[str, Any]:
@@ -180,6 +182,7 @@ class PlacementFollower:
         self.load_failures.pop(copy.model, None)
         self.loads += 1
         self.front.release(copy.model)  # subscribed only now that it is warm
+        self.forwarder.hosts_changed()  # requests that waited for a home for it
         log.info(
             "placed %s here (%s, %.2f s to load and warm)",
             copy.model,

@@ -52,6 +52,8 @@ class _Pending:
     future: asyncio.Future[InferResponse]
     sent_at: float = field(default_factory=time.monotonic)
     resends: int = 0
+    #: its node was lost and no node hosted the model then: sent again when one does
+    waiting_host: bool = False
 
 
 class Forwarder:
@@ -183,16 +185,55 @@ class Forwarder:
 
     def node_lost(self, node: str) -> None:
         """A node went offline: publish every waiting request again (it may have been
-        the one holding it; a duplicate answer is dropped)."""
+        the one holding it; a duplicate answer is dropped).
+
+        Where no node hosts the model any more (the lost one was its only home),
+        a message now would find no subscriber and the broker would drop it: the
+        request waits for the model's new host (:meth:`hosts_changed`) instead.
+        """
         for pending in list(self._pending.values()):
             if pending.future.done() or pending.resends >= 3:
                 continue
-            pending.resends += 1
-            self.resent += 1
-            log.info("node %s lost: resending a forwarded %s request", node, pending.model)
-            self.front.publish(
-                request_topic(pending.model), pending.payload, properties=pending.properties
-            )
+            if self._has_host(pending.model):
+                log.info("node %s lost: resending a forwarded %s request", node, pending.model)
+                self._resend(pending)
+            elif not pending.waiting_host:
+                pending.waiting_host = True
+                log.info(
+                    "node %s lost: a forwarded %s request waits for the model's new host",
+                    node,
+                    pending.model,
+                )
+
+    def hosts_changed(self) -> None:
+        """A node reported its models, or this one loaded one: send the requests that
+        wait for a host, and once more a second later (a host reports a model as
+        loaded a moment before its subscription is in place)."""
+        loop = asyncio.get_running_loop()
+        for correlation, pending in list(self._pending.items()):
+            if not pending.waiting_host or pending.future.done():
+                continue
+            if not self._has_host(pending.model):
+                continue
+            pending.waiting_host = False
+            log.info("resending a forwarded %s request to its new host", pending.model)
+            self._resend(pending)
+            loop.call_later(1.0, self._resend_if_waiting, correlation)
+
+    def _resend_if_waiting(self, correlation: bytes) -> None:
+        pending = self._pending.get(correlation)
+        if pending is not None and not pending.future.done() and pending.resends < 3:
+            self._resend(pending)
+
+    def _has_host(self, model: str) -> bool:
+        return bool(self.view.hosts(model, exclude=self.node)) or self.front.serves(model)
+
+    def _resend(self, pending: _Pending) -> None:
+        pending.resends += 1
+        self.resent += 1
+        self.front.publish(
+            request_topic(pending.model), pending.payload, properties=pending.properties
+        )
 
     def fail_all(self, error: FerryError) -> None:
         for pending in self._pending.values():

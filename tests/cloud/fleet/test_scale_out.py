@@ -207,3 +207,61 @@ def test_the_placement_is_retained_again_after_the_broker_loses_its_store(
         node.terminate()
         if after is not None:
             after.close()
+
+
+def test_a_forwarded_request_lost_with_a_models_only_host_is_answered_by_its_new_host(
+    tmp_path: Path, broker: Broker, example_repository: Path
+) -> None:
+    """The resend on a node's death found no subscriber (the dead node was the model's
+    only home) and the broker dropped it: the request waited out its timeout (504).
+    It waits for the model's new host instead, and is answered there."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.fleet_lab import lab_input
+
+    _, watch, controller, nodes = _lab(tmp_path, broker, example_repository, ("n1", "n2"))
+    try:
+        watch.wait("every model hosted", lambda: all(watch.view.hosts(m) for m in MODELS), 60)
+        away = [(m, n) for n in nodes for m in MODELS if watch.hosts(m) == [n]]
+        assert away, {m: watch.hosts(m) for m in MODELS}
+        model, host = away[0]
+        asked = next(n for n in nodes if n != host)
+        name, shape, data = lab_input(model)
+        body = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": name,
+                        "shape": shape,
+                        "datatype": "FP32",
+                        "data": data.ravel().tolist(),
+                    }
+                ],
+                "parameters": {"timeout": 40_000_000},  # 40 s, in microseconds
+            }
+        ).encode()
+
+        def ask() -> int:
+            request = urllib.request.Request(
+                f"{nodes[asked].http_url}/v2/models/{model}/infer",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status
+
+        nodes[host].proc.send_signal(signal.SIGSTOP)  # its requests stay in flight there
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(ask) for _ in range(4)]
+            time.sleep(1.0)  # forwarded, delivered to the stopped node
+            nodes[host].kill()  # and lost with it
+            started = time.monotonic()
+            statuses = [f.result() for f in futures]
+        assert statuses == [200] * 4
+        assert time.monotonic() - started < 30
+    finally:
+        controller.terminate()
+        for node in nodes.values():
+            node.terminate()
+        watch.close()
