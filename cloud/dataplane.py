@@ -289,7 +289,11 @@ class DataPlane:
             for session in [*sessions, lone] if lone is not None else sessions:
                 session.close()
             raise
-        stats = ModelStats(name, version)
+        # A reload of a version that serves keeps its statistics: its counters (Prometheus
+        # and the statistics extension) go on, never back, and the old instances' last
+        # requests are counted in them too.
+        serving = self._models.get(name, {}).get(version)
+        stats = serving.stats if serving is not None else ModelStats(name, version)
         stats.memory_bytes = MemoryProbe.growth(before, self._memory.read())
         batcher = DynamicBatcher(
             model=name,

@@ -337,3 +337,21 @@ async def test_a_model_whose_outputs_are_not_batch_major_never_merges_requests(t
     for x, r in zip(xs, results, strict=True):
         np.testing.assert_array_equal(r.outputs[0].data, x.transpose(2, 1, 0))
     await dp.close()
+
+
+async def test_a_reload_of_a_serving_version_keeps_its_counters_running(repo):
+    dp = DataPlane(ModelRepository(repo), "n")
+    await dp.load("a")
+    for _ in range(3):
+        await dp.infer("a", _request(np.ones((2, 4), np.float32)))
+    before = dp.get("a").stats.snapshot()
+    (repo / "a" / "config.toml").write_text("[runtime]\nthreads = 1\n")
+    await dp.load("a")  # a hot reload: new sessions, the same version
+    await dp.infer("a", _request(np.ones((1, 4), np.float32)))
+    after = dp.get("a").stats.snapshot()
+    assert after.success_count == before.success_count + 1 == 4
+    assert after.inference_count == before.inference_count + 1 == 7
+    await dp.unload("a")
+    await dp.load("a")  # unloaded in between: a new start, as in Triton
+    assert dp.get("a").stats.snapshot().success_count == 0
+    await dp.close()
