@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
@@ -46,6 +47,9 @@ from shared.tensors import Tensor
 from shared.tls import client_tls_context
 
 log = logging.getLogger(__name__)
+
+#: what POST /v2/agent/link may name: a profile of devices/links, not a path
+_LINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 class Battery:
@@ -177,8 +181,12 @@ class Agent:
         self.dataplane.core.serving(self.started_at)
         self.ready = True
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = 10.0) -> None:
+        """Stop taking requests, let the ones in flight finish (up to ``drain_s``: an
+        offload waits on its transport, which closes after this), then close."""
         self.ready = False
+        if not await self.dataplane.drain(drain_s):
+            log.warning("stopping with requests still in flight after %.1f s", drain_s)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -233,12 +241,24 @@ class Agent:
             log.warning("warm-up of %s failed: %s", name, exc.message)
 
     async def _every(self, interval: Callable[[], float], fn: Any) -> None:
+        name = getattr(fn, "__name__", fn)
+        failing: str | None = None  # the last failure, said once until it changes
         while True:
             await asyncio.sleep(interval())
             try:
                 await fn()
-            except Exception:  # a background task must never die
-                log.exception("background task %s failed", getattr(fn, "__name__", fn))
+            except OSError as exc:  # a full or read-only disk: no traceback every turn
+                if str(exc) != failing:
+                    log.warning("background task %s failed: %s (retrying)", name, exc)
+                failing = str(exc)
+            except Exception as exc:  # a background task must never die
+                if repr(exc) != failing:
+                    log.exception("background task %s failed", name)
+                failing = repr(exc)
+            else:
+                if failing is not None:
+                    log.info("background task %s works again", name)
+                failing = None
 
     async def _save_estimates(self) -> None:
         # Snapshot on the loop (the only writer), write and fsync off it.
@@ -300,6 +320,11 @@ class Agent:
             raise InvalidInput(f"no transport {transport!r}; configured: {sorted(self.transports)}")
         if signal_dbm is not None and not -150.0 <= signal_dbm <= 0.0:
             raise InvalidInput(f"signal_dbm must be between -150 and 0 dBm, got {signal_dbm}")
+        if not isinstance(link, str) or not _LINK_NAME.fullmatch(link):
+            # a profile name (devices/links/*.toml), never a path a caller picks
+            raise InvalidInput(
+                f"link must be a link profile name such as 'wifi' or 'lte', got {link!r}"
+            )
         try:
             profile = load_link(link)
         except ConfigError as exc:

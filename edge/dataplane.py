@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -40,7 +41,14 @@ from edge.core.scores import confidence
 from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
-from shared.errors import DeadlineExceeded, FerryError, InvalidInput, ModelNotFound, ModelNotReady
+from shared.errors import (
+    DeadlineExceeded,
+    FerryError,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    ShuttingDown,
+)
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import triton_model_config, v2_model_metadata
@@ -72,6 +80,9 @@ class EdgeDataPlane:
         self.battery = battery  # callable -> percent | None
         self.stats = AgentStats()
         self._background: set[asyncio.Task[Any]] = set()  # hedges' late halves
+        self._inflight = 0  # requests taken and not yet answered (drain waits on them)
+        self._drained: asyncio.Event | None = None
+        self._closing = False
 
     # ---- the core's state, as the agent and its fronts read it ------------------
     @property
@@ -253,6 +264,40 @@ class EdgeDataPlane:
         deadline_ms: float | None = None,
         priority: int | None = None,
         deferrable: bool = False,
+    ) -> InferResponse:
+        if self._closing:
+            raise ShuttingDown("the agent is stopping: not taking new requests")
+        if deadline_ms is not None and (
+            isinstance(deadline_ms, bool) or not 0 < deadline_ms < math.inf  # NaN too
+        ):
+            raise InvalidInput(f"deadline_ms must be a positive number, got {deadline_ms!r}")
+        self._inflight += 1
+        try:
+            return await self._infer(model, request, deadline_ms, priority, deferrable)
+        finally:
+            self._inflight -= 1
+            if not self._inflight and self._drained is not None:
+                self._drained.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new request; wait up to ``timeout_s`` for those in flight (True: none left)."""
+        self._closing = True
+        if not self._inflight:
+            return True
+        self._drained = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _infer(
+        self,
+        model: str,
+        request: InferRequest,
+        deadline_ms: float | None,
+        priority: int | None,
+        deferrable: bool,
     ) -> InferResponse:
         start = time.monotonic()
         self._known(model)

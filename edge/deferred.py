@@ -214,7 +214,16 @@ class Deferrer:
         return out
 
     async def counts(self) -> dict[str, int]:
-        return await self._call(self.store.counts)
+        """Rows by status, with the answers kept in memory (the store refused them)
+        counted as what they are, not as the ``sending`` their rows still say."""
+        counts = await self._call(self.store.counts)
+        for _reply, error in self._unsaved.values():
+            counts["sending"] = counts.get("sending", 0) - 1
+            status = "delivered" if error is None else "failed"
+            counts[status] = counts.get(status, 0) + 1
+        if counts.get("sending", 0) <= 0:
+            counts.pop("sending", None)
+        return counts
 
     async def close(self) -> None:
         await self._call(self.store.close)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 from edge.agent import Agent
@@ -63,7 +64,7 @@ def _steering(params: dict[str, Any]) -> tuple[float | None, int | None, bool]:
     if deadline_ms is not None and (
         not isinstance(deadline_ms, (int, float))
         or isinstance(deadline_ms, bool)
-        or deadline_ms <= 0
+        or not 0 < deadline_ms < math.inf  # NaN too
     ):
         raise InvalidInput(f"deadline_ms must be a positive number, got {deadline_ms!r}")
     priority = params.pop("priority", None)

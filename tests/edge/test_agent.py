@@ -306,6 +306,10 @@ async def test_the_link_endpoint_takes_a_signal_reading_and_refuses_a_bad_one(
                 ):
                     r = await s.post(url, json=bad)
                     assert r.status == 400 and "signal" in (await r.json())["error"]
+                # a profile name, never a file a caller points at
+                for path in ("../../etc/passwd", "/etc/hostname", "lte.toml"):
+                    r = await s.post(url, json={"transport": "http", "link": path})
+                    assert r.status == 400 and "profile name" in (await r.json())["error"]
         finally:
             await server.close()
 
@@ -418,3 +422,35 @@ def test_a_repository_that_is_not_a_folder_is_a_config_error_naming_the_key(
     cfg = agent_toml(tmp_path, tmp_path / "nope")
     with pytest.raises(ConfigError, match="key 'repository'"):
         Agent(load_agent_config(cfg))
+
+
+async def test_stop_lets_the_offloads_in_flight_finish_and_refuses_new_ones(
+    tmp_path, edge_repos, cloud
+):
+    from shared.errors import ShuttingDown
+
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+    )
+    x = np.ones((1, 4), np.float32)
+    agent = Agent(load_agent_config(cfg))
+    await agent.start()
+    calls = [asyncio.create_task(agent.infer("lin", {"x": x})) for _ in range(60)]
+    await asyncio.sleep(0)  # taken: each is on its way to the cloud
+    await agent.stop()  # the transport closes only once they are answered
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    assert [a for a in answers if isinstance(a, Exception)] == []
+    assert all(a.parameters["where"] == "cloud-http" for a in answers)
+    with pytest.raises(ShuttingDown):
+        await agent.infer("lin", {"x": x})
+
+
+async def test_a_nan_deadline_is_refused_like_a_negative_one(tmp_path, edge_repos, cloud):
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN)
+    async with Agent(load_agent_config(cfg)) as agent:
+        for bad in (float("nan"), float("inf"), -5.0, 0.0):
+            with pytest.raises(InvalidInput, match="deadline_ms"):
+                await agent.infer("lin", {"x": np.ones((1, 4), np.float32)}, deadline_ms=bad)

@@ -163,8 +163,10 @@ async def test_an_answer_the_full_store_cannot_write_is_kept_and_written_later(t
     assert await deferrer.flush(send, lambda: True) == 1
     found = await deferrer.result("r1")
     assert found["status"] == "delivered" and found["response"].outputs[0].data.shape == (100_000,)
+    assert await deferrer.counts() == {"delivered": 1}  # not the "sending" its row still says
     assert await deferrer.flush(send, lambda: True) == 0  # still full: nothing resent
     store._db.execute("PRAGMA max_page_count = 1000000")  # room again
     await deferrer.flush(send, lambda: True)
     assert store.result("r1").status == "delivered" and not deferrer._unsaved
+    assert await deferrer.counts() == {"delivered": 1}
     await deferrer.close()
