@@ -250,6 +250,10 @@ def _opencv(
         }.get(_reduction(size, need))
         if reduced is not None:
             flags = reduced[0] if target.color == "gray" else reduced[1]
+    # OpenCV turns an image by its EXIF orientation unless told not to; the other
+    # decoders do not: one rule for all, or the answer would follow the libraries
+    # a machine has (docs/pipeline.md)
+    flags |= cv2.IMREAD_IGNORE_ORIENTATION
     pixels = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
     if pixels is None:
         return None
@@ -280,6 +284,9 @@ def _pillow(
             with Image.open(io.BytesIO(data)) as im:
                 if fmt == "jpeg":
                     im.draft("L" if target.color == "gray" else "RGB", need)
+                if im.mode.startswith("I"):  # 16-bit grey ("I;16", "I"): convert() clips
+                    wide = np.asarray(im).astype(np.int64)  # at 255; keep the top 8 bits
+                    im = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), "L")
                 im = im.convert("L" if target.color == "gray" else "RGB")
                 pixels = np.asarray(im)
     except Exception as exc:
