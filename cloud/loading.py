@@ -106,26 +106,30 @@ def warm_up(session: Session, config: ModelConfig) -> bool:
 
 
 def outputs_follow_batch(session: Session, config: ModelConfig) -> bool | None:
-    """Whether every output of a two-item batch has 2 as its first dimension.
+    """Whether every output of a 2- and a 3-item batch has 2 and 3 as its first dimension.
 
     Dynamic batching concatenates requests along dim 0 and cuts the outputs
     back along dim 0.  A model whose outputs are not batch-major (a transpose,
     a flattened or pooled output) fails that cut for most batch sizes, but
-    one whose size happens to match would hand one client another's rows: a
-    two-item run at load tells (dynamic inner dims are 1, so a dim that moved
-    shows).  None: the run failed and says nothing (the warm-up has warned).
+    one whose size happens to match would hand one client another's rows: runs
+    of two and three items at load tell (dynamic inner dims are 1, so a dim
+    that moved shows, and one fixed dim cannot equal both).  None: a run
+    failed and says nothing (the warm-up has warned).
     """
-    base = sample_inputs(session, config, 2)
-    inputs = {}
-    for name, arr in base.items():
-        if arr.ndim == 0:
+    base = sample_inputs(session, config, 1)
+    for n in (2, 3):
+        inputs = {}
+        for name, arr in base.items():
+            if arr.ndim == 0:
+                return None
+            inputs[name] = np.concatenate([arr[:1]] * n)
+        try:
+            out = session.run(inputs)
+        except Exception:
             return None
-        inputs[name] = arr if arr.shape[0] == 2 else np.concatenate([arr[:1], arr[:1]])
-    try:
-        out = session.run(inputs)
-    except Exception:
-        return None
-    return all(a.ndim >= 1 and a.shape[0] == 2 for a in out.values())
+        if not all(a.ndim >= 1 and a.shape[0] == n for a in out.values()):
+            return False
+    return True
 
 
 #: a batch-1 run at least this long gains from more intra-op threads (a smaller model's

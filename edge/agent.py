@@ -157,6 +157,7 @@ class Agent:
         self._rapl = RaplReader()
         self.started_at: float | None = None
         self.ready = False
+        self._stopping: asyncio.Future[None] | None = None
 
     def _use_link(self, transport: str, link: LinkProfile) -> None:
         self.links[transport] = link
@@ -183,7 +184,15 @@ class Agent:
 
     async def stop(self, drain_s: float = 10.0) -> None:
         """Stop taking requests, let the ones in flight finish (up to ``drain_s``: an
-        offload waits on its transport, which closes after this), then close."""
+        offload waits on its transport, which closes after this), then close.
+
+        A second call (a signal handler beside ``async with``) waits for the first.
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(drain_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, drain_s: float) -> None:
         self.ready = False
         if not await self.dataplane.drain(drain_s):
             log.warning("stopping with requests still in flight after %.1f s", drain_s)

@@ -284,7 +284,8 @@ class EdgeDataPlane:
         self._closing = True
         if not self._inflight:
             return True
-        self._drained = asyncio.Event()
+        if self._drained is None:  # one event for every caller (stop may come twice)
+            self._drained = asyncio.Event()
         try:
             await asyncio.wait_for(self._drained.wait(), timeout_s)
         except TimeoutError:

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 #: a forwarded request with no deadline of its own waits at most this long
 DEFAULT_FORWARD_TIMEOUT_S = 30.0
+#: a node that reports a model loaded subscribes to its topic a moment later: a request
+#: that waited for the model's new host is sent this long after the report
+HOST_SETTLE_S = 0.5
 #: requests above this are packed in a worker thread (msgpack copies each tensor)
 _PACK_WORKER_BYTES = 1 << 20
 
@@ -50,6 +53,7 @@ class _Pending:
     payload: bytes
     properties: PublishProperties
     future: asyncio.Future[InferResponse]
+    until: float  # the request's deadline (monotonic)
     sent_at: float = field(default_factory=time.monotonic)
     resends: int = 0
     #: its node was lost and no node hosted the model then: sent again when one does
@@ -145,7 +149,7 @@ class Forwarder:
             user_properties=[(FORWARDED, self.node)],
         )
         future: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
-        self._pending[correlation] = _Pending(name, payload, props, future)
+        self._pending[correlation] = _Pending(name, payload, props, future, until)
         self.forwarded += 1
         try:
             self.front.publish(request_topic(name), payload, properties=props)
@@ -206,9 +210,9 @@ class Forwarder:
                 )
 
     def hosts_changed(self) -> None:
-        """A node reported its models, or this one loaded one: send the requests that
-        wait for a host, and once more a second later (a host reports a model as
-        loaded a moment before its subscription is in place)."""
+        """A node reported its models, or this one loaded one: send each request that
+        waits for a host there, once, half a second on (a node reports a model as
+        loaded a moment before its subscription to the model's topic is in place)."""
         loop = asyncio.get_running_loop()
         for correlation, pending in list(self._pending.items()):
             if not pending.waiting_host or pending.future.done():
@@ -216,24 +220,32 @@ class Forwarder:
             if not self._has_host(pending.model):
                 continue
             pending.waiting_host = False
-            log.info("resending a forwarded %s request to its new host", pending.model)
-            self._resend(pending)
-            loop.call_later(1.0, self._resend_if_waiting, correlation)
+            loop.call_later(HOST_SETTLE_S, self._send_to_new_host, correlation)
 
-    def _resend_if_waiting(self, correlation: bytes) -> None:
+    def _send_to_new_host(self, correlation: bytes) -> None:
         pending = self._pending.get(correlation)
-        if pending is not None and not pending.future.done() and pending.resends < 3:
+        if pending is not None and not pending.future.done():
+            log.info("resending a forwarded %s request to its new host", pending.model)
             self._resend(pending)
 
     def _has_host(self, model: str) -> bool:
         return bool(self.view.hosts(model, exclude=self.node)) or self.front.serves(model)
 
     def _resend(self, pending: _Pending) -> None:
+        """Publish ``pending`` again, its expiry what is left of its deadline."""
+        left = pending.until - time.monotonic()
+        if left <= 0:
+            return  # its caller answers it with the deadline error
         pending.resends += 1
         self.resent += 1
-        self.front.publish(
-            request_topic(pending.model), pending.payload, properties=pending.properties
+        old = pending.properties
+        props = PublishProperties(
+            response_topic=old.response_topic,
+            correlation_data=old.correlation_data,
+            message_expiry=max(1, math.ceil(left)),
+            user_properties=old.user_properties,
         )
+        self.front.publish(request_topic(pending.model), pending.payload, properties=props)
 
     def fail_all(self, error: FerryError) -> None:
         for pending in self._pending.values():

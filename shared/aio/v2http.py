@@ -12,7 +12,7 @@ import asyncio
 
 from shared import v2
 from shared.aio.http_server import JSON, Request, Response
-from shared.http.encoding import WORKER_BYTES, content_codings, decode_body
+from shared.http.encoding import content_codings, decode_body
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import Limits
 
@@ -21,11 +21,9 @@ async def decode_infer(request: Request, limits: Limits) -> InferRequest:
     body = request.body
     coding = request.header("content-encoding")
     if coding is not None and content_codings(coding):
-        # tritonclient's request_compression_algorithm: gzip or deflate, bounded inflate
-        if len(body) >= WORKER_BYTES:
-            body = await asyncio.to_thread(decode_body, body, coding, limits.max_body_bytes)
-        else:
-            body = decode_body(body, coding, limits.max_body_bytes)
+        # tritonclient's request_compression_algorithm: gzip or deflate, a bounded
+        # inflate in a worker (a small body may inflate to the limit: tens of ms)
+        body = await asyncio.to_thread(decode_body, body, coding, limits.max_body_bytes)
     header_length = v2.parse_header_length(request.header(_HEADER_LENGTH), len(body))
     if v2.decode_needs_worker(body, header_length):
         return await asyncio.to_thread(v2.decode_request, body, header_length, limits)

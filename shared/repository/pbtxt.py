@@ -91,25 +91,34 @@ def _tokens(text: str, source: str) -> list[tuple[str, Any, int]]:
 
 
 def _unquote(body: str, source: str, line: int) -> str:
-    out: list[str] = []
+    """A string's text: escapes are bytes (protobuf writes non-ASCII text as octal
+    UTF-8 bytes, ``"\\303\\251"`` for é), so the result is decoded as UTF-8."""
+    out = bytearray()
     i = 0
     while i < len(body):
         ch = body[i]
         if ch != "\\":
-            out.append(ch)
+            out += ch.encode("utf-8")
             i += 1
             continue
         nxt = body[i + 1]
         if nxt in _ESCAPES:
-            out.append(_ESCAPES[nxt])
+            out += _ESCAPES[nxt].encode()
             i += 2
         elif nxt in "01234567":
             digits = re.match(r"[0-7]{1,3}", body[i + 1 :]).group()  # type: ignore[union-attr]
-            out.append(chr(int(digits, 8)))
+            out.append(int(digits, 8) & 0xFF)
             i += 1 + len(digits)
+        elif nxt in "xX" and re.match(r"[0-9a-fA-F]{1,2}", body[i + 2 :]):
+            digits = re.match(r"[0-9a-fA-F]{1,2}", body[i + 2 :]).group()  # type: ignore[union-attr]
+            out.append(int(digits, 16))
+            i += 2 + len(digits)
         else:
             raise ConfigError(f"{source}: line {line}: unknown escape '\\{nxt}' in a string")
-    return "".join(out)
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: line {line}: a string is not valid UTF-8") from None
 
 
 def _number(text: str, source: str, line: int) -> int | float:
@@ -292,7 +301,9 @@ def _tensor(item: Any, source: str, at: str, output: bool) -> tuple[dict[str, An
         "datatype": legacy_datatype(_one(item, "data_type", source, at), source, at + ".data_type"),
         "dims": list(item["dims"]),
     }
-    labels = _one(item, "label_filename", source, at) if output else None
+    labels = _one(item, "label_filename", source, at)
+    if labels is not None and not output:
+        raise ConfigError(f"{source}: key '{at}.label_filename': only an output has labels")
     return spec, labels
 
 
@@ -367,8 +378,11 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
         if batching.get("priority_levels") == 0:
             batching.pop("priority_levels")  # Triton's 0: no priorities (Ferry's 1)
             batching.pop("default_priority_level", None)
-        if "priority_queue_policy" in db:
-            ignored.append(at + "priority_queue_policy")
+        if "priority_queue_policy" in db:  # per-level queue bounds decide refusals
+            raise ConfigError(
+                f"{source}: key '{at}priority_queue_policy': per-priority queue policies are "
+                "not supported (default_queue_policy applies to every level)"
+            )
         queue = _msg(db, "default_queue_policy", source, at)
         qat = at + "default_queue_policy."
         _check_fields(

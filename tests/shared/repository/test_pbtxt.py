@@ -129,6 +129,11 @@ def test_the_text_format_reads_as_protobuf_does() -> None:
     }
 
 
+def test_string_escapes_are_bytes_read_as_utf8_as_protobuf_writes_them() -> None:
+    text = 's: "\\303\\251"\nt: "a\\x41b"\nu: "q\\\\z\\"w"\n'
+    assert parse_text_proto(text, "t") == {"s": ["\u00e9"], "t": ["aAb"], "u": ['q\\z"w']}
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -148,6 +153,11 @@ def test_the_text_format_reads_as_protobuf_does() -> None:
         ('input [ { name: "x" dims: [3] } ]', r"input\[0\]\.data_type' is required"),
         ("instance_group [ { kind: KIND_CPU }, { kind: KIND_GPU } ]", "one kind"),
         ("max_batch_size: -1", "max_batch_size"),
+        ("dynamic_batching { priority_queue_policy { key: 1 value { } } }", "per-priority"),
+        (
+            'input [ { name: "x" data_type: TYPE_FP32 dims: [3] label_filename: "l" } ]',
+            "only an output",
+        ),
     ],
 )
 def test_what_ferry_cannot_honour_is_refused_naming_the_file(
