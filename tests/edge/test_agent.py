@@ -18,6 +18,7 @@ from tests.edge.conftest import PRICED_ENERGY, agent_toml
 from tests.support import cloud_server, edge_agent, linear_reference, write_linear_model
 
 LIN = '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
+LIN_CLOUD = LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"')
 SOFT = '[models.soft]\nlocal = "soft-local"\ncloud = "soft"\nmode = "cascade"\ncascade_threshold = 0.6\n'
 
 
@@ -57,7 +58,7 @@ async def test_local_and_cloud_answers_agree_and_carry_provenance(tmp_path, edge
         tmp_path,
         edge_repos[1],
         http=cloud.http_url,
-        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+        models=LIN_CLOUD,
     )
     async with Agent(load_agent_config(cfg)) as agent:
         remote = await agent.infer("lin", {"x": x})
@@ -250,7 +251,7 @@ async def test_the_daily_data_used_survives_a_restart(tmp_path, edge_repos, clou
         tmp_path,
         edge_repos[1],
         http=cloud.http_url,
-        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+        models=LIN_CLOUD,
     )
     x = np.ones((32, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:
@@ -269,7 +270,7 @@ async def test_a_reply_quicker_than_the_radio_promotion_still_teaches_the_link(
         tmp_path,
         edge_repos[1],
         http=cloud.http_url,
-        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+        models=LIN_CLOUD,
     )
     x = np.ones((1, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:
@@ -334,7 +335,7 @@ async def test_every_offload_carries_the_request_id_as_idempotency_key(tmp_path,
         tmp_path,
         edge_repos[1],
         http=cloud.http_url,
-        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+        models=LIN_CLOUD,
     )
     x = np.ones((1, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:
@@ -433,7 +434,7 @@ async def test_stop_lets_the_offloads_in_flight_finish_and_refuses_new_ones(
         tmp_path,
         edge_repos[1],
         http=cloud.http_url,
-        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+        models=LIN_CLOUD,
     )
     x = np.ones((1, 4), np.float32)
     agent = Agent(load_agent_config(cfg))

@@ -43,6 +43,24 @@ def _lab(tmp_path: Path, broker: Broker, example: Path, names: tuple[str, ...]):
     return repository, watch, controller, nodes
 
 
+def _only_host(watch: FleetWatch, nodes: dict) -> tuple[str, str, str]:
+    """A model one node alone hosts: (model, that node, another node to ask)."""
+    watch.wait("every model hosted", lambda: all(watch.view.hosts(m) for m in MODELS), 60)
+    away = [(m, n) for n in nodes for m in MODELS if watch.hosts(m) == [n]]
+    assert away, {m: watch.hosts(m) for m in MODELS}
+    model, host = away[0]
+    return model, host, next(n for n in nodes if n != host)
+
+
+def _infer_body(model: str, timeout_us: int) -> bytes:
+    """A V2 JSON request for one of the lab's models, with Triton's ``timeout``."""
+    from tests.fleet_lab import lab_input
+
+    name, shape, data = lab_input(model)
+    tensor = {"name": name, "shape": shape, "datatype": "FP32", "data": data.ravel().tolist()}
+    return json.dumps({"inputs": [tensor], "parameters": {"timeout": timeout_us}}).encode()
+
+
 def test_fleet_answers_every_request_through_node_death_join_and_controller_restart(
     tmp_path: Path, broker: Broker, example_repository: Path
 ) -> None:
@@ -144,28 +162,16 @@ def test_a_forwarded_http_request_keeps_its_v2_timeout_when_the_host_hangs(
     import signal
     import urllib.error
 
-    from tests.fleet_lab import lab_input
-
     _, watch, controller, nodes = _lab(tmp_path, broker, example_repository, ("n1", "n2"))
     stopped = None
     try:
-        watch.wait("every model hosted", lambda: all(watch.view.hosts(m) for m in MODELS), 60)
-        away = [(m, n) for n in nodes for m in MODELS if watch.hosts(m) == [n]]
-        assert away, {m: watch.hosts(m) for m in MODELS}
-        model, host = away[0]
-        asked = next(n for n in nodes if n != host)
-        name, shape, data = lab_input(model)
-        body = {
-            "inputs": [
-                {"name": name, "shape": shape, "datatype": "FP32", "data": data.ravel().tolist()}
-            ],
-            "parameters": {"timeout": 1_000_000},  # 1 s, in microseconds
-        }
+        model, host, asked = _only_host(watch, nodes)
+        body = _infer_body(model, 1_000_000)  # 1 s, in microseconds
         stopped = nodes[host]
         stopped.proc.send_signal(signal.SIGSTOP)  # hung: its connections stay open
         request = urllib.request.Request(
             f"{nodes[asked].http_url}/v2/models/{model}/infer",
-            data=json.dumps(body).encode(),
+            data=body,
             headers={"Content-Type": "application/json"},
         )
         started = time.monotonic()
@@ -218,29 +224,10 @@ def test_a_forwarded_request_lost_with_a_models_only_host_is_answered_by_its_new
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.fleet_lab import lab_input
-
     _, watch, controller, nodes = _lab(tmp_path, broker, example_repository, ("n1", "n2"))
     try:
-        watch.wait("every model hosted", lambda: all(watch.view.hosts(m) for m in MODELS), 60)
-        away = [(m, n) for n in nodes for m in MODELS if watch.hosts(m) == [n]]
-        assert away, {m: watch.hosts(m) for m in MODELS}
-        model, host = away[0]
-        asked = next(n for n in nodes if n != host)
-        name, shape, data = lab_input(model)
-        body = json.dumps(
-            {
-                "inputs": [
-                    {
-                        "name": name,
-                        "shape": shape,
-                        "datatype": "FP32",
-                        "data": data.ravel().tolist(),
-                    }
-                ],
-                "parameters": {"timeout": 40_000_000},  # 40 s, in microseconds
-            }
-        ).encode()
+        model, host, asked = _only_host(watch, nodes)
+        body = _infer_body(model, 40_000_000)  # 40 s, in microseconds
 
         def ask() -> int:
             request = urllib.request.Request(

@@ -27,6 +27,21 @@ TRACES = {
 }
 
 
+def _replay(up, down, profile: ComputeProfile, config: PolicyConfig, workload: Workload):
+    """One replay on the Pi 4B over LTE with both transports."""
+    return evaluate(
+        up=up,
+        down=down,
+        link=load_link("lte"),
+        device=load_device("raspberry-pi-4b"),
+        profile=profile,
+        config=config,
+        model="m",
+        workload=workload,
+        transports=("mqtt", "http"),
+    )
+
+
 @pytest.mark.parametrize("trace", sorted(TRACES))
 @pytest.mark.parametrize("heavier, deadline_ms", [(1.0, 1500.0), (10.0, 3000.0)])
 def test_ours_is_no_worse_than_the_best_static_policy(trace, heavier, deadline_ms):
@@ -45,23 +60,14 @@ def test_ours_is_no_worse_than_the_best_static_policy(trace, heavier, deadline_m
     totals: dict[str, float] = {}
     misses: dict[str, int] = {}
     for seed in range(3):
-        ev = evaluate(
-            up=up,
-            down=down,
-            link=load_link("lte"),
-            device=device,
-            profile=profile,
-            config=config,
-            model="m",
-            workload=Workload(
-                count=150,
-                rate_per_s=0.5,
-                input_bytes=60_000,
-                output_bytes=1_024,
-                deadline_ms=deadline_ms,
-                seed=seed,
+        ev = _replay(
+            up,
+            down,
+            profile,
+            config,
+            Workload(
+                count=150, rate_per_s=0.5, input_bytes=60_000, deadline_ms=deadline_ms, seed=seed
             ),
-            transports=("mqtt", "http"),
         )
         for name, result in ev.results.items():
             totals[name] = totals.get(name, 0.0) + sum(ev.sim.cost(o) for o in result.outcomes)
@@ -83,18 +89,7 @@ def test_a_fast_link_behind_a_slow_prior_is_learned_from_an_idle_radio():
         weights=Weights(latency_s=10.0, energy_j=0.0, data_mb=0.0),
         models={"m": ModelPolicy(local_model="m-local", cloud_model="m")},
     )
-    ev = evaluate(
-        up=steady(50.0, 300),
-        down=steady(13.0, 300),
-        link=load_link("lte"),
-        device=device,
-        profile=profile,
-        config=config,
-        model="m",
-        workload=Workload(
-            count=300, rate_per_s=3.0, input_bytes=82_000, output_bytes=1_024, deadline_ms=1000.0
-        ),
-        transports=("mqtt", "http"),
-    )
+    workload = Workload(count=300, rate_per_s=3.0, input_bytes=82_000, deadline_ms=1000.0)
+    ev = _replay(steady(50.0, 300), steady(13.0, 300), profile, config, workload)
     cost = {name: sum(ev.sim.cost(o) for o in r.outcomes) for name, r in ev.results.items()}
     assert cost["ferry"] <= 1.05 * cost["always-cloud"] < cost["always-local"], cost
