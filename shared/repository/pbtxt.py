@@ -260,7 +260,7 @@ _KNOWN = (
 )
 
 
-def _one(fields: dict[str, list[Any]], key: str, source: str, at: str, default: Any = None) -> Any:
+def _one(fields: dict[str, list[Any]], key: str, default: Any = None) -> Any:
     values = fields.get(key)
     if not values:
         return default
@@ -268,7 +268,7 @@ def _one(fields: dict[str, list[Any]], key: str, source: str, at: str, default: 
 
 
 def _msg(fields: dict[str, list[Any]], key: str, source: str, at: str) -> dict[str, list[Any]]:
-    value = _one(fields, key, source, at, {})
+    value = _one(fields, key, {})
     if not isinstance(value, dict):
         fail(source, at + key, "a message ({ ... })", value)
     return value
@@ -290,18 +290,18 @@ def _tensor(item: Any, source: str, at: str, output: bool) -> tuple[dict[str, An
     known += ("is_shape_tensor", "allow_ragged_batch", "is_non_linear_format_io")
     _check_fields(item, known, source, at + ".")
     for key in ("reshape", "is_shape_tensor", "allow_ragged_batch", "optional"):
-        value = _one(item, key, source, at)
+        value = _one(item, key)
         if value not in (None, False, {}):
             raise ConfigError(f"{source}: key '{at}.{key}': not supported by Ferry")
     for required in ("name", "data_type", "dims"):
         if required not in item:
             raise ConfigError(f"{source}: key '{at}.{required}' is required")
     spec = {
-        "name": _one(item, "name", source, at),
-        "datatype": legacy_datatype(_one(item, "data_type", source, at), source, at + ".data_type"),
+        "name": _one(item, "name"),
+        "datatype": legacy_datatype(_one(item, "data_type"), source, at + ".data_type"),
         "dims": list(item["dims"]),
     }
-    labels = _one(item, "label_filename", source, at)
+    labels = _one(item, "label_filename")
     if labels is not None and not output:
         raise ConfigError(f"{source}: key '{at}.label_filename': only an output has labels")
     return spec, labels
@@ -315,12 +315,12 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
             raise ConfigError(f"{source}: key '{key}': {why}")
     ignored = [k for k in _IGNORED if k in fields]
     policy = _msg(fields, "model_transaction_policy", source, "")
-    if _one(policy, "decoupled", source, "model_transaction_policy.") is True:
+    if _one(policy, "decoupled") is True:
         raise ConfigError(
             f"{source}: key 'model_transaction_policy.decoupled': decoupled models (many "
             "responses per request) are not supported"
         )
-    filename = _one(fields, "default_model_filename", source, "")
+    filename = _one(fields, "default_model_filename")
     if filename is not None and not str(filename).startswith("model."):
         raise ConfigError(
             f"{source}: key 'default_model_filename': Ferry reads model.onnx, model.xml, "
@@ -330,12 +330,12 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
     ignored = [
         k for k in ignored if k not in ("model_transaction_policy", "default_model_filename")
     ]
-    given = _one(fields, "name", source, "")
+    given = _one(fields, "name")
     if given is not None and given != name:
         raise ConfigError(f"{source}: key 'name': {given!r} is not the folder's name {name!r}")
 
     out: dict[str, Any] = {}
-    engine = _one(fields, "backend", source, "") or _one(fields, "platform", source, "")
+    engine = _one(fields, "backend") or _one(fields, "platform")
     if engine:
         if engine not in _BACKENDS:
             raise ConfigError(
@@ -344,7 +344,7 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
             )
         out["backend"] = _BACKENDS[engine]
     if "max_batch_size" in fields:
-        out["max_batch_size"] = _one(fields, "max_batch_size", source, "")
+        out["max_batch_size"] = _one(fields, "max_batch_size")
     post = []
     for key, output in (("input", False), ("output", True)):
         specs = []
@@ -374,7 +374,7 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
             ("default_priority_level", "default_priority_level"),
         ):
             if theirs in db:
-                batching[ours] = _one(db, theirs, source, at)
+                batching[ours] = _one(db, theirs)
         if batching.get("priority_levels") == 0:
             batching.pop("priority_levels")  # Triton's 0: no priorities (Ferry's 1)
             batching.pop("default_priority_level", None)
@@ -391,20 +391,18 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
             source,
             qat,
         )
-        action = _one(queue, "timeout_action", source, qat, "REJECT")
+        action = _one(queue, "timeout_action", "REJECT")
         if action != "REJECT":
             raise ConfigError(
                 f"{source}: key '{qat}timeout_action': {action!r} is not supported (a request "
                 "past its timeout is always answered with a deadline error: REJECT)"
             )
         if "default_timeout_microseconds" in queue:
-            batching["default_timeout_us"] = _one(
-                queue, "default_timeout_microseconds", source, qat
-            )
+            batching["default_timeout_us"] = _one(queue, "default_timeout_microseconds")
         if "allow_timeout_override" in queue:
-            batching["allow_timeout_override"] = _one(queue, "allow_timeout_override", source, qat)
+            batching["allow_timeout_override"] = _one(queue, "allow_timeout_override")
         if "max_queue_size" in queue:
-            batching["max_queue_size"] = _one(queue, "max_queue_size", source, qat)
+            batching["max_queue_size"] = _one(queue, "max_queue_size")
         out["dynamic_batching"] = batching
 
     groups = fields.get("instance_group", [])
@@ -420,11 +418,11 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
                 source,
                 at,
             )
-            n = _one(group, "count", source, at, 1)
+            n = _one(group, "count", 1)
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 fail(source, at + "count", "an integer >= 1", n)
             count += n
-            kind = _one(group, "kind", source, at, "KIND_AUTO")
+            kind = _one(group, "kind", "KIND_AUTO")
             if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO"):
                 fail(source, at + "kind", "KIND_CPU, KIND_GPU or KIND_AUTO", kind)
             if kind == "KIND_AUTO":  # Triton: a GPU where the backend has one
@@ -444,7 +442,7 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
         if "latest" in vp:
             latest = _msg(vp, "latest", source, at)
             _check_fields(latest, ("num_versions",), source, at + "latest.")
-            out["version_policy"] = {"latest": _one(latest, "num_versions", source, at, 1)}
+            out["version_policy"] = {"latest": _one(latest, "num_versions", 1)}
         elif "all" in vp:
             out["version_policy"] = {"all": True}
         elif "specific" in vp:
