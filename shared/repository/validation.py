@@ -47,7 +47,9 @@ def validated_inputs(config: ModelConfig, request: InferRequest) -> dict[str, np
                     f"input {tensor.name!r}: batch dimension must be 1..{config.max_batch_size}, "
                     f"got shape {list(shape)}"
                 )
-            if batch is not None and shape[0] != batch:
+            if batch is not None and shape[0] != batch and not config.max_batch_size_inferred:
+                # (an inferred size is a guess from dynamic dims, not a declared batch
+                # axis: [N, K] and [1, K] may broadcast; such a request runs alone)
                 raise InvalidInput("all inputs of a request must share one batch size")
             batch = shape[0]
             inner = shape[1:]

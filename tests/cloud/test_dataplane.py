@@ -284,6 +284,51 @@ async def test_an_inferred_batch_limit_bounds_merged_batches_not_requests(tmp_pa
     await dp.close()
 
 
+async def test_inputs_that_broadcast_run_when_the_batch_limit_is_only_inferred(tmp_path):
+    # y = a + b for a [N, K], b [M, K]: ONNX Runtime takes [2, 3] + [1, 3] (broadcast);
+    # the dims are dynamic, not a declared batch axis, so Ferry must not refuse them.
+    from onnx import TensorProto, helper, save
+
+    v = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["y"])],
+        "add",
+        [v("a", TensorProto.FLOAT, ["N", "K"]), v("b", TensorProto.FLOAT, ["M", "K"])],
+        [v("y", TensorProto.FLOAT, [None, None])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    for name in ("add", "merged", "declared"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        save(model, str(tmp_path / name / "1" / "model.onnx"))
+    (tmp_path / "merged" / "config.toml").write_text(
+        "[dynamic_batching]\nmax_queue_delay_us = 20000\n"
+    )
+    (tmp_path / "declared" / "config.toml").write_text("max_batch_size = 8\n")
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.full((1, 3), 10.0, np.float32)
+
+    def request(x: np.ndarray, y: np.ndarray) -> InferRequest:
+        return InferRequest(inputs=[Tensor("a", "FP32", x), Tensor("b", "FP32", y)])
+
+    for name in ("add", "merged"):
+        await dp.load(name)
+        out = await dp.infer(name, request(a, b))
+        np.testing.assert_array_equal(out.outputs[0].data, a + b)
+    # beside requests that do merge, each answered with its own sum
+    pairs = [(a, b), (a[:1], a[:1]), (b, a), (a[1:], b)]
+    results = await asyncio.gather(*(dp.infer("merged", request(x, y)) for x, y in pairs))
+    for (x, y), r in zip(pairs, results, strict=True):
+        np.testing.assert_array_equal(r.outputs[0].data, x + y)
+    # what the runtime refuses is still a clear error
+    with pytest.raises(InvalidInput):
+        await dp.infer("add", request(a, np.ones((3, 3), np.float32)))
+    await dp.load("declared")  # a declared batch axis: every input shares it, as in Triton
+    with pytest.raises(InvalidInput, match="share one batch size"):
+        await dp.infer("declared", request(a, b))
+    await dp.close()
+
+
 async def test_a_triton_repository_serves_its_config_pbtxt_versions_and_labels(tmp_path):
     write_softmax_model(tmp_path / "sm" / "1" / "model.onnx")
     write_softmax_model(tmp_path / "sm" / "2" / "model.onnx")

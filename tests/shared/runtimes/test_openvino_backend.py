@@ -12,7 +12,7 @@ from ml_dtypes import bfloat16
 
 from shared.errors import BackendMissing, ConfigError, InvalidInput, ModelNotFound, ModelNotReady
 from shared.runtimes import load_session
-from shared.runtimes.base import RuntimeOptions, TensorSpec
+from shared.runtimes.base import Cancel, RuntimeOptions, TensorSpec
 from shared.runtimes.openvino_backend import load
 
 EXACT = RuntimeOptions(threads=1, precision_hint="f32")
@@ -142,6 +142,28 @@ def test_bad_requests_raise_invalid_input(mlp_onnx, case: str) -> None:
     session = load(mlp_onnx.path, EXACT)
     with pytest.raises(InvalidInput, match=message):
         session.run(inputs, outputs)
+
+
+def test_inputs_the_plugin_refuses_raise_invalid_input_never_an_earlier_answer(
+    add_onnx: Path, tmp_path: Path
+) -> None:
+    # A reused request's synchronous infer() returned the previous run's sum here.
+    for path in (add_onnx, _to_ir(add_onnx, tmp_path / "ir")):
+        session = load(path, EXACT)
+        for cancel in (None, Cancel()):
+            ok = session._run(
+                {"a": np.ones((2, 3), np.float32), "b": np.ones((2, 3), np.float32)}, None, cancel
+            )
+            np.testing.assert_array_equal(ok["y"], np.full((2, 3), 2.0, np.float32))
+            with pytest.raises(InvalidInput, match=r"cannot run the model on these inputs: .*Add"):
+                session._run(
+                    {"a": np.ones((2, 3), np.float32), "b": np.ones((4, 3), np.float32)},
+                    None,
+                    cancel if cancel is None else Cancel(),
+                )
+        with pytest.raises(InvalidInput) as refused:
+            session.run({"a": np.ones((2, 3), np.float32), "b": np.ones((3, 3), np.float32)})
+        assert "Exception from" not in str(refused.value)  # C++ source locations dropped
 
 
 def test_outputs_stay_valid_after_the_next_run(mlp_onnx) -> None:
