@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cloud.batcher import DynamicBatcher
-from cloud.idempotency import IdempotencyCache, fingerprint, idempotency_key, response_bytes
+from cloud.idempotency import IdempotencyCache, response_bytes
 from cloud.loading import (
     LONE_MIN_RUN_S,
     MemoryProbe,
@@ -48,6 +48,7 @@ from shared.errors import (
     ModelNotReady,
     ShuttingDown,
 )
+from shared.idempotency import fingerprint, idempotency_key
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline import open_session
 from shared.pipeline.classification import requested_classes, top_k

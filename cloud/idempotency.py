@@ -26,30 +26,12 @@ from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import xxhash
-
 from shared.aio.eager import eager_future
-from shared.errors import IdempotencyConflict, InvalidInput
-from shared.messages import InferRequest, InferResponse
-from shared.tensors import array_to_buffer
+from shared.errors import IdempotencyConflict
+from shared.idempotency import PARAMETER
+from shared.messages import InferResponse
 
 T = TypeVar("T")
-
-MAX_KEY_LENGTH = 128
-PARAMETER = "idempotency_key"
-
-
-def idempotency_key(parameters: dict) -> str | None:
-    """The request's key, checked (None when it has none)."""
-    key = parameters.get(PARAMETER)
-    if key is None:
-        return None
-    if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LENGTH:
-        raise InvalidInput(
-            f"parameter {PARAMETER!r} must be a string of 1 to {MAX_KEY_LENGTH} characters"
-        )
-    return key
-
 
 Key = Hashable
 
@@ -136,28 +118,6 @@ class IdempotencyCache(Generic[T]):
         if entry.size > self.max_bytes:
             self._drop(key)  # bigger than the whole cache: a late duplicate runs again
         self._trim()
-
-
-def fingerprint(request: InferRequest, version: int) -> bytes:
-    """A digest of what a request asks: version, inputs (names, types, shapes, bytes),
-    outputs and their parameters, so a reused key with other inputs is caught.
-
-    XXH3-128, not a cryptographic hash: it is on the path of every keyed
-    request (each offload carries one), where BLAKE2b cost 0.8 ms on a 602 KB
-    tensor and XXH3 12 us.  What it must catch is a sender reusing its own key
-    with other inputs; keys are scoped to their sender and are unguessable
-    UUIDs, and a peer that knew another's key could ask the same inputs anyway.
-    """
-    digest = xxhash.xxh3_128()
-    digest.update(str(version).encode())
-    for tensor in sorted(request.inputs, key=lambda t: t.name):
-        head = f"|{tensor.name}|{tensor.datatype}|{list(tensor.shape)}|".encode()
-        digest.update(head)
-        digest.update(array_to_buffer(tensor.data, tensor.datatype))
-    if request.outputs is not None:
-        for out in request.outputs:
-            digest.update(f"|out|{out.name}|{sorted(out.parameters.items())}".encode())
-    return digest.digest()
 
 
 def response_bytes(response: InferResponse) -> int:

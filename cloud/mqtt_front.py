@@ -75,7 +75,9 @@ def new_client(
     """An MQTT v5 client for the cloud tier (node, controller, ``fleet``) with the
     broker's credentials and TLS; ``options`` go to :class:`MqttClient`."""
     tls = (
-        client_tls_context(ca_file, insecure=insecure, cert_file=cert_file, key_file=key_file)
+        client_tls_context(
+            ca_file, insecure=insecure, cert_file=cert_file, key_file=key_file, section="mqtt"
+        )
         if broker.tls
         else None
     )

@@ -86,6 +86,7 @@ def build_transports(config: AgentConfig) -> dict[str, Transport]:
                 insecure=cloud.tls_insecure,
                 cert_file=cloud.cert_file,
                 key_file=cloud.key_file,
+                section="cloud",
             )
         transports["mqtt"] = MqttTransport(broker, tls_context=context)
     if cloud.http_url:
@@ -98,6 +99,7 @@ def build_transports(config: AgentConfig) -> dict[str, Transport]:
                 insecure=cloud.tls_insecure,
                 cert_file=cloud.cert_file,
                 key_file=cloud.key_file,
+                section="cloud",
             )
         transports["http"] = HttpTransport(cloud.http_url, token=cloud.token, tls_context=context)
     return transports
@@ -314,6 +316,7 @@ class Agent:
         s = new.store
         self.deferrer.ttl_s, self.deferrer.keep_results_s = s.ttl_s, s.keep_results_s
         self.deferrer.max_attempts = s.max_attempts
+        self.store.max_rows, self.store.max_bytes = s.max_requests, s.max_bytes
         self.dataplane.policy = Policy(new.policy, self.estimators, self.device, self.links)
         self.config = new
 
@@ -365,7 +368,10 @@ class Agent:
         deadline_ms: float | None = None,
         priority: int | None = None,
         deferrable: bool = False,
+        idempotency_key: str | None = None,
     ) -> InferResponse:
+        """``idempotency_key``: the app's retries of one request (same key, same inputs)
+        are run once by the cloud and deferred once (the same receipt)."""
         tensors = (
             list(inputs)
             if isinstance(inputs, list)
@@ -374,6 +380,8 @@ class Agent:
         request = InferRequest(
             inputs=tensors, outputs=[RequestedOutput(n) for n in outputs] if outputs else None
         )
+        if idempotency_key is not None:
+            request.parameters["idempotency_key"] = idempotency_key
         return await self.dataplane.infer(
             model, request, deadline_ms=deadline_ms, priority=priority, deferrable=deferrable
         )

@@ -49,6 +49,7 @@ from shared.errors import (
     ModelNotReady,
     ShuttingDown,
 )
+from shared.idempotency import idempotency_key, receipt_id
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import triton_model_config, v2_model_metadata
@@ -306,10 +307,13 @@ class EdgeDataPlane:
         # ("1"), and the MQTT correlation, the deferred store and the cloud's
         # idempotency cache all need one unique per request.
         client_id, request.id = request.id, os.urandom(16).hex()  # a fresh id (uuid4's bits)
-        # The id is also the cloud's idempotency key on every offload (HTTP and MQTT):
-        # a resend of this request is answered once, never run twice.
-        request.parameters = {**request.parameters, "idempotency_key": request.id}
         try:
+            # The id is also the cloud's idempotency key on every offload (HTTP and MQTT):
+            # a resend of this request is answered once, never run twice.  An app's own
+            # key goes instead (checked as the cloud checks it), so the app's retry is
+            # answered from the cloud's cache too, and a deferral is named after it.
+            app_key = idempotency_key(request.parameters)
+            request.parameters = {**request.parameters, "idempotency_key": app_key or request.id}
             if priority is not None:
                 request.parameters = {**request.parameters, "priority": priority}
             flow = self._begin(
@@ -376,6 +380,10 @@ class EdgeDataPlane:
             elif isinstance(action, Defer):
                 if self.deferrer is None:
                     raise ModelNotReady(action.reason)
+                key = request.parameters.get("idempotency_key")
+                if key is not None and key != request.id:
+                    # an app's key: its retry finds this deferral, not a second one
+                    request.id = receipt_id(flow.model, key, request)
                 return await self.deferrer.defer(
                     flow.model, request, deadline_ms=action.deadline_ms, reason=action.reason
                 )
@@ -527,7 +535,8 @@ class EdgeDataPlane:
         expected to take, and at least ``DEFERRED_SEND_S``.
         """
         assert request.id is not None
-        request.parameters = {**request.parameters, "idempotency_key": request.id}
+        if "idempotency_key" not in request.parameters:  # (an app's key was kept)
+            request.parameters = {**request.parameters, "idempotency_key": request.id}
         start = time.monotonic()
         flow = self._begin(
             model,

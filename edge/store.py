@@ -41,6 +41,9 @@ CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, creat
 """
 
 
+_FINISHED = "('delivered', 'failed', 'expired')"
+
+
 def db_error() -> type[Exception]:
     """``sqlite3.Error`` for an ``except`` clause: imported only when an exception is
     being matched (an agent that never defers never imports sqlite3)."""
@@ -69,8 +72,11 @@ class DeferredResult:
 
 class DeferredStore:
     def __init__(self, path: Path, *, max_rows: int = 10_000, max_bytes: int = 256 << 20) -> None:
-        """``max_rows`` / ``max_bytes`` bound the requests waiting (pending or sending);
-        a deferral past them is refused with "overloaded", never dropped silently."""
+        """``max_rows`` / ``max_bytes`` bound the requests waiting (pending or sending):
+        a deferral past them is refused with "overloaded", never dropped silently.
+        They bound the answers kept for the apps too, apart: past them the oldest
+        answers are forgotten first (an app that never fetches must not fill the disk
+        for ``keep_results_s``).  An answered row keeps its answer, not its request."""
         self.path = Path(path)
         self.max_rows = max_rows
         self.max_bytes = max_bytes
@@ -173,9 +179,30 @@ class DeferredStore:
     def mark_delivered(self, request_id: str, result: bytes | None, error: str | None) -> None:
         status = "delivered" if error is None else "failed"
         self._db.execute(
-            "UPDATE deferred SET status = ?, result = ?, error = ? WHERE request_id = ?",
+            "UPDATE deferred SET status = ?, result = ?, error = ?, payload = x''"
+            " WHERE request_id = ?",
             (status, result, error, request_id),
         )
+        self._trim_answers()
+
+    def _trim_answers(self) -> int:
+        """Forget the oldest answered, failed and expired rows past the bounds."""
+        forgotten = 0
+        if self.max_rows:
+            forgotten += self._db.execute(
+                f"DELETE FROM deferred WHERE request_id IN (SELECT request_id FROM deferred"
+                f" WHERE status IN {_FINISHED} ORDER BY created_wall DESC LIMIT -1 OFFSET ?)",
+                (self.max_rows,),
+            ).rowcount
+        if self.max_bytes:
+            forgotten += self._db.execute(
+                "DELETE FROM deferred WHERE request_id IN (SELECT request_id FROM (SELECT"
+                " request_id, SUM(COALESCE(LENGTH(result), 0) + COALESCE(LENGTH(error), 0)"
+                " + LENGTH(payload)) OVER (ORDER BY created_wall DESC, request_id) AS held"
+                f" FROM deferred WHERE status IN {_FINISHED}) WHERE held > ?)",
+                (self.max_bytes,),
+            ).rowcount
+        return forgotten
 
     def result(self, request_id: str) -> DeferredResult | None:
         if not self.opened:
@@ -199,9 +226,11 @@ class DeferredStore:
         for request_id in ids:
             self._db.execute(
                 "UPDATE deferred SET status = 'expired', error = 'deadline_exceeded: no link before the"
-                " deferral expired' WHERE request_id = ?",
+                " deferral expired', payload = x'' WHERE request_id = ?",
                 (request_id,),
             )
+        if ids:
+            self._trim_answers()
         return ids
 
     def purge(self, before_wall: float) -> int:
@@ -213,8 +242,7 @@ class DeferredStore:
         if not self.opened:
             return 0
         cur = self._db.execute(
-            "DELETE FROM deferred WHERE status IN ('delivered', 'failed', 'expired')"
-            " AND created_wall < ?",
+            f"DELETE FROM deferred WHERE status IN {_FINISHED} AND created_wall < ?",
             (before_wall,),
         )
         return cur.rowcount

@@ -54,6 +54,7 @@ from shared.errors import (
     ModelNotFound,
     ModelNotReady,
     Overloaded,
+    PayloadTooLarge,
     error_from_code,
 )
 
@@ -554,8 +555,9 @@ class RequestFlow:
         core, choice = self.core, self._attempt
         core._journal(("offload_failed", self.id, now, error.code.value, error.message))
         assert choice is not None and choice.transport is not None
-        if isinstance(error, InvalidInput):
-            core.breakers[choice.transport].release(now)  # says nothing of the endpoint
+        if isinstance(error, InvalidInput | PayloadTooLarge):
+            # says nothing of the endpoint (too large: its limit, not its health)
+            core.breakers[choice.transport].release(now)
         else:
             core.learn_failure(choice, self.mp.cloud_model or self.model, error, self.began, now)
         if self._hedging:
@@ -578,7 +580,7 @@ class RequestFlow:
             )
         if self._fallback is not None and self.deadline - now > 0:
             return self._run_local(self._fallback, why, True)
-        if self.deferrable:
+        if self.deferrable and not isinstance(error, PayloadTooLarge):  # (would fail again)
             return Defer(why, None)
         return Fail(error)
 

@@ -34,11 +34,12 @@ from shared.errors import (
     EndpointUnavailable,
     FerryError,
     InternalError,
-    InvalidInput,
+    PayloadTooLarge,
 )
 from shared.messages import InferRequest, InferResponse
 from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
 from shared.mqtt.codec import Publish, PublishProperties
+from shared.mqtt.session import PacketTooLarge
 from shared.tensors import DEFAULT_LIMITS, Limits
 
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
@@ -139,7 +140,11 @@ class MqttTransport:
         request.id = request_id
         payload = envelope.encode_request(request)
         if len(payload) > self.limits.max_body_bytes:
-            raise InvalidInput(f"request of {len(payload)} bytes exceeds the payload limit")
+            # the cloud's limit, not the request's fault: a local run may still answer it
+            raise PayloadTooLarge(
+                f"request of {len(payload)} bytes exceeds the cloud's body limit "
+                f"of {self.limits.max_body_bytes} bytes"
+            )
         correlation = request_id.encode()
         future: asyncio.Future[tuple[InferResponse, int]] = self._loop.create_future()
         pending = _Pending(future, request_topic(model), payload, deadline)
@@ -193,7 +198,10 @@ class MqttTransport:
             correlation_data=correlation,
             message_expiry=min(max(1, expiry), 2**32 - 1),
         )
-        self._client.publish(pending.topic, pending.payload, properties=props)
+        try:
+            self._client.publish(pending.topic, pending.payload, properties=props)
+        except PacketTooLarge as exc:  # the broker's limit (its CONNACK said so)
+            raise PayloadTooLarge(f"MQTT: {exc}") from None
 
     # ---- broker events (on the loop, straight from the socket) ---------------------------
     def _on_connect(self) -> None:
@@ -233,7 +241,11 @@ class MqttTransport:
         for correlation, pending in list(self._pending.items()):
             if not pending.future.done() and pending.deadline > now and which(pending):
                 pending.resends += 1
-                self._publish(correlation, pending)
+                try:
+                    self._publish(correlation, pending)
+                except PayloadTooLarge as exc:  # a new broker with a smaller limit
+                    pending.future.set_exception(exc)
+                    continue
                 self.republished += 1
 
     def _node_status(self, topic: str, payload: bytes) -> None:

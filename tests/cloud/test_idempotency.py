@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from cloud.idempotency import IdempotencyCache, idempotency_key
+from cloud.idempotency import IdempotencyCache
 from shared.errors import InternalError, InvalidInput
+from shared.idempotency import idempotency_key
 
 
 class Counter:

@@ -370,3 +370,38 @@ async def test_a_cloud_only_model_is_ready_only_while_a_node_serves_it(
             assert not agent.dataplane.model_ready("c")  # no route: not ready
     finally:
         node.kill()
+
+
+async def test_a_request_past_the_brokers_packet_limit_falls_back_or_is_payload_too_large(
+    tmp_path, edge_repos
+):
+    from shared.errors import PayloadTooLarge
+    from tests.support import Broker
+
+    small = Broker(tmp_path / "small-broker")
+    small.conf.write_text(small.conf.read_text() + "max_packet_size 20000\n")
+    small.start()
+    models = (
+        '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n'
+        '[models.far]\ncloud = "lin"\n'
+    )
+    node, cfg = _over_mqtt(tmp_path, edge_repos, small, "small-node", models)
+    big = np.ones((2000, 4), np.float32)  # 32 KB: past the broker's 20 KB
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            mqtt = agent.transports["mqtt"]
+            await _until_serves(mqtt, True)
+            answer = await agent.infer("lin", {"x": big}, deadline_ms=5000)
+            p = answer.parameters
+            assert p["where"] == "local" and p["fallback"] is True
+            assert "payload_too_large" in p["decision"]
+            assert answer.outputs[0].data.shape == (2000, 3)
+            with pytest.raises(PayloadTooLarge, match="maximum packet size of 20000"):
+                await agent.infer("far", {"x": big}, deadline_ms=5000)
+            # the broker's limit says nothing of its health: small requests still offload
+            assert agent.dataplane.breakers["mqtt"].state == "closed"
+            small_answer = await agent.infer("far", {"x": X}, deadline_ms=5000)
+            assert small_answer.parameters["where"] == "cloud-mqtt"
+    finally:
+        node.kill()
+        small.stop()

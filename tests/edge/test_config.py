@@ -113,7 +113,7 @@ def test_profile_paths_resolve_against_the_config_folder(tmp_path: Path):
     assert load_agent_config(path).links["http"] == str(tmp_path / "my-link.toml")
 
 
-async def test_a_reload_applies_device_emulation_and_quantile_live(tmp_path, edge_repos):
+async def test_a_reload_applies_device_emulation_store_bounds_and_quantile_live(tmp_path, edge_repos):
     import os
 
     from edge.agent import Agent
@@ -129,7 +129,8 @@ async def test_a_reload_applies_device_emulation_and_quantile_live(tmp_path, edg
             .replace('device = "raspberry-pi-4b"', 'device = "jetson-orin-nano"')
             .replace(
                 "[policy]\n",
-                "[emulation]\nlocal_latency_ms = 50\n[policy]\ndeadline_quantile = 0.9\n",
+                "[emulation]\nlocal_latency_ms = 50\n[store]\nmax_requests = 7\nmax_bytes = 9000\n"
+                "[policy]\ndeadline_quantile = 0.9\n",
             )
         )
         os.utime(path, (3, 3))
@@ -138,6 +139,7 @@ async def test_a_reload_applies_device_emulation_and_quantile_live(tmp_path, edg
         assert agent.dataplane.policy.device.name == "jetson-orin-nano"
         assert agent.local.latency_floor_s == 0.05
         assert agent.estimators.local("lin-local").q == 0.9
+        assert (agent.store.max_rows, agent.store.max_bytes) == (7, 9000)
     finally:
         await agent.stop()
 

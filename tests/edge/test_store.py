@@ -93,6 +93,25 @@ def test_the_store_is_bounded_and_refuses_past_it_with_overloaded(tmp_path):
     store.put("m", b"abc", request_id="r5", created_wall=1.0, expires_wall=None)
 
 
+def test_answers_kept_are_bounded_too_and_keep_no_request(tmp_path):
+    # Answered rows kept their whole request for keep_results_s (8 days), unbounded.
+    store = DeferredStore(tmp_path / "d.db", max_rows=3, max_bytes=100)
+    for i in range(8):
+        store.put("m", b"x" * 60, request_id=f"r{i}", created_wall=float(i), expires_wall=None)
+        store.mark_sending(f"r{i}")
+        store.mark_delivered(f"r{i}", b"a" * 30, None)
+    # at most 3 answers and 100 bytes: the newest, the oldest forgotten first
+    assert store.counts() == {"delivered": 3}
+    assert [store.result(f"r{i}") is not None for i in range(8)] == [False] * 5 + [True] * 3
+    assert store.result("r7").result == b"a" * 30
+    payloads = store._db.execute("SELECT SUM(LENGTH(payload)) FROM deferred").fetchone()[0]
+    assert payloads == 0
+    store.max_bytes = 90  # (a reload lowers a bound: the next answer trims to it)
+    store.put("m", b"y", request_id="late", created_wall=9.0, expires_wall=5.0)
+    assert store.expire(10.0) == ["late"]
+    assert store.counts() == {"delivered": 1, "expired": 1}
+
+
 async def test_a_corrupt_row_fails_alone_and_the_rest_still_flush(tmp_path):
     import numpy as np
 

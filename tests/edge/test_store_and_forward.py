@@ -181,3 +181,44 @@ async def test_a_crash_between_the_clouds_answer_and_the_bookkeeping_does_not_ru
         assert stats["execution_count"] == 1  # answered twice, run once
     finally:
         server.terminate()
+
+
+async def test_an_apps_idempotency_key_runs_a_retry_once_and_defers_it_once(tmp_path, edge_repos):
+    import pytest
+
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+    from shared.errors import InvalidInput
+
+    server = cloud_server(edge_repos[0], "--node", "keyed").start()
+    cloud_url = server.http_url
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud_url,
+        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
+    )
+    x = np.full((1, 4), 2.0, np.float32)
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            first = await agent.infer("c", {"x": x}, idempotency_key="app-1")
+            again = await agent.infer("c", {"x": x}, idempotency_key="app-1")
+            np.testing.assert_array_equal(first.outputs[0].data, again.outputs[0].data)
+            stats = _get(server.http_url + "/v2/models/cloudonly/stats")["model_stats"][0]
+            assert stats["inference_stats"]["success"]["count"] == 1  # the retry ran once
+            with pytest.raises(Exception, match="other inputs"):  # the cloud's 409
+                await agent.infer("c", {"x": x + 1}, idempotency_key="app-1")
+            with pytest.raises(InvalidInput, match="idempotency_key"):
+                await agent.infer("c", {"x": x}, idempotency_key="k" * 129)
+    finally:
+        server.kill()
+    async with Agent(load_agent_config(cfg)) as agent:  # the cloud is gone: deferrals
+        receipts = [
+            (await agent.infer("c", {"x": x}, deferrable=True, idempotency_key="app-2")).parameters
+            for _ in range(2)
+        ]
+        other = await agent.infer("c", {"x": x + 1}, deferrable=True, idempotency_key="app-2")
+        assert receipts[0]["where"] == "deferred"
+        assert receipts[0]["request_id"] == receipts[1]["request_id"]  # one stored request
+        assert other.parameters["request_id"] != receipts[0]["request_id"]
+        assert agent.store.counts() == {"pending": 2}
