@@ -50,7 +50,6 @@ _NODES = f"{PREFIX}/nodes/"
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Pending:
     future: asyncio.Future[tuple[InferResponse, int]]
@@ -135,7 +134,9 @@ class MqttTransport:
         if self._client is None or self._loop is None:
             raise EndpointUnavailable("MQTT transport not started")
         if not self._ready.is_set():
-            raise EndpointUnavailable(f"not connected to broker {self.broker.host}:{self.broker.port}")
+            raise EndpointUnavailable(
+                f"not connected to broker {self.broker.host}:{self.broker.port}"
+            )
         request_id = request.id or uuid.uuid4().hex
         request.id = request_id
         payload = envelope.encode_request(request)

@@ -113,7 +113,9 @@ def test_profile_paths_resolve_against_the_config_folder(tmp_path: Path):
     assert load_agent_config(path).links["http"] == str(tmp_path / "my-link.toml")
 
 
-async def test_a_reload_applies_device_emulation_store_bounds_and_quantile_live(tmp_path, edge_repos):
+async def test_a_reload_applies_device_emulation_store_bounds_and_quantile_live(
+    tmp_path, edge_repos
+):
     import os
 
     from edge.agent import Agent

@@ -174,9 +174,7 @@ async def test_a_crash_between_the_clouds_answer_and_the_bookkeeping_does_not_ru
                 await asyncio.sleep(0.1)
             assert found["status"] == "delivered"
             assert found["response"].parameters.get("duplicate") is True
-            np.testing.assert_array_equal(
-                found["response"].outputs[0].data, first.outputs[0].data
-            )
+            np.testing.assert_array_equal(found["response"].outputs[0].data, first.outputs[0].data)
         stats = _get(server.http_url + "/v2/models/cloudonly/stats")["model_stats"][0]
         assert stats["execution_count"] == 1  # answered twice, run once
     finally:
