@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Literal
 
 from shared.errors import ConfigError
-from shared.mqtt import PLACEMENT_TOPIC, reply_topic, request_topic, status_topic
+from shared.mqtt import (
+    ALERTS_TOPIC,
+    CONTROLLER_TOPIC,
+    PLACEMENT_TOPIC,
+    reply_topic,
+    request_topic,
+    status_topic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +122,7 @@ def new_password() -> str:
 def make_principals(
     devices: Iterable[str],
     nodes: Iterable[str],
-    controller: str | None = None,
+    controller: str | Iterable[str] | None = None,
     existing: dict[str, Principal] | None = None,
 ) -> list[Principal]:
     """One principal per name, keeping the password of an ``existing`` same-role entry.
@@ -125,8 +132,9 @@ def make_principals(
     """
     wanted: list[tuple[str, Role]] = [(n, "device") for n in devices]
     wanted += [(n, "node") for n in nodes]
-    if controller:
-        wanted.append((controller, "controller"))
+    if controller:  # one name, or several (one places, the others stand by)
+        names = [controller] if isinstance(controller, str) else list(controller)
+        wanted += [(n, "controller") for n in names]
     if not wanted:
         raise ConfigError("no broker users: give at least one device, node or controller")
     seen: dict[str, Role] = {}
@@ -275,6 +283,9 @@ def acl_text(principals: Sequence[Principal]) -> str:
             lines += [
                 f"topic read {status_topic('+')}",
                 f"topic readwrite {PLACEMENT_TOPIC}",
+                # who places: read too, so the others stand by (docs/scale-out.md)
+                f"topic readwrite {CONTROLLER_TOPIC}",
+                f"topic write {ALERTS_TOPIC}",
             ]
     return "\n".join(lines) + "\n"
 
@@ -390,7 +401,7 @@ def write_broker_auth(
     out: Path,
     devices: Sequence[str],
     nodes: Sequence[str],
-    controller: str | None = None,
+    controller: str | Iterable[str] | None = None,
     *,
     tls: TlsFiles | None = None,
     port: int | None = None,
@@ -445,7 +456,11 @@ def add_auth_command(subparsers: argparse._SubParsersAction) -> None:
     )
     auth.add_argument("--devices", metavar="D1,D2", help="edge devices (MQTT user names)")
     auth.add_argument("--nodes", metavar="N1,N2", help="cloud nodes (user name = node name)")
-    auth.add_argument("--controller", metavar="NAME", help="placement controller user")
+    auth.add_argument(
+        "--controller",
+        metavar="C1[,C2]",
+        help="placement controller users (one places, the others stand by)",
+    )
     auth.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     auth.add_argument("--port", type=int, help="listener port (1883; 8883 with TLS)")
     auth.add_argument("--bind", metavar="HOST", help="listener address (default: all)")
@@ -461,7 +476,7 @@ def run_auth_command(args: argparse.Namespace) -> int:
         args.out,
         _names(args.devices),
         _names(args.nodes),
-        args.controller,
+        _names(args.controller),
         tls=tls,
         port=args.port,
         bind=args.bind,

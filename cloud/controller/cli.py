@@ -50,10 +50,20 @@ def _controller(args: argparse.Namespace) -> int:
     from cloud.controller.core import ControllerCore, ControllerSettings
     from cloud.controller.service import ControllerOptions, run_controller
     from cloud.placement.packing import Headroom
+    from shared.errors import ConfigError
     from shared.mqtt import parse_broker_url
     from shared.repository import ModelRepository
 
-    catalogue, problems = read_catalogue(ModelRepository(args.repository))
+    for flag, value, zero_ok in (
+        ("--interval-s", args.interval_s, False),
+        ("--burst-cv", args.burst_cv, True),
+        ("--alert-window-s", args.alert_window_s, False),
+    ):
+        if not (0.0 <= value < float("inf")) or (value == 0.0 and not zero_ok):
+            least = ">= 0" if zero_ok else "> 0"
+            raise ConfigError(f"{flag} must be a finite number {least}, got {value}")
+    repository = ModelRepository(args.repository)
+    catalogue, problems = read_catalogue(repository)
     profiles = {}
     if args.profiles:
         from cloud.tuning.profiles import load_profiles
@@ -71,18 +81,18 @@ def _controller(args: argparse.Namespace) -> int:
         broker=parse_broker_url(args.broker),
         http_host=args.http_host,
         http_port=None if args.http_port < 0 else args.http_port,
+        rescan=lambda: read_catalogue(repository),
     )
     return asyncio.run(run_controller(core, options))
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    from cloud.controller.service import ALERTS_TOPIC
     from cloud.controller.table import fleet_document, render_fleet
     from cloud.fleet.follower import STATUS_PATTERN
     from cloud.fleet.view import FleetView, decode_document
     from cloud.mqtt_front import new_client
     from shared.errors import ConfigError, EndpointUnavailable
-    from shared.mqtt import PLACEMENT_TOPIC, node_from_status_topic, parse_broker_url
+    from shared.mqtt import ALERTS_TOPIC, PLACEMENT_TOPIC, node_from_status_topic, parse_broker_url
 
     broker = parse_broker_url(args.broker)
     view = FleetView()

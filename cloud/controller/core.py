@@ -84,11 +84,23 @@ class ControllerCore:
     def on_retained_placement(self, document: Any) -> None:
         """The placement last published (by us before a restart): the starting point."""
         placement = self.view.on_placement(document)
-        if placement is not None and self.current is None:
+        if placement is not None and (
+            self.current is None or placement.generation > self.current.generation
+        ):  # (a controller standing by follows the active one's)
             self.current = placement
             self.planned_rates = {}
             for copy in placement.copies:
                 self.planned_rates[copy.model] = self.planned_rates.get(copy.model, 0) + copy.rate
+
+    def on_catalogue(self, catalogue: dict[str, ModelEntry]) -> tuple[list[str], list[str]]:
+        """The repository read again: (models added, models gone).  Any change places
+        again at the next step (a new model needs a home, a gone one frees its copies)."""
+        added = sorted(set(catalogue) - set(self.catalogue))
+        removed = sorted(set(self.catalogue) - set(catalogue))
+        if catalogue != self.catalogue:
+            self.catalogue = catalogue
+            self._membership_dirty = True
+        return added, removed
 
     # ---- decisions ---------------------------------------------------------------
     def demand_rate(self, entry: ModelEntry, rates_in_force: bool = False) -> float:

@@ -22,10 +22,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import os
 import signal
+import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from cloud.controller.catalogue import ModelEntry
 from cloud.controller.core import ControllerCore
 from cloud.controller.metrics import render_controller_metrics
 from cloud.fleet.follower import STATUS_PATTERN
@@ -34,22 +39,35 @@ from cloud.mqtt_front import new_client
 from shared.aio.http_server import HttpServer, Request, Response, RoutedApp, Router, json_response
 from shared.aio.mqtt import MqttClient
 from shared.errors import ConfigError, FerryError
-from shared.mqtt import PLACEMENT_TOPIC, PREFIX, BrokerAddress, node_from_status_topic
+from shared.mqtt import (
+    ALERTS_TOPIC,
+    CONTROLLER_TOPIC,
+    PLACEMENT_TOPIC,
+    BrokerAddress,
+    node_from_status_topic,
+)
 from shared.mqtt.codec import Publish, Will
 
 log = logging.getLogger(__name__)
 
-ALERTS_TOPIC = f"{PREFIX}/fleet/alerts"
-CONTROLLER_TOPIC = f"{PREFIX}/controller/status"
 STEP_S = 0.5
+
+
+#: how often the repository is read again for models added, removed or re-configured
+RESCAN_S = 10.0
 
 
 @dataclass(frozen=True)
 class ControllerOptions:
     broker: BrokerAddress
-    client_id: str = "ferry-controller"
+    # each controller its own (a broker that takes ids from user names gives one per user)
+    client_id: str = field(
+        default_factory=lambda: f"ferry-controller-{socket.gethostname()}-{os.getpid()}"
+    )
     http_host: str = "127.0.0.1"
     http_port: int | None = 8001  # None: no HTTP endpoint
+    # the repository read again every RESCAN_S: (entries, problems), off the loop
+    rescan: Callable[[], tuple[dict[str, ModelEntry], dict[str, str]]] | None = None
 
 
 class ControllerService(RoutedApp):
@@ -65,6 +83,11 @@ class ControllerService(RoutedApp):
         self.router.add("GET", "/fleet", self._fleet)
         self.router.add("GET", "/v2/health/live", self._live)
         self.http_port: int | None = None
+        # One controller places at a time: the others stand by, warm, until its last
+        # will says it is gone.  The earliest started stays (ties: the smaller id).
+        self.since = time.time()
+        self.active = True
+        self._rescan_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.core.started = time.monotonic()
@@ -73,7 +96,7 @@ class ControllerService(RoutedApp):
             self.options.client_id,
             keepalive_s=15,
             reconnect_min_s=0.5,
-            will=Will(CONTROLLER_TOPIC, json.dumps({"state": "offline"}).encode()),
+            will=Will(CONTROLLER_TOPIC, self._status("offline")),
             on_connect=self._on_connect,
             on_message=self._on_message,
         )
@@ -83,19 +106,41 @@ class ControllerService(RoutedApp):
             self.http_port = await self._http.start(self.options.http_host, self.options.http_port)
 
     async def run(self, stop: asyncio.Event) -> None:
+        last_scan = time.monotonic()
         while not stop.is_set():
-            self.tick(time.monotonic())
+            now = time.monotonic()
+            if self.options.rescan is not None and now - last_scan >= RESCAN_S:
+                last_scan = now
+                if self._rescan_task is None or self._rescan_task.done():
+                    self._rescan_task = asyncio.create_task(self._rescan())
+            self.tick(now)
             try:
                 await asyncio.wait_for(stop.wait(), STEP_S)
             except TimeoutError:
                 pass
+        if self._rescan_task is not None:
+            await asyncio.gather(self._rescan_task, return_exceptions=True)
+
+    async def _rescan(self) -> None:
+        assert self.options.rescan is not None
+        try:
+            entries, problems = await asyncio.to_thread(self.options.rescan)
+        except Exception as exc:  # a repository gone for a moment keeps the catalogue
+            log.warning("repository not read again: %s", exc)
+            return
+        added, removed = self.core.on_catalogue(entries)
+        for name in added:
+            log.info("model %s added to the repository", name)
+        for name in removed:
+            why = problems.get(name, "no longer in the repository")
+            log.warning("model %s no longer placed: %s", name, why)
 
     @property
     def connected(self) -> bool:
         return self._client is not None and self._client.connected
 
     def tick(self, now: float) -> None:
-        if not self.connected:
+        if not self.connected or not self.active:
             return
         step = self.core.step(now)
         if step is not None:
@@ -123,8 +168,11 @@ class ControllerService(RoutedApp):
     async def close(self) -> None:
         client = self._client
         if client is not None:
-            acked = client.publish(
-                CONTROLLER_TOPIC, json.dumps({"state": "offline"}).encode(), retain=True
+            was_active, self.active = self.active, False  # (a successor's status: no reply)
+            acked = (
+                client.publish(CONTROLLER_TOPIC, self._status("offline"), retain=True)
+                if was_active
+                else None
             )
             if acked is not None:
                 try:
@@ -136,12 +184,16 @@ class ControllerService(RoutedApp):
             await self._http.close()
 
     # ---- broker events (on the loop) ---------------------------------------------------------
+    def _status(self, state: str) -> bytes:
+        doc = {"state": state, "id": self.options.client_id, "since": self.since}
+        return json.dumps(doc).encode()
+
     def _on_connect(self) -> None:
         assert self._client is not None
-        self._client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC)
-        self._client.publish(
-            CONTROLLER_TOPIC, json.dumps({"state": "online"}).encode(), retain=True
-        )
+        self._client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC, CONTROLLER_TOPIC)
+        if not self.active:
+            return  # standing by: the active one's status and placement stay retained
+        self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
         current = self.core.current
         if current is not None:
             # Back from a broker that may have lost its retained messages (restarted
@@ -159,12 +211,43 @@ class ControllerService(RoutedApp):
             log.warning("ignoring %s: %s", topic, exc.message)
             return
         if topic == PLACEMENT_TOPIC:
-            if not self._published_once:
+            if not self._published_once or not self.active:
                 self.core.on_retained_placement(document)
+            return
+        if topic == CONTROLLER_TOPIC:
+            self._on_controller(document)
             return
         node = node_from_status_topic(topic)
         if node:
             self.core.on_status(node, document)
+
+    def _on_controller(self, document: object) -> None:
+        """Another controller's retained status: stand by behind an earlier one, take
+        over when the active one is gone (its last will), and keep ours retained."""
+        if not isinstance(document, dict) or self._client is None:
+            return
+        other = str(document.get("id", ""))
+        if other == self.options.client_id:
+            return
+        online = document.get("state") == "online"
+        since = document.get("since")
+        earlier = isinstance(since, int | float) and (float(since), other) < (
+            self.since,
+            self.options.client_id,
+        )
+        if online and earlier:
+            if self.active:
+                log.warning("controller %s is placing: standing by", other)
+            self.active = False
+        elif not self.active and not online:
+            log.warning("controller %s is gone: placing from its placement", other)
+            self.active = True
+            self._published_once = False  # (its retained placement is where to start)
+            self.core.last_step = -math.inf
+            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+        elif self.active:
+            # a later controller (it stands by), or a standby's will overwrote ours
+            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
 
     # ---- HTTP (a RoutedApp: /metrics, /fleet, /v2/health/live) ------------------------------
     async def _metrics(self, request: Request) -> Response:
@@ -177,7 +260,7 @@ class ControllerService(RoutedApp):
         return json_response(fleet_document(self.core.view, self.core.alerts()))
 
     async def _live(self, request: Request) -> Response:
-        return json_response({"live": True, "broker": self.connected})
+        return json_response({"live": True, "broker": self.connected, "active": self.active})
 
 
 async def run_controller(core: ControllerCore, options: ControllerOptions) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from shared import envelope
 from shared.errors import DeadlineExceeded, FerryError, ModelNotReady
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import reply_topic, request_topic
-from shared.mqtt.codec import PublishProperties
+from shared.mqtt.codec import PublishProperties, expiry_s
 from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import ModelConfig
 from shared.tensors import Limits, Tensor
@@ -145,7 +144,7 @@ class Forwarder:
         props = PublishProperties(
             response_topic=self.reply_topic,
             correlation_data=correlation,
-            message_expiry=max(1, math.ceil(until - now)),
+            message_expiry=expiry_s(until - now),
             user_properties=[(FORWARDED, self.node)],
         )
         future: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
@@ -242,7 +241,7 @@ class Forwarder:
         props = PublishProperties(
             response_topic=old.response_topic,
             correlation_data=old.correlation_data,
-            message_expiry=max(1, math.ceil(left)),
+            message_expiry=expiry_s(left),
             user_properties=old.user_properties,
         )
         self.front.publish(request_topic(pending.model), pending.payload, properties=props)

@@ -17,6 +17,7 @@ clocks that disagree between machines do not matter.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ from shared.errors import ConfigError
 
 #: smoothing of observed rates (per report): new = old + ALPHA * (sample - old)
 RATE_ALPHA = 0.5
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,8 +105,22 @@ class FleetView:
         return changed
 
     def on_placement(self, document: dict[str, Any] | None) -> Placement | None:
-        self.placement = Placement.from_dict(document) if isinstance(document, dict) else None
-        return self.placement
+        """The placement in force, or None when ``document`` is older than it: generations
+        only grow (a controller that lost the broker's store continues from the ones
+        the nodes follow), so an older one is a stale retained copy or a controller
+        that lost its standing, never news."""
+        placement = Placement.from_dict(document) if isinstance(document, dict) else None
+        current = self.placement
+        if placement is not None and current is not None:
+            if placement.generation < current.generation:
+                log.warning(
+                    "ignoring placement %d: placement %d is in force",
+                    placement.generation,
+                    current.generation,
+                )
+                return None
+        self.placement = placement
+        return placement
 
     def _fold(self, state: NodeState, status: dict[str, Any]) -> None:
         uptime = float(status.get("uptime_s", 0.0))

@@ -135,16 +135,20 @@ def split(
     reach = sum(count for _, count in usable)
     slowest = min(hosts, key=lambda n: (n.speed, n.name))
     rate = max(demand.rate, 0.0)
+    cap = min(reach, demand.max_copies or reach)
     alone = [p for p in demand.profiles if fits_alone(p, demand, slowest, headroom)]
     if any(size(p, rate, demand.slo_s, slowest.speed, headroom).theta <= 1 for p in alone):
         top, full, rest = rate, 0, rate  # one copy serves it all (a search would say more)
     else:
         top = max(full_rate(p, demand.slo_s, slowest.speed, headroom) for p in alone)
         full = int(rate // top) if top > 0 else 0
-        rest = rate - full * top
+        if full > cap:  # more than the nodes can hold: capped below (no list of 1e300)
+            full, rest = cap + 1, 0.0
+        else:
+            rest = rate - full * top
     rates = [top] * full + ([rest] if rest > 1e-9 * max(rate, 1.0) or full == 0 else [])
-    cap = min(reach, demand.max_copies or reach)
-    want = max(demand.min_copies, len(rates))
+    # (min_copies past the nodes: as many as they hold, and a note)
+    want = max(min(demand.min_copies, cap + 1), len(rates))
     if want > len(rates):  # min_copies: spread the traffic evenly
         rates = [rate / want] * want
     note = None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import ssl
 import time
 import uuid
@@ -38,7 +37,7 @@ from shared.errors import (
 )
 from shared.messages import InferRequest, InferResponse
 from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
-from shared.mqtt.codec import Publish, PublishProperties
+from shared.mqtt.codec import Publish, PublishProperties, expiry_s
 from shared.mqtt.session import PacketTooLarge
 from shared.tensors import DEFAULT_LIMITS, Limits
 
@@ -192,12 +191,10 @@ class MqttTransport:
 
     def _publish(self, correlation: bytes, pending: _Pending) -> None:
         assert self._client is not None
-        # Message Expiry is a 4-byte count of seconds.
-        expiry = math.ceil(pending.deadline - time.monotonic())
         props = PublishProperties(
             response_topic=self.reply_topic,
             correlation_data=correlation,
-            message_expiry=min(max(1, expiry), 2**32 - 1),
+            message_expiry=expiry_s(pending.deadline - time.monotonic()),
         )
         try:
             self._client.publish(pending.topic, pending.payload, properties=props)

@@ -3,6 +3,8 @@ the MQTT v5 packet codec and framer (sans-IO), and the asyncio client
 (:mod:`shared.aio.mqtt`, imported only by the code that connects)."""
 
 from shared.mqtt.topics import (
+    ALERTS_TOPIC,
+    CONTROLLER_TOPIC,
     PLACEMENT_TOPIC,
     PREFIX,
     SHARE_GROUP,
@@ -18,6 +20,8 @@ from shared.mqtt.topics import (
 )
 
 __all__ = [
+    "ALERTS_TOPIC",
+    "CONTROLLER_TOPIC",
     "PLACEMENT_TOPIC",
     "PREFIX",
     "SHARE_GROUP",

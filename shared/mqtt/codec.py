@@ -14,6 +14,7 @@ slice of the packet body the framer hands over.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -189,6 +190,17 @@ def decode_properties(buf: Any, pos: int) -> tuple[list[tuple[int, Any]], int]:
     return items, end
 
 
+#: Message Expiry Interval is a four-byte count of seconds (MQTT v5, 3.3.2.3.3)
+MAX_EXPIRY_S = 2**32 - 1
+
+
+def expiry_s(seconds: float) -> int:
+    """A Message Expiry for ``seconds`` left: at least 1 (0 would mean "expired"), at
+    most what four bytes hold (a far deadline must not fail the publish)."""
+    whole = math.ceil(seconds) if seconds < MAX_EXPIRY_S else MAX_EXPIRY_S
+    return whole if whole > 1 else 1
+
+
 class PublishProperties:
     """The properties a PUBLISH carries that Ferry reads or writes (section 3.3.2.3)."""
 
@@ -226,6 +238,8 @@ class PublishProperties:
         if self.payload_format is not None:
             items.append((PAYLOAD_FORMAT, self.payload_format))
         if self.message_expiry is not None:
+            if not 0 <= self.message_expiry <= MAX_EXPIRY_S:
+                raise ValueError(f"message expiry {self.message_expiry} s is not 0..{MAX_EXPIRY_S}")
             items.append((MESSAGE_EXPIRY, self.message_expiry))
         if self.content_type is not None:
             items.append((CONTENT_TYPE, self.content_type))

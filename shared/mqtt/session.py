@@ -96,7 +96,7 @@ class ClientSession:
             head = codec.publish_header(
                 topic, size, qos=qos, retain=retain, packet_id=packet_id, properties=properties
             )
-        except ValueError:
+        except Exception:  # (struct.error too): the id must not leak with the packet
             if packet_id is not None:
                 self._release(packet_id)
             raise

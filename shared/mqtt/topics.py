@@ -15,6 +15,10 @@ from shared.errors import ConfigError
 PREFIX = "ferry/v1"
 SHARE_GROUP = "ferry"
 PLACEMENT_TOPIC = f"{PREFIX}/placement"
+#: the active controller's retained status (its last will: offline)
+CONTROLLER_TOPIC = f"{PREFIX}/controller/status"
+#: the utilisation alerts in force (retained)
+ALERTS_TOPIC = f"{PREFIX}/fleet/alerts"
 
 
 def request_topic(model: str) -> str:

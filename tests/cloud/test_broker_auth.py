@@ -41,6 +41,8 @@ from edge.transports.mqtt import MqttTransport
 from shared.errors import ConfigError
 from shared.messages import InferRequest
 from shared.mqtt import (
+    ALERTS_TOPIC,
+    CONTROLLER_TOPIC,
     PLACEMENT_TOPIC,
     BrokerAddress,
     reply_topic,
@@ -323,6 +325,13 @@ def test_a_device_cannot_pose_as_a_node_or_the_controller(locked):
         time.sleep(0.2)
         assert ctl.payloads(status_topic(NODE)) == []
         assert ctl.payloads(PLACEMENT_TOPIC) == [b'{"v": 1}']
+        # its status (read back: other controllers stand by) and its alerts; not a device's
+        assert ctl.subscribe(CONTROLLER_TOPIC) == SUBSCRIBED
+        assert ctl.publish(CONTROLLER_TOPIC, b'{"state": "online"}', retain=True) == ACCEPTED
+        assert ctl.publish(ALERTS_TOPIC, b"[]", retain=True) == ACCEPTED
+        assert device.publish(CONTROLLER_TOPIC, b'{"state": "offline"}') == NOT_AUTHORIZED
+        assert device.publish(ALERTS_TOPIC, b"[]") == NOT_AUTHORIZED
+        _wait(lambda: ctl.payloads(CONTROLLER_TOPIC) == [b'{"state": "online"}'], "no status")
     finally:
         device.close()
         ctl.close()

@@ -96,6 +96,20 @@ def test_a_controller_that_finds_no_placement_retained_counts_on_from_what_nodes
     assert step is not None and step.placement.generation == 8
 
 
+def test_a_model_added_to_the_repository_is_placed_and_a_removed_one_freed() -> None:
+    core = _core([_entry("a")])
+    core.on_status("n1", _status("n1", 1.0))
+    assert core.step(2.0) is not None
+    assert core.on_catalogue({"a": _entry("a"), "b": _entry("b")}) == (["b"], [])
+    step = core.step(2.5)  # at once, not after the interval
+    assert step is not None and {c.model for c in step.placement.copies} == {"a", "b"}
+    assert core.on_catalogue({"b": _entry("b")}) == ([], ["a"])
+    step = core.step(3.0)
+    assert step is not None and {c.model for c in step.placement.copies} == {"b"}
+    assert [(m.op, m.model) for m in step.moves] == [("unload", "a")]
+    assert core.on_catalogue({"b": _entry("b")}) == ([], []) and core.step(3.5) is None
+
+
 def test_a_measured_rate_far_above_the_plan_triggers_a_replacement_after_the_interval() -> None:
     core = _core([_entry("a", rate=1.0)])
     core.on_status("n1", _status("n1", 1.0, {"a": 0}))

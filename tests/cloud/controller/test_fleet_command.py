@@ -108,3 +108,18 @@ def test_fleet_without_a_broker_is_a_clear_error() -> None:
 def test_the_table_renders_an_empty_fleet() -> None:
     text = render_fleet(fleet_document(FleetView(), []))
     assert "placement generation None" in text and "alerts:\n  none" in text
+
+
+def test_a_controller_flag_out_of_range_is_a_clear_error_not_a_traceback(tmp_path) -> None:
+    run = subprocess.run(
+        [
+            *(sys.executable, "-m", "cloud.cli", "controller", "--broker", "mqtt://127.0.0.1:1"),
+            *("--repository", str(tmp_path), "--burst-cv", "-1"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "error [invalid_config]: --burst-cv" in run.stderr
+    assert "Traceback" not in run.stderr

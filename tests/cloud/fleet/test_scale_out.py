@@ -156,7 +156,7 @@ def test_fleet_answers_every_request_through_node_death_join_and_controller_rest
     assert "Traceback" not in log, log[-3000:]
 
 
-def test_a_forwarded_http_request_keeps_its_v2_timeout_when_the_host_hangs(
+def test_a_forwarded_http_request_keeps_its_v2_timeout_near_or_far(
     tmp_path: Path, broker: Broker, example_repository: Path
 ) -> None:
     import signal
@@ -166,6 +166,15 @@ def test_a_forwarded_http_request_keeps_its_v2_timeout_when_the_host_hangs(
     stopped = None
     try:
         model, host, asked = _only_host(watch, nodes)
+        # a far timeout (317 years) fits no Message Expiry: it was a 500, and each one
+        # leaked an MQTT packet id until the node could publish nothing
+        far = urllib.request.Request(
+            f"{nodes[asked].http_url}/v2/models/{model}/infer",
+            data=_infer_body(model, 10**16),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(far, timeout=60) as answered:
+            assert answered.status == 200
         body = _infer_body(model, 1_000_000)  # 1 s, in microseconds
         stopped = nodes[host]
         stopped.proc.send_signal(signal.SIGSTOP)  # hung: its connections stay open

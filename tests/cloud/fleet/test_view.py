@@ -83,3 +83,19 @@ def test_documents_decode_from_json_or_messagepack_and_garbage_is_a_config_error
     assert decode_document(b"") is None
     with pytest.raises(ConfigError):
         decode_document(b"{not json")
+
+
+def test_an_older_placement_generation_is_ignored_never_followed() -> None:
+    # two controllers published 5 and 4 by turns; nodes followed 5 -> 4 -> 5
+    from cloud.placement.types import Copy, Placement
+
+    def doc(generation: int, node: str) -> dict:
+        copy = Copy("m", node, "onnxruntime", 1.0, 1, 0.1, 0.1, 1 << 20)
+        return Placement(copies=(copy,), generation=generation).to_dict()
+
+    view = FleetView()
+    assert view.on_placement(doc(5, "n1")) is not None
+    assert view.on_placement(doc(4, "n2")) is None
+    assert view.placement is not None and view.placement.generation == 5
+    assert view.placement.copies[0].node == "n1"
+    assert view.on_placement(doc(6, "n2")) is not None and view.placement.generation == 6

@@ -212,6 +212,17 @@ def test_min_copies_go_to_distinct_nodes_and_max_copies_caps() -> None:
     assert check(placement, models, nodes) == []
 
 
+def test_absurd_rates_and_copy_counts_plan_what_the_nodes_hold_at_once() -> None:
+    # rate = 1e300 built a list of 1e300 copies (OverflowError, the controller died);
+    # min_copies = 1e9 a list of a billion (the loop froze, 3.6 GB in 10 s).
+    nodes = _nodes(3)
+    flood = place([_model("flood", 1e300)], nodes)
+    assert len(flood.copies_of("flood")) == 3 and "only 3 nodes" in flood.unplaced["flood"]
+    many = place([_model("many", 1.0, min_copies=10**9)], nodes)
+    assert len(many.copies_of("many")) == 3
+    assert "3 of min_copies 1000000000" in many.unplaced["many"]
+
+
 def test_infeasible_models_are_reported_with_a_reason_never_dropped() -> None:
     models = [
         _model("huge", 1.0, profiles=(_profile(memory_mib=9000),)),

@@ -106,6 +106,24 @@ def test_a_publish_over_the_brokers_maximum_packet_size_is_refused_before_sendin
     assert session.outbox == [] and session.pending_ids() == []
 
 
+def test_a_publish_that_cannot_be_encoded_gives_its_packet_id_back() -> None:
+    # A 317-year expiry raised struct.error, which kept its id: 65,535 of them and the
+    # node could publish nothing at all.
+    session = ClientSession()
+    session.handle(codec.Connack(False, 0, {}))
+    far = codec.PublishProperties(message_expiry=codec.MAX_EXPIRY_S + 1)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="message expiry"):
+            session.publish("t", b"x", qos=1, properties=far)
+    assert session.pending_ids() == [] and session.outbox == []
+    assert session.publish("t", b"x", qos=1) is not None
+
+
+def test_an_expiry_is_whole_seconds_from_one_to_what_four_bytes_hold() -> None:
+    assert codec.expiry_s(-5.0) == 1 and codec.expiry_s(0.2) == 1 and codec.expiry_s(2.1) == 3
+    assert codec.expiry_s(1e10) == codec.expiry_s(float("inf")) == codec.MAX_EXPIRY_S
+
+
 def test_an_acknowledgement_nobody_asked_for_is_a_protocol_error() -> None:
     session = ClientSession()
     with pytest.raises(MalformedPacket):
