@@ -56,6 +56,7 @@ from shared.mqtt.codec import (
     topic_matches,
     topic_name_problem,
 )
+from shared.mqtt.session import PacketTooLarge
 from shared.tensors import Limits
 from shared.tls import client_tls_context
 
@@ -251,11 +252,13 @@ class MqttFront:
         task.add_done_callback(lambda t: self._task_done(t, size))
 
     def _route(self, message: Publish) -> None:
-        """A fleet message: hand it to the handler of the first filter that matches."""
+        """A fleet message: hand it to the handler of the first filter that matches
+        (its payload None when it was over the body limit: only its head was kept)."""
+        payload = None if message.truncated else message.payload
         for pattern, handler in list(self._handlers.items()):
             if topic_matches(pattern, message.topic):
                 try:
-                    handler(message.topic, message.payload, message.properties)
+                    handler(message.topic, payload, message.properties)
                 except Exception:
                     log.exception("fleet handler for %s failed", message.topic)
                 return
@@ -303,7 +306,8 @@ class MqttFront:
     # ---- fleet hooks (the placement follower and the forwarder) -----------------------
     def add_handler(self, pattern: str, handler: Any) -> None:
         """Deliver messages on ``pattern`` to ``handler(topic, payload, properties)`` on
-        the loop; subscribed now and after every reconnect."""
+        the loop; subscribed now and after every reconnect.  ``payload`` is None for a
+        message over ``max_body_bytes`` (never held whole)."""
         self._handlers[pattern] = handler
         if self.connected:
             self._client.subscribe(pattern)  # type: ignore[union-attr]
@@ -448,7 +452,15 @@ class MqttFront:
                 "request %s on %s has no Response Topic; no reply sent", request_id, message.topic
             )
             return
-        self._reply(props, reply)
+        try:
+            self._reply(props, reply)
+        except PacketTooLarge as exc:  # the answer itself: the requester still gets one
+            log.warning("request %s: answer not sent: %s", request_id, exc)
+            error = InternalError(
+                f"node {self.node}: the answer ({len(reply)} bytes) is over the broker's "
+                "maximum packet size: ask for fewer items"
+            )
+            self._reply(props, envelope.encode_error_reply(request_id, error))
         self.replies_sent += 1
 
     def _publish_status(self) -> None:

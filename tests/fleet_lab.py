@@ -36,7 +36,6 @@ LAB_MODELS: tuple[tuple[str, str | None, float, int], ...] = (
 )
 
 
-
 def build_lab_repository(root: Path, example: Path, slo_ms: float = 1000.0) -> Path:
     """Real models (the example repository's orientation classifiers and a tiny linear
     model), one session of one thread each (three nodes share two cores here)."""
@@ -72,16 +71,18 @@ def lab_input(model: str) -> tuple[str, list[int], np.ndarray]:
     return "x", [1, 3, 224, 224], rng.random((1, 3, 224, 224), dtype=np.float32)
 
 
-def node_config(folder: Path, name: str, status_interval_s: float = 0.5) -> Path:
+def node_config(folder: Path, name: str, status_interval_s: float = 0.5, extra: str = "") -> Path:
     path = folder / f"{name}.toml"
     path.write_text(
         f"[mqtt]\nstatus_interval_s = {status_interval_s}\n"
-        "[fleet]\nmemory_bytes = 1073741824\nhandover_timeout_s = 10\n"
+        "[fleet]\nmemory_bytes = 1073741824\nhandover_timeout_s = 10\n" + extra
     )
     return path
 
 
-def start_node(repository: Path, broker: Broker, folder: Path, name: str) -> ServerProcess:
+def start_node(
+    repository: Path, broker: Broker, folder: Path, name: str, extra: str = ""
+) -> ServerProcess:
     return ServerProcess(
         [
             "-m",
@@ -90,7 +91,7 @@ def start_node(repository: Path, broker: Broker, folder: Path, name: str) -> Ser
             "--repository",
             str(repository),
             "--config",
-            str(node_config(folder, name)),
+            str(node_config(folder, name, extra=extra)),
             "--node",
             name,
             "--mqtt",

@@ -86,7 +86,10 @@ class PlacementFollower:
                 pass
 
     # ---- messages (on the loop) ------------------------------------------------------
-    def _on_placement(self, topic: str, payload: bytes, properties: Any) -> None:
+    def _on_placement(self, topic: str, payload: bytes | None, properties: Any) -> None:
+        if payload is None:
+            log.error("ignoring a placement over this node's body limit")
+            return
         try:
             self.view.on_placement(decode_document(payload))
         except ConfigError as exc:
@@ -94,9 +97,9 @@ class PlacementFollower:
             return
         self._wake.set()
 
-    def _on_status(self, topic: str, payload: bytes, properties: Any) -> None:
+    def _on_status(self, topic: str, payload: bytes | None, properties: Any) -> None:
         node = node_from_status_topic(topic)
-        if not node or node == self.node:
+        if not node or node == self.node or payload is None:
             return
         try:
             document = decode_document(payload)

@@ -27,7 +27,7 @@ from typing import Any
 from cloud.fleet.view import FleetView
 from cloud.mqtt_front import FORWARDED, MqttFront
 from shared import envelope
-from shared.errors import DeadlineExceeded, FerryError, ModelNotReady
+from shared.errors import DeadlineExceeded, FerryError, InternalError, ModelNotReady
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import reply_topic, request_topic
 from shared.mqtt.codec import PublishProperties, expiry_s
@@ -171,11 +171,20 @@ class Forwarder:
         return response
 
     # ---- replies and failures ------------------------------------------------------------
-    def _on_reply(self, topic: str, payload: bytes, properties: PublishProperties) -> None:
+    def _on_reply(self, topic: str, payload: bytes | None, properties: PublishProperties) -> None:
         correlation = properties.correlation_data
         pending = self._pending.get(correlation) if correlation else None
         if pending is None or pending.future.done():
             return  # late duplicate, or the caller gave up
+        if payload is None:  # the host answered; this node cannot take that much back
+            pending.future.set_exception(
+                InternalError(
+                    f"the answer from the node hosting {pending.model!r} is over this "
+                    f"node's body limit of {self.limits.max_body_bytes} bytes ([limits] "
+                    "max_body_bytes): ask for fewer items, or raise the limit"
+                )
+            )
+            return
         try:
             _, result = envelope.decode_reply(payload, self.limits)
         except FerryError as exc:

@@ -141,3 +141,61 @@ def test_nodes_load_their_share_answer_for_each_other_and_move_a_model(
         watch.close()
     for node in nodes.values():
         assert "Traceback" not in node.output(), node.output()[-3000:]
+
+
+def test_an_answer_too_big_to_carry_back_is_an_error_saying_so_not_the_clients_fault(
+    tmp_path: Path,
+) -> None:
+    # A forwarded 48 MB answer came back truncated and was a 400 "Input data was
+    # truncated"; one over the broker's packet limit was never sent (the caller waited).
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+
+    v = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Tile", ["x", "repeats"], ["y"])],
+        "tile",
+        [v("x", TensorProto.FLOAT, ["N", "K"])],
+        [v("y", TensorProto.FLOAT, ["N", None])],
+        [numpy_helper.from_array(np.array([1, 4], np.int64), "repeats")],
+    )
+    (tmp_path / "repo" / "tile" / "1").mkdir(parents=True)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    save(model, str(tmp_path / "repo" / "tile" / "1" / "model.onnx"))
+    broker = Broker(tmp_path / "broker")
+    broker.conf.write_text(broker.conf.read_text() + "max_packet_size 1000000\n")
+    broker.start()
+    _publish_placement(broker, Placement(copies=(_copy("tile", "n2"),), generation=1))
+    watch = FleetWatch(broker)
+    small = "[limits]\nmax_body_bytes = 200000\n"
+    nodes = {
+        "n1": start_node(tmp_path / "repo", broker, tmp_path, "n1", extra=small),
+        "n2": start_node(tmp_path / "repo", broker, tmp_path, "n2"),
+    }
+    try:
+        watch.wait("n2 hosts tile", lambda: watch.view.hosts("tile") == ["n2"], 30)
+        x = np.ones((1, 10_000), np.float32)  # 40 KB in, 160 KB out: n1 takes 200 KB
+        status, answer = _http(f"{nodes['n1'].http_url}/v2/models/tile/infer", _infer_body(x))
+        assert status == 200 and answer["outputs"][0]["shape"] == [1, 40_000]
+        x = np.ones((1, 20_000), np.float32)  # 80 KB in (JSON ~200 KB), 320 KB out
+        status, _ = _http(f"{nodes['n2'].http_url}/v2/models/tile/infer", _infer_body(x))
+        assert status == 200  # asked of its host, the answer is fine
+        body = {
+            "inputs": [
+                {"name": "x", "shape": [1, 20_000], "datatype": "FP32", "data": [1] * 20_000}
+            ]
+        }
+        status, error = _http(f"{nodes['n1'].http_url}/v2/models/tile/infer", body)
+        assert status == 500 and "over this node's body limit of 200000" in error["error"]
+        # over the broker's 1 MB packet limit: the host says so instead of never answering
+        x = np.ones((1, 80_000), np.float32)  # 320 KB in, 1.28 MB out
+        payload = envelope.encode_request(InferRequest([Tensor("x", "FP32", x)], id="big"))
+        _, reply = envelope.decode_reply(mqtt_request(broker.url, "tile", payload, 20))
+        assert isinstance(reply, Exception) and "maximum packet size" in str(reply)
+    finally:
+        for node in nodes.values():
+            node.terminate()
+        watch.close()
+        broker.stop()
