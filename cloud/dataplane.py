@@ -148,6 +148,9 @@ class DataPlane:
         self._closing = False
         self._started = time.monotonic()
         self._busy_mark: tuple[float, int] = (self._started, 0)
+        # (model, version) -> (when, requests then, rate): each status says its own rate,
+        # so one report is enough to read it (ferry-cloud fleet); bounded by the models
+        self._rate_marks: dict[tuple[str, str], tuple[float, int, float]] = {}
         self.on_models_changed: list[Any] = []
         #: callables adding keys to :meth:`status` (capacity, placement followed, ...)
         self.status_extras: list[Any] = []
@@ -478,9 +481,17 @@ class DataPlane:
         sessions = 0
         models = []
         depth = 0
+        marks: dict[tuple[str, str], tuple[float, int, float]] = {}
         for versions in self._models.values():
             for m in versions.values():
                 snap = m.stats.snapshot()
+                requests = snap.success_count + snap.fail_count
+                key = (m.name, str(m.version))
+                since, before, rate = self._rate_marks.get(key, (self._started, 0, 0.0))
+                if now - since >= 1.0:  # (a status sent on an event: keep the last rate)
+                    rate = max(0, requests - before) / (now - since)
+                    since, before = now, requests
+                marks[key] = (since, before, rate)
                 compute_ns += snap.compute_infer_ns
                 sessions += len(m.sessions)
                 depth += m.batcher.queue_depth
@@ -493,7 +504,8 @@ class DataPlane:
                         "instances": len(m.sessions),
                         "memory_bytes": snap.memory_bytes,
                         # cumulative: readers turn two reports into a rate
-                        "requests": snap.success_count + snap.fail_count,
+                        "requests": requests,
+                        "rate": round(rate, 3),  # req/s since the last status
                         "executions": snap.execution_count,
                         "compute_ns": snap.compute_infer_ns,
                     }
@@ -502,6 +514,7 @@ class DataPlane:
         elapsed = max(now - mark_time, 1e-9)
         utilisation = min(1.0, (compute_ns - mark_ns) / 1e9 / elapsed / max(sessions, 1))
         self._busy_mark = (now, compute_ns)
+        self._rate_marks = marks  # (unloaded models leave)
         status = {
             "node": self.node,
             "state": "closing" if self._closing else "online",

@@ -30,6 +30,9 @@ from cloud.placement.types import LatencyProfile, ModelDemand, Placement
 
 log = logging.getLogger(__name__)
 
+#: a model that failed to load on a node is not placed there again for this long
+FAILED_LOAD_HOLD_S = 300.0
+
 #: a model with no profile and no measurement is planned as this (seconds)
 FALLBACK_A_S = 0.005
 FALLBACK_BETA_S = 0.002
@@ -75,6 +78,8 @@ class ControllerCore:
         self.moves_total = 0
         self.steps = 0
         self._membership_dirty = True
+        # (model, node) -> (why, when last reported): where a placed model failed to load
+        self.load_failed: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ---- input -------------------------------------------------------------------
     def on_status(self, node: str, document: Any) -> None:
@@ -145,6 +150,7 @@ class ControllerCore:
                     profiles=self.profiles_for(entry),
                     min_copies=policy.min_copies,
                     max_copies=policy.max_copies,
+                    avoid=frozenset(n for m, n in self.load_failed if m == name),
                 )
             )
         return out
@@ -220,6 +226,18 @@ class ControllerCore:
         return Step(new, changes, reason)
 
     def _observe(self, now: float) -> None:
+        # A copy that fails to load goes elsewhere (at once: the node stays unready
+        # while it holds a failed load), and is tried there again after a hold.
+        for state in self.view.online():
+            for model, why in state.load_failures.items():
+                if (model, state.name) not in self.load_failed:
+                    log.warning("model %s failed to load on %s: %s", model, state.name, why)
+                    self._membership_dirty = True
+                self.load_failed[(model, state.name)] = (why, now)
+        for key, (_, seen) in list(self.load_failed.items()):
+            if now - seen > FAILED_LOAD_HOLD_S or key[0] not in self.catalogue:
+                del self.load_failed[key]
+                self._membership_dirty = True
         planned: dict[str, float] = {}
         if self.current is not None:
             for copy in self.current.copies:

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: how long a dropped model waits for its new home to report it loaded
 HANDOVER_TIMEOUT_S = 30.0
+#: a placed model whose load failed is tried again on this node after this long
+RETRY_FAILED_S = 30.0
 STATUS_PATTERN = f"{PREFIX}/nodes/+/status"
 
 
@@ -64,6 +66,7 @@ class PlacementFollower:
         self.loads = 0
         self.unloads = 0
         self.load_failures: dict[str, str] = {}
+        self._failed_at: dict[str, float] = {}  # model -> when its load last failed
         self._drop_started: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -123,6 +126,8 @@ class PlacementFollower:
             "configs": configs,
             "http": self.http_address(),
             "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
+            # placed here, not loaded: the controller places them elsewhere
+            "load_failures": dict(self.load_failures),
         }
 
     # ---- convergence -------------------------------------------------------------------
@@ -156,9 +161,22 @@ class PlacementFollower:
         wanted = self.mine(placement)
         loaded = set(self.dataplane.loaded_names())
         done = True
+        for name in sorted(set(self.load_failures) - set(wanted)):
+            # placed elsewhere now: its failure is no longer this node's (readiness)
+            self.load_failures.pop(name, None)
+            self._failed_at.pop(name, None)
+            try:
+                await self.dataplane.unload(name)
+            except FerryError:
+                pass
+            self.front.publish_status()
+        now = time.monotonic()
         for name in sorted(set(wanted) - loaded):
             if self.view.placement is not placement:
                 return False  # a newer placement arrived: start over from it
+            if now - self._failed_at.get(name, -RETRY_FAILED_S) < RETRY_FAILED_S:
+                done = False  # failed a moment ago: not again at once (a corrupt file)
+                continue
             done &= await self._add(wanted[name])
         for name in sorted(loaded - set(wanted)):
             if self.view.placement is not placement:
@@ -183,6 +201,7 @@ class PlacementFollower:
             return False
         self.load_seconds[copy.model] = time.monotonic() - started
         self.load_failures.pop(copy.model, None)
+        self._failed_at.pop(copy.model, None)
         self.loads += 1
         self.front.release(copy.model)  # subscribed only now that it is warm
         self.forwarder.hosts_changed()  # requests that waited for a home for it
@@ -195,9 +214,14 @@ class PlacementFollower:
         return True
 
     def _load_failed(self, name: str, reason: str) -> None:
-        if self.load_failures.get(name) != reason:
+        first = self.load_failures.get(name) != reason
+        if first:
             log.error("model %s placed here but not loaded: %s", name, reason)
         self.load_failures[name] = reason
+        self._failed_at[name] = time.monotonic()
+        self.dataplane.mark_failed(name, reason)  # (read_config's failures count too)
+        if first:
+            self.front.publish_status()  # the controller moves it without waiting
 
     async def _drop(self, name: str, placement: Placement) -> bool:
         elsewhere = [c.node for c in placement.copies_of(name) if c.node != self.node]

@@ -63,6 +63,7 @@ class NodeState:
     configs: dict[str, Any] = field(default_factory=dict)  # model -> Triton config JSON
     http: str | None = None  # the node's HTTP address, for operators
     load_seconds: dict[str, float] = field(default_factory=dict)  # last load+warm latency
+    load_failures: dict[str, str] = field(default_factory=dict)  # placed here, not loaded
 
 
 def decode_document(payload: bytes) -> Any:
@@ -158,8 +159,12 @@ class FleetView:
                 memory_bytes=int(entry.get("memory_bytes") or 0),
                 backend=str(entry.get("backend", "")),
             )
+            reported = entry.get("rate")  # the node's own figure, until two reports give one
+            hosted.rate = float(reported) if isinstance(reported, int | float) else 0.0
             if name in models:  # several versions: one model, summed
                 first = models[name]
+                if old is None:
+                    first.rate += hosted.rate
                 first.requests += hosted.requests
                 first.executions += hosted.executions
                 first.compute_ns += hosted.compute_ns
@@ -191,6 +196,12 @@ class FleetView:
         state.misses = misses
         state.metadata = dict(status.get("metadata", {}))
         state.configs = dict(status.get("configs", {}))
+        failures = status.get("load_failures")
+        state.load_failures = (
+            {str(k): str(v)[:500] for k, v in failures.items()}
+            if isinstance(failures, dict)
+            else {}
+        )
         state.load_seconds = {
             str(k): float(v) for k, v in dict(status.get("load_seconds", {})).items()
         }

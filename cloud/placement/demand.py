@@ -50,6 +50,8 @@ class Item:
 
     def options(self, node: NodeSpec) -> list[tuple[int, LatencyProfile]]:
         """Its profiles that ``node`` runs, by index (stable order)."""
+        if node.name in self.demand.avoid:
+            return []  # it failed to load there
         return [
             (i, p)
             for i, p in enumerate(self.demand.profiles)

@@ -123,7 +123,14 @@ def place(
     notes: dict[str, str] = {}
     alike = kinds(fleet)
     for demand in demands:
-        copies, why = split(demand, alike, headroom)
+        if demand.avoid:  # the nodes it failed to load on are not where it can go
+            usable = [n for n in fleet if n.name not in demand.avoid]
+            copies, why = split(demand, kinds(usable), headroom)
+            if not copies or why is not None:
+                failed = f"failed to load on {', '.join(sorted(demand.avoid))}"
+                why = failed if why is None or not usable else f"{failed}; {why}"
+        else:
+            copies, why = split(demand, alike, headroom)
         items.extend(copies)
         if why is not None:
             notes[demand.name] = why

@@ -69,6 +69,7 @@ class ModelDemand:
     profiles: tuple[LatencyProfile, ...]  # one per backend it may run on
     min_copies: int = 1  # 0: may be left unloaded while it has no traffic
     max_copies: int = 0  # 0: no cap beyond one copy per node
+    avoid: frozenset[str] = frozenset()  # nodes where it failed to load
 
     def profile_for(self, backend: str) -> LatencyProfile | None:
         for p in self.profiles:
@@ -79,6 +80,7 @@ class ModelDemand:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["profiles"] = [p.to_dict() for p in self.profiles]
+        data["avoid"] = sorted(self.avoid)
         return data
 
     @classmethod
@@ -91,6 +93,7 @@ class ModelDemand:
                 profiles=tuple(LatencyProfile.from_dict(p) for p in data["profiles"]),
                 min_copies=int(data.get("min_copies", 1)),
                 max_copies=int(data.get("max_copies", 0)),
+                avoid=frozenset(str(n) for n in data.get("avoid", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"model demand {data!r}: {exc}") from None

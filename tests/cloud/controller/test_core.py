@@ -110,6 +110,37 @@ def test_a_model_added_to_the_repository_is_placed_and_a_removed_one_freed() -> 
     assert core.on_catalogue({"b": _entry("b")}) == ([], []) and core.step(3.5) is None
 
 
+def test_a_model_that_fails_to_load_goes_elsewhere_and_is_unplaced_where_it_fails_everywhere() -> (
+    None
+):
+    # It stayed placed on the node that could not load it, for good, with no alert
+    # (and that node unready for good).
+    from cloud.controller.core import FAILED_LOAD_HOLD_S
+
+    core = _core([_entry("bad"), _entry("ok")])
+    core.on_status("n1", _status("n1", 1.0))
+    core.on_status("n2", _status("n2", 1.0))
+    first = core.step(2.0)
+    assert first is not None
+    home = first.placement.copies_of("bad")[0].node
+    other = "n2" if home == "n1" else "n1"
+    core.on_status(home, {**_status(home, 2.0), "load_failures": {"bad": "corrupt file"}})
+    step = core.step(2.5)  # at once
+    assert step is not None and [c.node for c in step.placement.copies_of("bad")] == [other]
+    core.on_status(other, {**_status(other, 3.0), "load_failures": {"bad": "corrupt file"}})
+    step = core.step(3.0)
+    assert step is not None and not step.placement.copies_of("bad")
+    assert step.placement.unplaced["bad"].startswith("failed to load on n1, n2")
+    assert step.placement.copies_of("ok")
+    assert any(a.model == "bad" and a.kind == "unplaced" for a in core.alerts())
+    # the nodes forget a failure once it is placed elsewhere; after the hold it is tried again
+    for node in ("n1", "n2"):
+        core.on_status(node, _status(node, 4.0))
+    assert core.step(3.5 + FAILED_LOAD_HOLD_S / 2) is None
+    step = core.step(4.0 + FAILED_LOAD_HOLD_S)
+    assert step is not None and len(step.placement.copies_of("bad")) == 1
+
+
 def test_a_measured_rate_far_above_the_plan_triggers_a_replacement_after_the_interval() -> None:
     core = _core([_entry("a", rate=1.0)])
     core.on_status("n1", _status("n1", 1.0, {"a": 0}))

@@ -199,3 +199,35 @@ def test_an_answer_too_big_to_carry_back_is_an_error_saying_so_not_the_clients_f
             node.terminate()
         watch.close()
         broker.stop()
+
+
+def test_a_placed_model_that_cannot_load_is_reported_and_forgotten_once_placed_elsewhere(
+    tmp_path: Path, broker: Broker, repository: tuple[Path, dict]
+) -> None:
+    repo, _ = repository
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    _publish_placement(
+        broker, Placement(copies=(_copy("alpha", "n1"), _copy("broken", "n1")), generation=1)
+    )
+    watch = FleetWatch(broker)
+    node = start_node(repo, broker, tmp_path, "n1")
+    try:
+        watch.wait(
+            "n1 reports the failed load",
+            lambda: "n1" in watch.view.nodes and "broken" in watch.view.nodes["n1"].load_failures,
+            30,
+        )
+        assert _http(f"{node.http_url}/v2/health/ready")[0] == 503  # strict readiness
+        _publish_placement(broker, Placement(copies=(_copy("alpha", "n1"),), generation=2))
+        watch.wait(
+            "n1 follows the placement without it",
+            lambda: (
+                watch.view.nodes["n1"].following == 2 and not watch.view.nodes["n1"].load_failures
+            ),
+            30,
+        )
+        assert _http(f"{node.http_url}/v2/health/ready")[0] == 200
+    finally:
+        node.terminate()
+        watch.close()

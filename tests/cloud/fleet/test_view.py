@@ -99,3 +99,12 @@ def test_an_older_placement_generation_is_ignored_never_followed() -> None:
     assert view.placement is not None and view.placement.generation == 5
     assert view.placement.copies[0].node == "n1"
     assert view.on_placement(doc(6, "n2")) is not None and view.placement.generation == 6
+
+
+def test_one_report_shows_the_rate_the_node_measured_itself() -> None:
+    # ferry-cloud fleet waits 1.5 s; statuses come every 5 s: it always showed 0.00
+    view = FleetView()
+    status = _status(10.0, 500)
+    status["models"][0]["rate"] = 42.5
+    view.on_status("n1", status)
+    assert view.rate("m") == 42.5 and not view.rate_known("m")  # the controller waits
