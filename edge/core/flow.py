@@ -88,6 +88,8 @@ JOURNAL_EVENTS = 0
 # stopped when the cloud answers first: a stopped run teaches nothing, and the
 # race starts its local run by the latency those runs taught.
 LOCAL_RUNS_TO_CANCEL = 5
+#: the memory of a model's mean request size (the typical offload of a run)
+IN_BYTES_ALPHA = 0.1
 RADIO_SHARE_ALPHA = 0.2  # the last ~10 requests' use of the radio
 # A model's arrival rate: EWMAs of the gaps between its requests.  The long one (~40
 # gaps) is the estimate: Poisson gaps are so variable that the last ~10 alone put the
@@ -310,6 +312,7 @@ class RequestFlow:
             core.rate_per_s(self.model),
             self._cancels_local(mp),  # local_cancellable
             core.radio_share,
+            core._in_bytes.get(self.model),  # mean_in_bytes
         )
 
     def _cancels_local(self, mp: ModelPolicy) -> bool:
@@ -625,6 +628,7 @@ class EdgeCore:
         # model -> (when, decision): its last decision (one per model: bounded)
         self.recent: dict[str, tuple[float, Decision]] = {}
         self._radio = Ewma(RADIO_SHARE_ALPHA)  # would a request use the radio, warm
+        self._in_bytes: dict[str, float] = {}  # model -> EWMA of its requests' bytes
 
     @property
     def est(self) -> Any:
@@ -784,6 +788,10 @@ class EdgeCore:
         fid = next(self._ids)
         if record:
             self._arrival(model, now)
+            mean = self._in_bytes.get(model)
+            self._in_bytes[model] = (
+                float(in_bytes) if mean is None else mean + IN_BYTES_ALPHA * (in_bytes - mean)
+            )
             if self.events is not None:  # (the tuple is built only for a journal that keeps it)
                 self.events.append(
                     (

@@ -107,6 +107,11 @@ class Option:
     shared_saving: float = 0.0
     tail_s: float | None = None  # the radio tail it opens, at the request rate
     measured: bool = False  # the latency prediction rests on this link's own transfers
+    # From a radio up: the rest of the tail share a run of offloads pays per request,
+    # beyond what this one adds (choose() charges it when that run costs more than
+    # running locally: a run is what staying on the radio is).
+    run_extra: float = 0.0
+    run_per_byte: float = 0.0  # d(cost)/d(bytes up): to price a typical request
     # Set by Policy.choose:
     cost: float = 0.0
     feasible: bool = True
@@ -140,6 +145,7 @@ class Context:
     # not known yet): the tail an offload opens lasts until the next request that uses
     # the radio, not the next one.
     radio_share: float | None = None
+    mean_in_bytes: float | None = None  # the model's recent requests' mean size
 
 
 @dataclass(slots=True)
@@ -466,7 +472,7 @@ class Policy:
                 tail = expected_tail_s(profile, rate)
                 extra = tail_extension_s(profile, rate, tail, ctx.radio_idle_s)
                 if share is not None and share < 1.0:
-                    alike, used = extra, rate * share
+                    alike, used = tail, rate * share  # a run: each pays its whole share
                     extra = tail_extension_s(
                         profile, used, expected_tail_s(profile, used), ctx.radio_idle_s
                     )
@@ -527,6 +533,11 @@ class Policy:
             w.energy_j * shared_j,  # shared_saving
             tail,
             link.samples >= MEASURED_SAMPLES and not stale,  # measured
+            # run_extra: the forward tail share a warm run pays, less this one's extension
+            w.energy_j * profile.tail_power_w * (tail - extra)
+            if tail is not None and extra is not None and promotion == 0.0 and tail > extra
+            else 0.0,
+            8.0 * per_s / up_bps if t_up >= t_down else 0.0,  # run_per_byte
         )
 
     def decide(self, model: str, ctx: Context, mode: str | None = None) -> Decision:
@@ -592,6 +603,17 @@ class Policy:
                     + w_mb * (o.up_bytes + o.down_bytes) / 1e6
                     + w_money * o.money
                 )
+                if o.run_extra and local is not None:
+                    # Is a run of offloads dearer than running locally?  Priced one at a
+                    # time from a radio up, an offload pays only the tail it adds: the
+                    # radio stays up on a link where every request offloaded costs more,
+                    # a typical one priced (not this one: a large request must not end a
+                    # run that pays, nor a small one keep one that does not).
+                    typical = o.cost + o.run_extra
+                    if ctx.mean_in_bytes is not None and o.run_per_byte:
+                        typical += (ctx.mean_in_bytes - o.up_bytes) * o.run_per_byte
+                    if typical > local.cost:
+                        o.cost += o.run_extra
                 if o.race_s is not None:
                     assert local is not None
                     beat = best.cost if best is not None else math.inf

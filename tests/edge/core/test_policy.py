@@ -352,17 +352,33 @@ def test_the_tail_still_running_is_not_charged_to_the_offload_that_cuts_it_short
 
 
 def test_a_radio_still_up_is_kept_up_when_the_warm_run_pays_for_this_offloads_tail():
-    # Up 9 s ago, 2.6 s of tail left: the offload now pays most of a tail alone and
-    # costs more than the local run, but in a run of offloads, each sharing the tail
-    # with the next, every request would cost less than locally: the radio stays up.
-    d = _lte_choice(280, 9.0, 0.3)
+    # Up 9 s ago, 2.6 s of tail left, one request in ten offloaded: the offload now pays
+    # most of a tail alone and costs more than the local run, but in a run of offloads,
+    # each paying its share of the tail (to the next), every request would cost less
+    # than locally, even at the slow edge of the link's belief: the radio stays up.
+    d = _lte_choice(360, 9.0, 0.1)
     assert d.where.startswith("cloud-")
     assert d.reason.startswith("keep the radio up:")
     chosen = next(o for o in d.options if o.name == d.where)
     local = d.options[0]
     assert chosen.cost > local.cost > chosen.cost - chosen.shared_saving
-    # on a link where a run of offloads would not pay, the local run stays
-    assert _lte_choice(200, 9.0, 0.3).where == "local"
+    # where a run of offloads would not pay (its requests' whole tail shares priced),
+    # the local run stays
+    assert _lte_choice(280, 9.0, 0.1).where == "local"
+
+
+def test_a_run_of_offloads_dearer_than_local_runs_is_not_kept_on_a_tail_bargain():
+    # From a radio up, an offload adds little tail (the rest burns anyway): priced one at
+    # a time, every offload of a run looked cheap, and on a link where offloading every
+    # request costs more than running each locally the radio stayed up for good.  A
+    # typical request's run price (its whole share of the tail) is charged instead.
+    d = _lte_choice(200, 5.0, 1.0)
+    cloud = next(o for o in d.options if o.name == "cloud-http")
+    assert cloud.run_extra > 0.0
+    assert d.where == "local" and cloud.cost > d.options[0].cost
+    # where the run pays, the offload keeps its marginal price
+    d = _lte_choice(320, 5.0, 1.0)
+    assert d.where.startswith("cloud-")
 
 
 def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
@@ -385,8 +401,15 @@ def test_an_offload_pays_the_tail_until_the_next_request_that_uses_the_radio():
     longer = added[0] - added[1]
     assert longer > 0.0
     assert alone.energy_j - shared.energy_j == pytest.approx(lte.tail_power_w * longer)
-    # ... and says what sharing it would save: what a warm run's request is judged by
-    assert alone.shared_saving == pytest.approx(0.05 * lte.tail_power_w * longer)
+    # ... and what sharing it would save: a warm run's request is judged by its whole
+    # share of the tail (to the next request), so 1 s into the tail (little of it new)
+    # nothing, 9 s in (most of a tail alone) the difference
+    run_share = expected_tail_s(lte, 0.5)
+    assert added[0] < run_share and alone.shared_saving == 0.0
+    late = tail_extension_s(lte, 0.05, expected_tail_s(lte, 0.05), 9.0)
+    assert cloud(9.0, 0.1).shared_saving == pytest.approx(
+        0.05 * lte.tail_power_w * (late - run_share)
+    )
     assert shared.shared_saving == 0.0
     assert cloud(1.0, None).energy_j == pytest.approx(shared.energy_j)  # unknown: shared
     # From idle, what a wake-up is weighed with is the warm run that follows, in which
