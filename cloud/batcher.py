@@ -285,7 +285,7 @@ class DynamicBatcher:
             rows = arr.shape[0] if arr.ndim else 0
             if n >= 0 and rows != n:
                 if self._oversize_alone:  # a guessed batch axis: the runtime decides
-                    return max(n, rows), None
+                    return max(a.shape[0] if a.ndim else 0 for a in inputs.values()), None
                 raise InvalidInput(
                     f"{self._name()}: inputs disagree on the batch dimension "
                     f"({name!r} has {rows}, expected {n})"

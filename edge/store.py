@@ -14,6 +14,7 @@ defers never loads sqlite (~1 MiB resident on a device).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,16 @@ CREATE TABLE IF NOT EXISTS deferred (
     status       TEXT NOT NULL DEFAULT 'pending',
     attempts     INTEGER NOT NULL DEFAULT 0,
     result       BLOB,
-    error        TEXT
+    error        TEXT,
+    answered_wall REAL
 );
 CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, created_wall);
 """
+
+#: what a finished row holds (its request's payload is dropped when it finishes)
+_HELD = "COALESCE(LENGTH(result), 0) + COALESCE(LENGTH(error), 0) + LENGTH(payload)"
+#: trimmed to this share of a bound, so the sort runs once per tenth of it, not per answer
+_TRIM_TO = 0.9
 
 
 _FINISHED = "('delivered', 'failed', 'expired')"
@@ -81,6 +88,7 @@ class DeferredStore:
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self._conn: Any = None
+        self._held_rows = self._held_bytes = 0  # finished rows kept for the apps
         if self.path.exists():
             self._open()
 
@@ -91,13 +99,23 @@ class DeferredStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(_SCHEMA)
+        columns = {row[1] for row in db.execute("PRAGMA table_info(deferred)")}
+        if "answered_wall" not in columns:  # a store an earlier version wrote
+            db.execute("ALTER TABLE deferred ADD COLUMN answered_wall REAL")
         # a crash while sending counts as an attempt: a request that crashes the agent
         # every time must not loop forever
         db.execute(
             "UPDATE deferred SET status = 'pending', attempts = attempts + 1 WHERE status = 'sending'"
         )
         self._conn = db
+        self._count_held()
         return db
+
+    def _count_held(self) -> None:
+        """The finished rows and their bytes, counted whole (then kept up as they change)."""
+        self._held_rows, self._held_bytes = self._conn.execute(
+            f"SELECT COUNT(*), COALESCE(SUM({_HELD}), 0) FROM deferred WHERE status IN {_FINISHED}"
+        ).fetchone()
 
     @property
     def _db(self) -> Any:
@@ -133,11 +151,24 @@ class DeferredStore:
                     f"bounds {self.max_rows} requests, {self.max_bytes} bytes)",
                     retry_after=60.0,
                 )
+            old = self._db.execute(
+                f"SELECT {_HELD} FROM deferred WHERE request_id = ? AND status IN {_FINISHED}",
+                (request_id,),
+            ).fetchone()
+            # The same id again (an app's retry, named after its idempotency key): a
+            # request still stored or answered is that one; one that expired or failed
+            # is stored afresh (its receipt would otherwise name a dead request).
             self._db.execute(
-                "INSERT OR IGNORE INTO deferred (request_id, model, payload, created_wall,"
-                " expires_wall, priority) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO deferred (request_id, model, payload, created_wall, expires_wall,"
+                " priority) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO UPDATE SET"
+                " status = 'pending', model = excluded.model, payload = excluded.payload,"
+                " created_wall = excluded.created_wall, expires_wall = excluded.expires_wall,"
+                " priority = excluded.priority, attempts = 0, result = NULL, error = NULL,"
+                " answered_wall = NULL WHERE status IN ('failed', 'expired')",
                 (request_id, model, payload, created_wall, expires_wall, priority),
             )
+            if old is not None:
+                self._count_held()
         except sqlite3.Error as exc:
             raise Overloaded(
                 f"the deferred store cannot take the request: {exc}", retry_after=60.0
@@ -176,32 +207,42 @@ class DeferredStore:
             "UPDATE deferred SET status = 'pending' WHERE status = 'sending'"
         ).rowcount
 
-    def mark_delivered(self, request_id: str, result: bytes | None, error: str | None) -> None:
+    def mark_delivered(
+        self,
+        request_id: str,
+        result: bytes | None,
+        error: str | None,
+        now_wall: float | None = None,
+    ) -> None:
         status = "delivered" if error is None else "failed"
-        self._db.execute(
-            "UPDATE deferred SET status = ?, result = ?, error = ?, payload = x''"
-            " WHERE request_id = ?",
-            (status, result, error, request_id),
-        )
-        self._trim_answers()
+        changed = self._db.execute(
+            "UPDATE deferred SET status = ?, result = ?, error = ?, payload = x'',"
+            f" answered_wall = ? WHERE request_id = ? AND status NOT IN {_FINISHED}",
+            (status, result, error, time.time() if now_wall is None else now_wall, request_id),
+        ).rowcount
+        if changed:
+            self._held_rows += 1
+            self._held_bytes += len(result or b"") + len((error or "").encode())
+            self._trim_answers(request_id)
 
-    def _trim_answers(self) -> int:
-        """Forget the oldest answered, failed and expired rows past the bounds."""
-        forgotten = 0
-        if self.max_rows:
-            forgotten += self._db.execute(
-                f"DELETE FROM deferred WHERE request_id IN (SELECT request_id FROM deferred"
-                f" WHERE status IN {_FINISHED} ORDER BY created_wall DESC LIMIT -1 OFFSET ?)",
-                (self.max_rows,),
-            ).rowcount
-        if self.max_bytes:
-            forgotten += self._db.execute(
-                "DELETE FROM deferred WHERE request_id IN (SELECT request_id FROM (SELECT"
-                " request_id, SUM(COALESCE(LENGTH(result), 0) + COALESCE(LENGTH(error), 0)"
-                " + LENGTH(payload)) OVER (ORDER BY created_wall DESC, request_id) AS held"
-                f" FROM deferred WHERE status IN {_FINISHED}) WHERE held > ?)",
-                (self.max_bytes,),
-            ).rowcount
+    def _trim_answers(self, keep: str | None = None) -> int:
+        """Forget the answers, failures and expiries answered longest ago once past the
+        bounds, down to ``_TRIM_TO`` of them (``keep``: the one just written stays)."""
+        over_rows = self.max_rows and self._held_rows > self.max_rows
+        over_bytes = self.max_bytes and self._held_bytes > self.max_bytes
+        if not (over_rows or over_bytes):
+            return 0
+        rows = int(self.max_rows * _TRIM_TO) if self.max_rows else -1
+        size = int(self.max_bytes * _TRIM_TO) if self.max_bytes else -1
+        forgotten = self._db.execute(
+            "DELETE FROM deferred WHERE request_id IN (SELECT request_id FROM (SELECT"
+            f" request_id, ROW_NUMBER() OVER newest AS n, SUM({_HELD}) OVER newest AS held"
+            f" FROM deferred WHERE status IN {_FINISHED} AND request_id IS NOT ?"
+            " WINDOW newest AS (ORDER BY COALESCE(answered_wall, created_wall) DESC,"
+            " request_id)) WHERE (? >= 0 AND n > ?) OR (? >= 0 AND held > ?))",
+            (keep, rows, rows - (1 if keep else 0), size, size),
+        ).rowcount
+        self._count_held()
         return forgotten
 
     def result(self, request_id: str) -> DeferredResult | None:
@@ -226,10 +267,11 @@ class DeferredStore:
         for request_id in ids:
             self._db.execute(
                 "UPDATE deferred SET status = 'expired', error = 'deadline_exceeded: no link before the"
-                " deferral expired', payload = x'' WHERE request_id = ?",
-                (request_id,),
+                " deferral expired', payload = x'', answered_wall = ? WHERE request_id = ?",
+                (now_wall, request_id),
             )
         if ids:
+            self._count_held()
             self._trim_answers()
         return ids
 
@@ -245,6 +287,8 @@ class DeferredStore:
             f"DELETE FROM deferred WHERE status IN {_FINISHED} AND created_wall < ?",
             (before_wall,),
         )
+        if cur.rowcount:
+            self._count_held()
         return cur.rowcount
 
     def counts(self) -> dict[str, int]:

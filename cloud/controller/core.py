@@ -207,7 +207,9 @@ class ControllerCore:
         elif old is None:
             # No placement retained (a broker that lost its store): the generations
             # the nodes still follow say where the count was, and it only grows.
-            followed = max((s.following or 0 for s in self.view.online()), default=0)
+            followed = max(
+                (max(s.following or 0, s.received or 0) for s in self.view.online()), default=0
+            )
             if new.generation <= followed:
                 new = _with_generation(new, followed + 1)
         changes = moves(old or Placement(), new)

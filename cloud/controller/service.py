@@ -68,6 +68,9 @@ class ControllerOptions:
     http_port: int | None = 8001  # None: no HTTP endpoint
     # the repository read again every RESCAN_S: (entries, problems), off the loop
     rescan: Callable[[], tuple[dict[str, ModelEntry], dict[str, str]]] | None = None
+    # the active controller says it is alive this often; a standby takes over after
+    # three missed (a will can be lost: a broker down when its controller died)
+    heartbeat_s: float = 5.0
 
 
 class ControllerService(RoutedApp):
@@ -75,7 +78,6 @@ class ControllerService(RoutedApp):
         self.core = core
         self.options = options
         self._client: MqttClient | None = None
-        self._published_once = False
         self._alerts_key = ""
         self._http: HttpServer | None = None
         self.router = Router()
@@ -87,7 +89,12 @@ class ControllerService(RoutedApp):
         # will says it is gone.  The earliest started stays (ties: the smaller id).
         self.since = time.time()
         self.active = True
+        self._leader: str | None = None  # the controller this one stands behind
+        self._leader_key: tuple[float, str] = (math.inf, "")
+        self._leader_seen = 0.0  # when its status last came (monotonic)
+        self._beat = -math.inf  # when this one last said it is alive
         self._rescan_task: asyncio.Task[None] | None = None
+        self._removing: set[str] = set()  # models one scan found gone (a second confirms)
 
     async def start(self) -> None:
         self.core.started = time.monotonic()
@@ -128,25 +135,47 @@ class ControllerService(RoutedApp):
         except Exception as exc:  # a repository gone for a moment keeps the catalogue
             log.warning("repository not read again: %s", exc)
             return
+        known = self.core.catalogue
+        for name in problems:
+            if name in known:  # (a config caught half-written): keep what is placed
+                entries[name] = known[name]
+        gone = set(known) - set(entries)
+        # A model goes once two scans in a row miss it, and never all at once (an
+        # unmounted volume reads as an empty repository): nodes keep serving meanwhile.
+        confirmed = gone & self._removing
+        self._removing = gone - confirmed
+        if len(confirmed) == len(known) and known:
+            log.warning("the repository reads empty: keeping the %d models placed", len(known))
+            confirmed = set()
+        for name in gone - confirmed:
+            entries[name] = known[name]
         added, removed = self.core.on_catalogue(entries)
         for name in added:
             log.info("model %s added to the repository", name)
         for name in removed:
-            why = problems.get(name, "no longer in the repository")
-            log.warning("model %s no longer placed: %s", name, why)
+            log.warning("model %s is no longer in the repository: unplaced", name)
 
     @property
     def connected(self) -> bool:
         return self._client is not None and self._client.connected
 
     def tick(self, now: float) -> None:
-        if not self.connected or not self.active:
+        if not self.connected:
             return
+        if not self.active:
+            silent = now - self._leader_seen
+            if silent <= 3 * self.options.heartbeat_s:
+                return
+            log.warning("controller %s silent for %.0f s: placing", self._leader, silent)
+            self._take_over()
+        if now - self._beat >= self.options.heartbeat_s:
+            self._beat = now
+            assert self._client is not None
+            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
         step = self.core.step(now)
         if step is not None:
             document = json.dumps(step.placement.to_dict()).encode()
             self._publish(PLACEMENT_TOPIC, document)
-            self._published_once = True
             for move in step.moves:
                 log.info("move: %s %s on %s", move.op, move.model, move.node)
         alerts = self.core.alerts()
@@ -211,8 +240,9 @@ class ControllerService(RoutedApp):
             log.warning("ignoring %s: %s", topic, exc.message)
             return
         if topic == PLACEMENT_TOPIC:
-            if not self._published_once or not self.active:
-                self.core.on_retained_placement(document)
+            # adopted when newer than ours (another controller's, while this one stood
+            # by or was cut off): the count goes on from the nodes' newest
+            self.core.on_retained_placement(document)
             return
         if topic == CONTROLLER_TOPIC:
             self._on_controller(document)
@@ -222,31 +252,41 @@ class ControllerService(RoutedApp):
             self.core.on_status(node, document)
 
     def _on_controller(self, document: object) -> None:
-        """Another controller's retained status: stand by behind an earlier one, take
-        over when the active one is gone (its last will), and keep ours retained."""
+        """A controller's status: stand by behind an earlier one, take over when the one
+        stood behind says it is gone (its goodbye or last will), and keep ours retained
+        while active (a standby's will overwrites it)."""
         if not isinstance(document, dict) or self._client is None:
             return
         other = str(document.get("id", ""))
         if other == self.options.client_id:
             return
-        online = document.get("state") == "online"
         since = document.get("since")
-        earlier = isinstance(since, int | float) and (float(since), other) < (
-            self.since,
-            self.options.client_id,
-        )
-        if online and earlier:
+        key = (float(since), other) if isinstance(since, int | float) else None
+        mine = (self.since, self.options.client_id)
+        if document.get("state") == "online":
+            if key is None or key > mine:
+                if self.active:  # a later one: it stands by once it reads ours
+                    self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+                return
             if self.active:
                 log.warning("controller %s is placing: standing by", other)
-            self.active = False
-        elif not self.active and not online:
-            log.warning("controller %s is gone: placing from its placement", other)
-            self.active = True
-            self._published_once = False  # (its retained placement is where to start)
-            self.core.last_step = -math.inf
-            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+                self.active = False
+            if self._leader is None or self._leader == other or key < self._leader_key:
+                self._leader, self._leader_key = other, key
+            if self._leader == other:
+                self._leader_seen = time.monotonic()
         elif self.active:
-            # a later controller (it stands by), or a standby's will overwrote ours
+            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+        elif other == self._leader:
+            log.warning("controller %s is gone: placing from its placement", other)
+            self._take_over()
+
+    def _take_over(self) -> None:
+        self.active = True
+        self._leader = None
+        self.core.last_step = -math.inf
+        self._beat = time.monotonic()
+        if self._client is not None:
             self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
 
     # ---- HTTP (a RoutedApp: /metrics, /fleet, /v2/health/live) ------------------------------

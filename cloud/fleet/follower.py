@@ -121,6 +121,9 @@ class PlacementFollower:
         return {
             "capacity": self.capacity(),
             "following": self.following,
+            # the newest placement seen (following lags it while loads run): a controller
+            # that lost the retained one numbers above both
+            "received": self.view.placement.generation if self.view.placement else None,
             "misses": dict(self.forwarder.misses),
             "metadata": metadata,
             "configs": configs,

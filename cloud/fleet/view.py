@@ -56,6 +56,7 @@ class NodeState:
     utilisation: float = 0.0
     queue_depth: int = 0
     following: int | None = None  # placement generation the node has converged to
+    received: int | None = None  # the newest placement generation it has seen
     models: dict[str, HostedModel] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)  # requests for models not placed
     miss_rate: dict[str, float] = field(default_factory=dict)
@@ -133,6 +134,8 @@ class FleetView:
         state.queue_depth = int(status.get("queue_depth", 0))
         following = status.get("following")
         state.following = int(following) if following is not None else None
+        received = status.get("received")
+        state.received = int(received) if isinstance(received, int) else None
         state.http = status.get("http")
         capacity = status.get("capacity")
         if isinstance(capacity, dict):

@@ -50,6 +50,7 @@ from shared.errors import (
     DeadlineExceeded,
     EndpointUnavailable,
     FerryError,
+    IdempotencyConflict,
     InvalidInput,
     ModelNotFound,
     ModelNotReady,
@@ -558,11 +559,20 @@ class RequestFlow:
         core, choice = self.core, self._attempt
         core._journal(("offload_failed", self.id, now, error.code.value, error.message))
         assert choice is not None and choice.transport is not None
-        if isinstance(error, InvalidInput | PayloadTooLarge):
+        if isinstance(error, InvalidInput | PayloadTooLarge | IdempotencyConflict):
             # says nothing of the endpoint (too large: its limit, not its health)
             core.breakers[choice.transport].release(now)
         else:
             core.learn_failure(choice, self.mp.cloud_model or self.model, error, self.began, now)
+        if (
+            isinstance(error, IdempotencyConflict)
+            and self._local_started is False
+            and not self._answered
+        ):
+            # the app reused its key with other inputs: the cloud's 409 is the answer (a
+            # local run knows nothing of keys), not the race's local run
+            self._hedging = False
+            return Fail(error)
         if self._hedging:
             if not self._local_started and not self._answered:
                 # A race's cloud half failed before the local run was due: run it now.
@@ -571,7 +581,7 @@ class RequestFlow:
                 return self._run_local(self._local_option, why, True)
             return None  # the local run answers (or has answered)
         why = f"{choice.name} failed ({error.code.value}: {error.message})"
-        if self._cascade_local is None and isinstance(error, InvalidInput):
+        if self._cascade_local is None and isinstance(error, InvalidInput | IdempotencyConflict):
             return Fail(error)  # the request's own fault: no other route fixes it
         if self._cascade_local is not None:
             local = self._cascade_local

@@ -99,17 +99,42 @@ def test_answers_kept_are_bounded_too_and_keep_no_request(tmp_path):
     for i in range(8):
         store.put("m", b"x" * 60, request_id=f"r{i}", created_wall=float(i), expires_wall=None)
         store.mark_sending(f"r{i}")
-        store.mark_delivered(f"r{i}", b"a" * 30, None)
-    # at most 3 answers and 100 bytes: the newest, the oldest forgotten first
-    assert store.counts() == {"delivered": 3}
-    assert [store.result(f"r{i}") is not None for i in range(8)] == [False] * 5 + [True] * 3
+        store.mark_delivered(f"r{i}", b"a" * 30, None, now_wall=100.0 + i)
+        held = store._db.execute(
+            "SELECT COUNT(*), SUM(LENGTH(result) + LENGTH(payload)) FROM deferred"
+        ).fetchone()
+        assert held[0] <= 3 and held[1] <= 100 and (store._held_rows, store._held_bytes) == held
+    kept = [i for i in range(8) if store.result(f"r{i}") is not None]
+    assert 7 in kept and 0 not in kept and kept == sorted(kept)[-len(kept) :]
     assert store.result("r7").result == b"a" * 30
-    payloads = store._db.execute("SELECT SUM(LENGTH(payload)) FROM deferred").fetchone()[0]
-    assert payloads == 0
-    store.max_bytes = 90  # (a reload lowers a bound: the next answer trims to it)
-    store.put("m", b"y", request_id="late", created_wall=9.0, expires_wall=5.0)
-    assert store.expire(10.0) == ["late"]
-    assert store.counts() == {"delivered": 1, "expired": 1}
+
+
+def test_the_answer_just_written_is_kept_and_the_first_answered_goes_first(tmp_path):
+    # Trimming by when a request was deferred deleted the answer it had just stored
+    # (deferred an hour ago, answered last): the app found no such request.
+    store = DeferredStore(tmp_path / "d.db", max_rows=2, max_bytes=1000)
+    for i, (created, answered) in enumerate(((50.0, 101.0), (60.0, 102.0), (1.0, 103.0))):
+        store.put("m", b"x", request_id=f"r{i}", created_wall=created, expires_wall=None)
+        store.mark_delivered(f"r{i}", b"a", None, now_wall=answered)
+    assert store.result("r2") is not None and store.result("r0") is None
+    store.put("m", b"x", request_id="big", created_wall=0.0, expires_wall=None)
+    store.mark_delivered("big", b"b" * 5000, None, now_wall=104.0)  # over max_bytes alone
+    assert store.result("big").result == b"b" * 5000
+
+
+def test_a_retry_of_an_expired_or_failed_deferral_is_stored_afresh(tmp_path):
+    # The same receipt id (an app's idempotency key) named the dead row: nothing queued.
+    store = DeferredStore(tmp_path / "d.db")
+    store.put("m", b"one", request_id="k", created_wall=1.0, expires_wall=5.0)
+    assert store.expire(10.0) == ["k"]
+    store.put("m", b"two", request_id="k", created_wall=11.0, expires_wall=50.0)
+    assert store.result("k").status == "pending"
+    assert [i.payload for i in store.pending(now_wall=12.0)] == [b"two"]
+    store.mark_sending("k")
+    store.mark_delivered("k", b"answer", None)
+    store.put("m", b"three", request_id="k", created_wall=13.0, expires_wall=50.0)
+    assert store.result("k").result == b"answer"  # answered: the retry is that one
+    assert store.counts() == {"delivered": 1}
 
 
 async def test_a_corrupt_row_fails_alone_and_the_rest_still_flush(tmp_path):

@@ -186,7 +186,7 @@ async def test_an_apps_idempotency_key_runs_a_retry_once_and_defers_it_once(tmp_
 
     from edge.agent import Agent
     from edge.config import load_agent_config
-    from shared.errors import InvalidInput
+    from shared.errors import IdempotencyConflict, InvalidInput
 
     server = cloud_server(edge_repos[0], "--node", "keyed").start()
     cloud_url = server.http_url
@@ -194,7 +194,8 @@ async def test_an_apps_idempotency_key_runs_a_retry_once_and_defers_it_once(tmp_
         tmp_path,
         edge_repos[1],
         http=cloud_url,
-        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
+        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n'
+        '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
     )
     x = np.full((1, 4), 2.0, np.float32)
     try:
@@ -206,6 +207,10 @@ async def test_an_apps_idempotency_key_runs_a_retry_once_and_defers_it_once(tmp_
             assert stats["inference_stats"]["success"]["count"] == 1  # the retry ran once
             with pytest.raises(Exception, match="other inputs"):  # the cloud's 409
                 await agent.infer("c", {"x": x + 1}, idempotency_key="app-1")
+            # a model with a local variant too: the 409, not a local answer
+            await agent.infer("lin", {"x": x}, idempotency_key="app-3")
+            with pytest.raises(IdempotencyConflict):
+                await agent.infer("lin", {"x": x + 1}, idempotency_key="app-3")
             with pytest.raises(InvalidInput, match="idempotency_key"):
                 await agent.infer("c", {"x": x}, idempotency_key="k" * 129)
     finally:

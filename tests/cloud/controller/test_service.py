@@ -12,10 +12,34 @@ from shared.mqtt import CONTROLLER_TOPIC, parse_broker_url
 from tests.support import Broker
 
 
-def _service(broker: Broker, name: str) -> ControllerService:
+def _service(broker: Broker, name: str, **options) -> ControllerService:
     core = ControllerCore({}, {}, ControllerSettings(settle_s=0.2))
-    options = ControllerOptions(parse_broker_url(broker.url), client_id=name, http_port=None)
-    return ControllerService(core, options)
+    return ControllerService(
+        core,
+        ControllerOptions(parse_broker_url(broker.url), client_id=name, http_port=None, **options),
+    )
+
+
+class _Running:
+    """Controllers started with their loop (ticks, heartbeats), stopped at the end."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.services: list[ControllerService] = []
+
+    async def start(self, service: ControllerService) -> ControllerService:
+        await service.start()
+        await _until(lambda: service.connected)
+        self.services.append(service)
+        self.tasks.append(asyncio.create_task(service.run(self.stop)))
+        return service
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for service in self.services:
+            await service.close()
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:
@@ -64,3 +88,83 @@ async def test_a_second_controller_stands_by_until_the_first_is_gone(broker: Bro
     finally:
         await second.close()
         await first.close()
+
+
+async def _publish(broker: Broker, topic: str, document: dict) -> None:
+    from cloud.mqtt_front import new_client
+
+    client = new_client(parse_broker_url(broker.url), f"writer-{time.monotonic_ns()}")
+    await client.start(5.0)
+    try:
+        acked = client.publish(topic, json.dumps(document).encode(), retain=True)
+        if acked is not None:
+            await asyncio.wait_for(acked, 5.0)
+    finally:
+        await client.close()
+
+
+async def test_a_standby_takes_over_when_the_active_controller_falls_silent(broker) -> None:
+    # A controller that died while the broker was down left no will: its retained
+    # "online" stayed, and the standby stood behind it for good.
+    running = _Running()
+    try:
+        first = await running.start(_service(broker, "ctl-a", heartbeat_s=0.2))
+        second = await running.start(_service(broker, "ctl-b", heartbeat_s=0.2))
+        await _until(lambda: not second.active)
+        await asyncio.sleep(1.0)  # heartbeats keep it standing by
+        assert first.active and not second.active
+        running.tasks[0].cancel()  # ctl-a goes silent: no goodbye, no will
+        assert first._client is not None
+        await first._client.close()  # (a clean DISCONNECT: the broker sends no will)
+        first.active = False  # (so its close() at the end says nothing either)
+        await _until(lambda: second.active, 5.0)
+        assert (await _retained_status(broker))["id"] == "ctl-b"
+    finally:
+        await running.close()
+
+
+async def test_only_the_controller_stood_behind_going_offline_hands_over(broker) -> None:
+    # Three controllers: a standby's last will ("ctl-b offline") made the third take
+    # over while the first was alive and placing.
+    running = _Running()
+    try:
+        a = await running.start(_service(broker, "ctl-a"))
+        b = await running.start(_service(broker, "ctl-b"))
+        c = await running.start(_service(broker, "ctl-c"))
+        await _until(lambda: not b.active and not c.active)
+        await _publish(
+            broker, CONTROLLER_TOPIC, {"state": "offline", "id": "ctl-b", "since": b.since}
+        )
+        await asyncio.sleep(0.5)
+        assert a.active and not c.active
+        # ... and the active one says again that it is there (the will overwrote it)
+        status = await _retained_status(broker)
+        assert (status["state"], status["id"]) == ("online", "ctl-a")
+    finally:
+        await running.close()
+
+
+async def test_a_rescan_unplaces_a_model_only_when_two_scans_agree_and_never_all(broker) -> None:
+    from cloud.controller.catalogue import ModelEntry
+    from shared.repository import PlacementPolicy
+
+    def entry(name: str) -> ModelEntry:
+        return ModelEntry(name, PlacementPolicy(), ("onnxruntime",), 1 << 20, 8)
+
+    scans: list[tuple[dict, dict]] = []
+    service = _service(broker, "ctl-scan", rescan=lambda: scans.pop(0))
+    service.core.catalogue = {"a": entry("a"), "b": entry("b")}
+    scans.append(({"a": entry("a")}, {"b": "config.toml: half written"}))  # broken: kept
+    await service._rescan()
+    assert set(service.core.catalogue) == {"a", "b"}
+    for _ in range(2):  # gone: kept after one scan, unplaced after the second
+        scans.append(({"a": entry("a")}, {}))
+        await service._rescan()
+    assert set(service.core.catalogue) == {"a"}
+    for _ in range(3):  # an empty read (an unmounted volume) never unplaces everything
+        scans.append(({}, {}))
+        await service._rescan()
+    assert set(service.core.catalogue) == {"a"}
+    scans.append(({"a": entry("a"), "c": entry("c")}, {}))
+    await service._rescan()
+    assert set(service.core.catalogue) == {"a", "c"}
