@@ -235,6 +235,15 @@ class Agent:
                 continue
             model = await asyncio.to_thread(self.local.load, name)
             await self._warm_up(model.name)
+        for name, mp in config.policy.models.items():
+            # (a name the model lacks failed every request with a 500 at run time)
+            if mp.cascade_output and mp.local_model and self.local.has(mp.local_model):
+                outputs = sorted(t.name for t in self.local.get(mp.local_model).config.outputs)
+                if mp.cascade_output not in outputs:
+                    raise ConfigError(
+                        f"key 'models.{name}.cascade_output': local model {mp.local_model!r} "
+                        f"has no output {mp.cascade_output!r}; its outputs are {outputs}"
+                    )
 
     async def _warm_up(self, name: str) -> None:
         """Runs on zeros: one pays first-call costs, the next ``warm_up_runs`` seed the

@@ -9,7 +9,6 @@ profile, a bad broker URL, an unreadable credentials file).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +201,10 @@ def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
     )
 
 
+#: the largest weight a policy file may give (their ratios are what counts)
+MAX_WEIGHT = 1e6
+
+
 def _policy(data: dict[str, Any], source: str) -> PolicyConfig:
     pol = data.get("policy", {})
     weights = Weights(**{k: float(v) for k, v in pol.get("weights", {}).items()})
@@ -211,9 +214,12 @@ def _policy(data: dict[str, Any], source: str) -> PolicyConfig:
         ("data_mb", weights.data_mb),
         ("money", weights.money),
     ):
-        if not 0 <= value < math.inf:  # also NaN
+        # Only their ratios matter; past 1e6 a cost (a weight times seconds, joules or
+        # MB) can overflow to inf and its differences to NaN: scale them all down.
+        if not 0 <= value <= MAX_WEIGHT:  # also NaN
             raise ConfigError(
-                f"{source}: key 'policy.weights.{key}': expected a finite number >= 0, got {value}"
+                f"{source}: key 'policy.weights.{key}': expected a number from 0 to "
+                f"{MAX_WEIGHT:g} (only the weights' ratios matter), got {value}"
             )
     quantile = float(pol.get("deadline_quantile", 0.95))
     if not 0.5 <= quantile < 1:

@@ -305,7 +305,9 @@ class RequestFlow:
             core.usable(now, self.connected, mp.cloud_model),  # connected
             self.battery,  # battery_percent
             # data_used_mb_today (read only against a cap: the day costs a clock read)
-            core.usage.today(now) if self.policy.config.data_cap_mb_per_day is not None else 0.0,
+            core.usage.today(now) + core.reserved_mb(now)
+            if self.policy.config.data_cap_mb_per_day is not None
+            else 0.0,
             core.radio.radio_idle_s(now),
             core.out_bytes.get(self.model),
             self.batch,
@@ -393,7 +395,7 @@ class RequestFlow:
         self.core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback = choice, None
         give_up = now + max(DEFERRED_SEND_S, 3 * choice.latency_q_s)
-        return Offload(choice, self.mp.cloud_model, give_up, "deferred")
+        return self._sent(Offload(choice, self.mp.cloud_model, give_up, "deferred"))
 
     def _hedge(
         self, now: float, choice: Option, local: Option, reason: str, local_at: float | None = None
@@ -411,7 +413,15 @@ class RequestFlow:
         # point, and a reply cut short would teach a failure that was only a promotion.
         tail = now + choice.latency_q_s
         give_up = tail if tail > self.deadline else self.deadline
-        return Hedge(run, Offload(choice, self.mp.cloud_model, give_up, reason), local_at)
+        return Hedge(
+            run, self._sent(Offload(choice, self.mp.cloud_model, give_up, reason)), local_at
+        )
+
+    def _sent(self, offload: Offload) -> Offload:
+        """An offload begins: its bytes count against the daily cap from now (until it
+        ends, or at the latest its give-up time), so requests deciding meanwhile see them."""
+        self.core.reserve(self.id, offload.option, offload.give_up_at)
+        return offload
 
     def race_due(self, now: float) -> RunLocal | None:
         """A race's local run is due (its ``local_at``): the run, unless already answered."""
@@ -446,7 +456,7 @@ class RequestFlow:
         self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial
         self._attempt = choice
         self._fallback = local if self.mp.local_model is not None else None
-        return Offload(choice, self.mp.cloud_model, give_up, reason)
+        return self._sent(Offload(choice, self.mp.cloud_model, give_up, reason))
 
     def local_done(
         self, now: float, seconds: float, confidence: float | None = None
@@ -497,7 +507,7 @@ class RequestFlow:
         core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback = choice, None
         why = f"cascade: local confidence {confidence:.2f} < {mp.cascade_threshold}"
-        return Offload(choice, mp.cloud_model, self.deadline, why)
+        return self._sent(Offload(choice, mp.cloud_model, self.deadline, why))
 
     def offload_done(
         self,
@@ -525,6 +535,7 @@ class RequestFlow:
                 sent, received, net, (queue_us + compute_us) / 1e6, now
             )
         core.radio.transfer_done(now)
+        core.reserved.pop(self.id, None)
         core.usage.add(sent + received, now)
         core.out_bytes[self.model] = received
         reason = self.decision.reason if self.decision else ""
@@ -558,6 +569,7 @@ class RequestFlow:
         """The offload ended at ``now`` without an answer (``error`` says why)."""
         core, choice = self.core, self._attempt
         core._journal(("offload_failed", self.id, now, error.code.value, error.message))
+        core.reserved.pop(self.id, None)
         assert choice is not None and choice.transport is not None
         if isinstance(error, InvalidInput | PayloadTooLarge | IdempotencyConflict):
             # says nothing of the endpoint (too large: its limit, not its health)
@@ -639,6 +651,8 @@ class EdgeCore:
         self.recent: dict[str, tuple[float, Decision]] = {}
         self._radio = Ewma(RADIO_SHARE_ALPHA)  # would a request use the radio, warm
         self._in_bytes: dict[str, float] = {}  # model -> EWMA of its requests' bytes
+        # flow id -> (bytes, until): offloads under way, counted against the data cap
+        self.reserved: dict[int, tuple[int, float]] = {}
 
     @property
     def est(self) -> Any:
@@ -649,6 +663,20 @@ class EdgeCore:
     def _journal(self, event: tuple[Any, ...]) -> None:
         if self.events is not None:
             self.events.append(event)
+
+    def reserve(self, flow_id: int, choice: Option, until: float) -> None:
+        self.reserved[flow_id] = (choice.up_bytes + choice.down_bytes, until)
+
+    def reserved_mb(self, now: float) -> float:
+        """Bytes of the offloads under way (their own ends release them; a bound in time
+        keeps one whose end never came from holding the cap for good)."""
+        total = 0
+        for flow_id, (nbytes, until) in list(self.reserved.items()):
+            if until < now:
+                del self.reserved[flow_id]
+            else:
+                total += nbytes
+        return total / 1e6
 
     @property
     def radio_share(self) -> float | None:

@@ -93,7 +93,9 @@ class _Replay:
         self.sim, self.core, self.model = sim, core, model
         self.radio = RadioState()  # the radio itself (the core keeps the agent's view)
         self.probe_interval_s = probe_interval_s
-        self.battery = battery_percent if sim.device.battery_wh else None
+        # (a profile without a battery size, a Pi on a UPS board: the level stays put,
+        # and the agent still applies the floor to what its battery reader says)
+        self.battery = battery_percent
         self.drained_j = 0.0  # energy above idle drawn by requests so far
         self._events: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -110,7 +112,8 @@ class _Replay:
         if self.battery is None:
             return None
         device = self.sim.device
-        assert device.battery_wh is not None
+        if not device.battery_wh:
+            return self.battery
         used_wh = (device.idle_power_w * now + self.drained_j) / 3600.0
         return max(self.battery - 100.0 * used_wh / device.battery_wh, 0.0)
 

@@ -281,6 +281,17 @@ async def test_a_cascade_on_an_output_the_request_left_out_is_a_clear_error(
             await agent.infer("soft", {"x": x}, outputs=["nope"])
         ok = await agent.infer("soft", {"x": x}, outputs=["probs"])
         assert ok.parameters["where"] == "cloud-http"
+    # an output the local model lacks is the policy file's fault, said when it loads
+    # (every request failed with a 500 KeyError)
+    from shared.errors import ConfigError
+
+    (tmp_path / "bad").mkdir()
+    bad = agent_toml(
+        tmp_path / "bad", edge_repos[1], http=cloud.http_url, models=models.replace("probs", "nope")
+    )
+    with pytest.raises(ConfigError, match=r"models\.soft\.cascade_output.*no output 'nope'"):
+        async with Agent(load_agent_config(bad)):
+            pass
 
 
 async def test_a_network_change_survives_an_unrelated_config_reload(tmp_path, edge_repos, cloud):

@@ -37,6 +37,8 @@ def test_the_shipped_example_agent_config_parses():
             "'cloud.key_file': needs cloud.cert_file",
         ),
         ('repository = "r"\n[policy.weights]\nlatency_s = inf\n', "'policy.weights.latency_s'"),
+        # (1e308 made costs inf and their differences NaN: "P(better) nan")
+        ('repository = "r"\n[policy.weights]\nmoney = 1e308\n', "only the weights' ratios"),
         ('repository = "r"\n[models.m]\nmode = "local"\n', "'models.m.local'"),
         (
             'repository = "r"\n[models.m]\nlocal = "a"\ntransports = ["carrier-pigeon"]\n',

@@ -518,3 +518,20 @@ def test_the_arrival_rate_is_steady_under_poisson_and_follows_a_burst_or_a_lull(
         now += rng.exponential(2.0)
         core.begin("m", now=now, in_bytes=1000, connected={"http": True})
     assert core.rate_per_s("m") < 1.5
+
+
+def test_offloads_under_way_count_against_the_data_cap():
+    # 20 requests at once each passed the check (the cap counted finished transfers
+    # only): 12 MB sent against a 3 MB cap.
+    core = _core(data_cap_mb_per_day=1.0)
+    wheres = []
+    for i in range(4):
+        flow = core.begin(
+            "m", now=1.0 + i * 0.01, in_bytes=400_000, connected={"http": True}, deadline_ms=9000
+        )
+        action = flow.start()
+        offload = action.offload if isinstance(action, Hedge) else action
+        wheres.append("cloud" if isinstance(offload, Offload) else "local")
+    assert wheres.count("cloud") == 2  # 0.8 MB under way: a third would pass the cap
+    assert core.reserved_mb(2.0) == pytest.approx(0.8, rel=0.05)  # (and replies expected)
+    assert core.reserved_mb(1e9) == 0.0  # past their give-up time they no longer count

@@ -112,6 +112,21 @@ def test_a_low_battery_makes_energy_the_objective():
     )
 
 
+def test_a_low_battery_counts_on_a_device_profile_without_a_battery_size():
+    # The agent applies the floor to what its battery reader says (a Pi on a UPS board);
+    # the replay ignored the workload's level where the profile gives no battery size.
+    from devices.profiles import load_device
+
+    assert not load_device("raspberry-pi-4b").battery_wh
+    profile = ComputeProfile((0.3,), (0.01,), (0.9,), 1.0)  # 2.4 s on the Pi: offloaded
+    run = {
+        pct: _run(_config(explore_after_s=0.0), profile=profile, battery_percent=pct)
+        for pct in (None, 10.0)
+    }
+    shares = {p: summarize(r.sim, r.results["ferry"])["offload_share"] for p, r in run.items()}
+    assert shares[None] > 0.9 and shares[10.0] == 0.0  # below the floor: least energy
+
+
 def test_what_the_agent_learns_arrives_when_the_request_completes():
     # ten requests a second, 1 s locally, a fast cloud: requests overlap, and the
     # flow hears of each run or reply at the simulated moment it ends
