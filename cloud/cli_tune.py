@@ -163,7 +163,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
         written = write_report(args.report, doc)
         print(f"report: {len(written)} files in {args.report}")
     print(f"profiles: {args.out}")
-    status = 1 if failed else 0
+    status = 1 if failed or any(r.error for r in results) else 0
     if args.apply:
         status = max(status, _apply(repository, doc, args.latency_ms, cores))
     return status
@@ -186,7 +186,9 @@ def _apply(repository: Any, doc: dict[str, Any], latency_ms: float, cores: int) 
             print(f"ferry-cloud: error: {exc.message}", file=sys.stderr)
             status = 1
             continue
-        print(f"applied to {path} (previous file: {path.name}.bak)")
+        backup = path.with_suffix(".toml.bak")
+        kept = f" (the original: {backup.name})" if backup.exists() else " (a new file)"
+        print(f"applied to {path}{kept}")
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
     return status

@@ -130,6 +130,8 @@ def apply_choice(
     ConfigError (and nothing written) when the result would not load."""
     folder = repository.model_dir(name)
     path = folder / CONFIG_FILE
+    if path.is_symlink():  # (a config shared between folders): written where it lives
+        path = path.resolve()
     if not path.is_file() and (folder / LEGACY_CONFIG_FILE).is_file():
         raise ConfigError(
             f"{folder / LEGACY_CONFIG_FILE}: a dl_inference config is not rewritten; "
@@ -140,7 +142,10 @@ def apply_choice(
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(dumps(merged(data, chosen, latency_ms)), encoding="utf-8")
+    try:
+        tmp.write_text(dumps(merged(data, chosen, latency_ms)), encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: not applied: cannot write: {exc.strerror or exc}") from None
     try:
         config = parse_config(tmp, name)  # the loader's own checks, before anything changes
         for version in repository.selected_versions(name, config):
@@ -148,9 +153,18 @@ def apply_choice(
     except ConfigError as exc:
         tmp.unlink()
         raise ConfigError(f"{path}: not applied: {exc.message}") from None
-    if path.is_file():
-        shutil.copy2(path, path.with_suffix(".toml.bak"))
-    os.replace(tmp, path)
+    try:
+        backup = path.with_suffix(".toml.bak")
+        if path.is_file():
+            # The first one kept stays: it holds the user's own file and its comments,
+            # which a rewrite does not carry over (a second --apply overwrote it).
+            if not backup.exists():
+                shutil.copy2(path, backup)
+            shutil.copymode(path, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{path}: not applied: cannot write: {exc.strerror or exc}") from None
     warnings = []
     sessions = config.instance_group.count * config.runtime.threads
     if cores and sessions > cores:

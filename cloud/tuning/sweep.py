@@ -78,6 +78,10 @@ class Trial:
         return fit_within(self.points, latency_s)
 
 
+class Untunable(ValueError):
+    """The model runs, but not on inputs tuning can make up (not a failure to read it)."""
+
+
 @dataclass
 class ModelResult:
     name: str
@@ -134,7 +138,7 @@ def random_inputs(
     out = {}
     for spec in config.inputs:
         if spec.datatype == "BYTES":
-            raise ValueError(f"input {spec.name!r} is BYTES: random bytes cannot exercise it")
+            raise Untunable(f"input {spec.name!r} is BYTES: random bytes cannot exercise it")
         dims = (shapes or {}).get(spec.name) or tuple(d if d > 0 else 1 for d in spec.dims)
         shape = tuple(lead + list(dims))
         dtype = numpy_dtype(spec.datatype)
@@ -214,6 +218,7 @@ def measure_model(
     result.skipped = dict(plan.skipped)
     result.sessions = base.instance_group.count * len(repository.selected_versions(plan.name, base))
     sweep = _Sweep(base, duration_s, min_runs, max_batch, shapes, progress)
+    untunable = False
     for target in plan.targets:
         done = 0
         with tempfile.TemporaryDirectory(prefix="ferry-tune-") as tmp:
@@ -239,6 +244,10 @@ def measure_model(
                 why = exc.message if isinstance(exc, FerryError) else str(exc)
                 result.skipped[target.backend] = why or type(exc).__name__
                 progress(f"{plan.name} {target.backend} skipped", len(target.threads) - done)
+                untunable = untunable or isinstance(exc, Untunable)
+    if plan.targets and not result.trials and not untunable:  # every runtime failed it
+        tried = "; ".join(f"{t.backend}: {result.skipped.get(t.backend)}" for t in plan.targets)
+        result.error = f"no runtime could load and run it ({tried})"
     return result
 
 

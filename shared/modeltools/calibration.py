@@ -84,38 +84,72 @@ class ProgressReader:
         return batch
 
 
+def _batched(specs: list[InputSpec]) -> bool:
+    """Whether every input leads with a dynamic batch dimension: then samples from
+    several files can be stacked and cut into batches.  Otherwise (a scalar input, a
+    fixed leading dim such as a recurrent state's ``[2, ?, 128]``) each file is one
+    feed, as given."""
+    return all(s.dims and s.dims[0] < 0 for s in specs)
+
+
 def folder_reader(
     folder: Path, specs: list[InputSpec], *, samples: int, batch_size: int
 ) -> ArrayReader:
-    """Batches from ``folder``'s ``.npy``/``.npz`` files, sorted by name, at most ``samples``."""
+    """Batches from ``folder``'s ``.npy``/``.npz`` files, sorted by name, at most ``samples``.
+
+    Files whose arrays differ in a dynamic dimension (images of several sizes) are
+    batched apart: the runtime takes each size, and stacking them is impossible."""
     folder = Path(folder)
     if not folder.is_dir():
         raise InvalidInput(f"calibration folder {folder} does not exist or is not a folder")
     files = sorted(p for p in folder.iterdir() if p.suffix in (".npy", ".npz"))
     if not files:
         raise InvalidInput(f"calibration folder {folder} holds no .npy or .npz files")
-    columns: dict[str, list[np.ndarray]] = {spec.name: [] for spec in specs}
+    batched = _batched(specs)
+    groups: dict[tuple, dict[str, list[np.ndarray]]] = {}  # inner shapes -> columns
+    feeds: list[dict[str, np.ndarray]] = []
     count = 0
     for path in files:
         if count >= samples:
             break
         arrays = _load_file(path, specs)
+        if not batched:
+            feeds.append({s.name: _as_feed(arrays[s.name], s, path) for s in specs})
+            count += 1
+            continue
         n = None
+        shaped = {}
         for spec in specs:
             array = _as_batch(arrays[spec.name], spec, path)
             if n is not None and array.shape[0] != n:
                 raise InvalidInput(f"{path.name}: inputs hold different sample counts")
             n = array.shape[0]
-            columns[spec.name].append(array)
+            shaped[spec.name] = array
+        key = tuple(shaped[s.name].shape[1:] for s in specs)
+        columns = groups.setdefault(key, {s.name: [] for s in specs})
+        for name, array in shaped.items():
+            columns[name].append(array)
         count += n or 0
-    stacked = {name: np.concatenate(parts)[:samples] for name, parts in columns.items()}
-    return ArrayReader(_split(stacked, specs, batch_size))
+    if not batched:
+        return ArrayReader(feeds)
+    batches: list[dict[str, np.ndarray]] = []
+    left = samples
+    for columns in groups.values():
+        if left <= 0:
+            break
+        stacked = {name: np.concatenate(parts)[:left] for name, parts in columns.items()}
+        left -= min(len(a) for a in stacked.values())
+        batches += _split(stacked, specs, batch_size, whole=len(groups) == 1)
+    if not batches:
+        raise InvalidInput(f"calibration folder {folder}: no whole batch of {batch_size}")
+    return ArrayReader(batches)
 
 
 def random_reader(
     specs: list[InputSpec], *, samples: int, batch_size: int, seed: int = 0
 ) -> ArrayReader:
-    """Standard-normal floats (a normalised image's range) or small integers; warns."""
+    """Standard-normal floats (a normalised image's range), 0/1 integers (safe as an
+    index into any table) or booleans; warns."""
     warnings.warn(
         "no calibration data given: calibrating on random inputs; activation ranges will "
         "not match real data and accuracy will suffer (pass a folder of .npy files)",
@@ -123,21 +157,25 @@ def random_reader(
         stacklevel=3,
     )
     rng = np.random.default_rng(seed)
-    stacked: dict[str, np.ndarray] = {}
+    batched = _batched(specs)
+
+    def draw(spec: InputSpec, shape: tuple[int, ...]) -> np.ndarray:
+        if spec.dtype.kind == "f":
+            return rng.standard_normal(shape).astype(spec.dtype)
+        if spec.dtype.kind == "b":
+            return rng.random(shape) < 0.5
+        return rng.integers(0, 2, size=shape).astype(spec.dtype)
+
     for spec in specs:
-        inner = spec.dims[1:]
-        if any(d < 0 for d in inner):
+        fixed = spec.dims[1:] if batched else spec.dims
+        if any(d < 0 for d in fixed):
             raise InvalidInput(
                 f"input {spec.name!r} has dynamic dims {list(spec.dims)}: random calibration "
                 "cannot guess a shape; give a calibration folder"
             )
-        shape = (samples, *inner)
-        if spec.dtype.kind == "f":
-            stacked[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-        elif spec.dtype.kind == "b":
-            stacked[spec.name] = rng.random(shape) < 0.5
-        else:
-            stacked[spec.name] = rng.integers(0, 100, size=shape).astype(spec.dtype)
+    if not batched:
+        return ArrayReader([{s.name: draw(s, s.dims) for s in specs} for _ in range(samples)])
+    stacked = {s.name: draw(s, (samples, *s.dims[1:])) for s in specs}
     return ArrayReader(_split(stacked, specs, batch_size))
 
 
@@ -174,23 +212,47 @@ def _as_batch(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
             f"{path.name}: input {spec.name!r} has shape {list(array.shape)}, "
             f"the model expects {list(spec.dims)}"
         )
+    return _typed(array, spec, path)
+
+
+def _as_feed(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
+    """One file, one feed, its shape the model's (a leading 1 added where it fits)."""
+    if array.ndim == len(spec.dims) - 1 and spec.dims[0] in (1, -1):
+        array = array[None, ...]
+    if array.ndim != len(spec.dims) or any(
+        d >= 0 and d != a for d, a in zip(spec.dims, array.shape, strict=True)
+    ):
+        raise InvalidInput(
+            f"{path.name}: input {spec.name!r} has shape {list(array.shape)}, "
+            f"the model expects {list(spec.dims)}"
+        )
+    return np.require(_typed(array, spec, path), requirements="C")  # (keeps rank 0)
+
+
+def _typed(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
     if array.dtype != spec.dtype:
         if array.dtype.kind != spec.dtype.kind:
             raise InvalidInput(
                 f"{path.name}: input {spec.name!r} is {array.dtype}, the model expects {spec.dtype}"
             )
         array = array.astype(spec.dtype)
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        # one inf made every range infinite: a model answering one constant
+        raise InvalidInput(f"{path.name}: input {spec.name!r} holds NaN or infinite values")
     return array
 
 
 def _split(
-    stacked: dict[str, np.ndarray], specs: list[InputSpec], batch_size: int
+    stacked: dict[str, np.ndarray], specs: list[InputSpec], batch_size: int, whole: bool = True
 ) -> list[dict[str, np.ndarray]]:
-    """Cut the samples into batches; a fixed batch dimension wins over ``batch_size``."""
+    """Cut the samples into batches; a fixed batch dimension wins over ``batch_size``.
+    ``whole``: too few samples for one batch is an error (else: none from this group)."""
     fixed = {s.dims[0] for s in specs if s.dims and s.dims[0] > 0}
     size = fixed.pop() if len(fixed) == 1 else max(1, batch_size)
     total = min(len(a) for a in stacked.values())
     if total < size:
+        if not whole:
+            return []
         raise InvalidInput(f"{total} calibration samples do not fill one batch of {size}")
     return [
         {name: np.ascontiguousarray(a[start : start + size]) for name, a in stacked.items()}

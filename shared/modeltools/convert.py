@@ -9,6 +9,8 @@ runtime's precision hint, not baked into the file.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from pathlib import Path
 
 from shared.errors import BackendMissing, InvalidInput, ModelNotFound
@@ -32,14 +34,15 @@ def convert_to_openvino(src: Path, dst_dir_or_xml: Path, *, progress: bool = Tru
     from tqdm import tqdm
 
     src, dst = Path(src), Path(dst_dir_or_xml)
-    if not src.is_file():
-        raise ModelNotFound(f"{src} does not exist")
+    check_source(src)
     if src.suffix.lower() not in CONVERTIBLE_SUFFIXES:
         raise InvalidInput(
             f"{src.name}: OpenVINO converts {sorted(CONVERTIBLE_SUFFIXES)} files, not {src.suffix}"
         )
-    xml = dst if dst.suffix.lower() == ".xml" else dst / "model.xml"
-    xml.parent.mkdir(parents=True, exist_ok=True)
+    # (OpenVINO's writer takes only a lower-case .xml; the .bin goes beside it)
+    xml = dst.with_suffix(".xml") if dst.suffix.lower() == ".xml" else dst / "model.xml"
+    if xml.parent.exists() and not xml.parent.is_dir():
+        raise InvalidInput(f"{xml.parent} is a file: give a folder or a .xml path")
     with tqdm(total=3, desc=f"converting {src.name}", unit="step", disable=not progress) as bar:
         bar.set_postfix_str("convert")
         try:
@@ -48,13 +51,36 @@ def convert_to_openvino(src: Path, dst_dir_or_xml: Path, *, progress: bool = Tru
             raise InvalidInput(f"OpenVINO cannot convert {src.name}: {exc}") from exc
         bar.update(1)
         bar.set_postfix_str("save")
-        ov.save_model(model, str(xml), compress_to_fp16=False)
-        bar.update(1)
-        bar.set_postfix_str("verify")
-        _verify(ov, model, xml)
+        # Written beside the destination, read back, then moved over it: a failure
+        # half-way never leaves a broken or mismatched IR where a good one was.
+        try:
+            xml.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix=".ferry-ir-", dir=xml.parent) as tmp:
+                staged = Path(tmp) / xml.name
+                ov.save_model(model, str(staged), compress_to_fp16=False)
+                bar.update(1)
+                bar.set_postfix_str("verify")
+                _verify(ov, model, staged)
+                os.replace(staged.with_suffix(".bin"), xml.with_suffix(".bin"))
+                os.replace(staged, xml)
+        except OSError as exc:
+            raise InvalidInput(f"cannot write {xml}: {exc.strerror or exc}") from None
+        except RuntimeError as exc:  # OpenVINO's writer: a path it cannot open
+            raise InvalidInput(f"cannot write {xml}: {exc}") from None
         bar.update(1)
     log.info("converted %s -> %s", src, xml)
     return xml
+
+
+def check_source(src: Path) -> None:
+    """The model file a tool reads: a clear error for a folder or a missing path."""
+    if src.is_dir():
+        raise InvalidInput(
+            f"{src} is a folder: give the model file in it (ferry-cloud model inspect {src} "
+            "shows which one a repository serves)"
+        )
+    if not src.is_file():
+        raise ModelNotFound(f"{src} does not exist")
 
 
 def _verify(ov: object, converted: object, xml: Path) -> None:

@@ -74,8 +74,12 @@ def resolve_model_file(path: Path) -> Path:
         if (path / name).is_file():
             return path / name
     versions = sorted((int(p.name), p) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
-    if versions:
-        return resolve_model_file(versions[-1][1])
+    # the newest version that holds a model file, as the repository serves it (an
+    # empty folder for the next version is not a broken model)
+    for _, folder in reversed(versions):
+        for name in MODEL_FILES:
+            if (folder / name).is_file():
+                return folder / name
     raise ModelNotFound(f"{path} holds no model file (expected one of {sorted(MODEL_FILES)})")
 
 

@@ -15,13 +15,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from shared.errors import BackendMissing, InvalidInput, ModelNotFound
+from shared.errors import BackendMissing, InvalidInput
 from shared.modeltools.calibration import (
     InputSpec,
     ProgressReader,
     folder_reader,
     random_reader,
 )
+from shared.modeltools.convert import check_source
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,17 @@ def quantize_static_qdq(
     from tqdm import tqdm
 
     src, dst = Path(src), Path(dst)
-    if not src.is_file():
-        raise ModelNotFound(f"{src} does not exist")
+    check_source(src)
+    if dst.is_dir():
+        raise InvalidInput(f"{dst} is a folder: give the .onnx file to write")
+    if any(p.exists() and not p.is_dir() for p in dst.parents):
+        raise InvalidInput(f"cannot write {dst}: a file stands where its folder should be")
     if src.suffix.lower() != ".onnx":
         raise InvalidInput(f"{src.name}: only ONNX models can be quantized (got {src.suffix})")
     if samples < 1:
         raise InvalidInput(f"samples must be >= 1, got {samples}")
+    if batch_size < 1:
+        raise InvalidInput(f"batch size must be >= 1, got {batch_size}")
     # Steps: load (model + calibration data), pre-process, one per batch, quantize + write.
     with tqdm(total=3, desc=f"quantizing {src.name}", unit="step", disable=not progress) as bar:
         bar.set_postfix_str("load")
@@ -82,6 +88,7 @@ def quantize_static_qdq(
             model = onnx.load(str(src), load_external_data=False)
         except Exception as exc:  # protobuf DecodeError and friends
             raise InvalidInput(f"{src.name} is not a readable ONNX model: {exc}") from exc
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
         found = sorted({node.op_type for node in model.graph.node} & QUANTIZED_OPS)
         if found:
             raise InvalidInput(
@@ -96,11 +103,17 @@ def quantize_static_qdq(
             reader = folder_reader(Path(calibration), specs, samples=samples, batch_size=batch_size)
         bar.total = 3 + len(reader)
         bar.update(1)
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidInput(f"cannot write {dst}: {exc.strerror or exc}") from None
         partial = dst.with_name(f".{dst.stem}.partial{dst.suffix}")
         with tempfile.TemporaryDirectory(prefix="ferry-quant-") as tmp:
             bar.set_postfix_str("pre-process")
-            prepared = _preprocess(src, Path(tmp) / "prepared.onnx")
+            source = src
+            if opset < PER_CHANNEL_OPSET:
+                source = _upgrade(src, Path(tmp) / "upgraded.onnx", opset)
+            prepared = _preprocess(source, Path(tmp) / "prepared.onnx")
             bar.update(1)
             bar.set_postfix_str("calibrate")
             wrapped = ProgressReader(reader, bar, after="quantize + write")
@@ -115,14 +128,54 @@ def quantize_static_qdq(
                     weight_type=QuantType.QInt8,
                     calibrate_method=CalibrationMethod.MinMax,
                 )
+                _loads(partial, src)
                 os.replace(partial, dst)
-            except (ValueError, RuntimeError) as exc:  # ORT's InvalidArgument/Fail subclass these
-                raise InvalidInput(f"quantizing {src.name} failed: {exc}") from exc
+            except OSError as exc:
+                raise InvalidInput(f"cannot write {dst}: {exc.strerror or exc}") from None
+            except InvalidInput:
+                raise
+            except Exception as exc:  # ORT's own error types subclass nothing of Python's
+                raise InvalidInput(f"quantizing {src.name} failed: {exc}") from None
             finally:
                 partial.unlink(missing_ok=True)
         bar.update(1)
     log.info("quantized %s -> %s (%d calibration batches)", src, dst, len(reader))
     return dst
+
+
+#: per-channel QuantizeLinear/DequantizeLinear (their ``axis``) came with opset 13
+PER_CHANNEL_OPSET = 13
+
+
+def _upgrade(src: Path, out: Path, opset: int) -> Path:
+    """The model at ``PER_CHANNEL_OPSET``: quantized at its own opset it wrote nodes
+    that opset does not have, a model no runtime loads."""
+    import onnx
+    from onnx import version_converter
+
+    try:
+        model = version_converter.convert_version(onnx.load(str(src)), PER_CHANNEL_OPSET)
+        onnx.save(model, str(out))
+    except Exception as exc:
+        raise InvalidInput(
+            f"{src.name} uses opset {opset}; int8 QDQ needs opset {PER_CHANNEL_OPSET} or later, "
+            f"and ONNX could not upgrade it ({exc}): export it at opset {PER_CHANNEL_OPSET}+"
+        ) from None
+    log.info("%s upgraded from opset %d to %d to quantize", src.name, opset, PER_CHANNEL_OPSET)
+    return out
+
+
+def _loads(path: Path, src: Path) -> None:
+    """The quantized model must load where it will run, or it is not written."""
+    import onnxruntime as ort
+
+    try:
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise InvalidInput(
+            f"quantizing {src.name} produced a model ONNX Runtime cannot load ({exc}); "
+            "nothing was written"
+        ) from None
 
 
 def input_specs(graph: object) -> list[InputSpec]:

@@ -205,6 +205,39 @@ def test_apply_refuses_a_legacy_config_and_a_backend_without_its_file(repo: Path
         apply_choice(repository, "old", {**chosen, "backend": "onnxruntime"}, 100.0)
 
 
+def test_apply_keeps_the_first_backup_and_writes_through_a_symlink(
+    repo: Path, tmp_path: Path
+) -> None:
+    # A second --apply overwrote config.toml.bak with the first one's comment-free
+    # output; a symlinked config.toml was replaced by a plain file.
+    repository = ModelRepository(repo)
+    chosen = {"backend": "onnxruntime", "threads": 1, "batch": 2, "p99_ms": 1.0}
+    for _ in range(2):
+        apply_choice(repository, "lin", chosen, 100.0)
+    assert (repo / "lin" / "config.toml.bak").read_text() == LIN_CONFIG
+    shared = tmp_path / "shared" / "lin.toml"
+    shared.parent.mkdir()
+    shared.write_text(LIN_CONFIG)
+    shared.chmod(0o640)
+    (repo / "lin" / "config.toml").unlink()
+    (repo / "lin" / "config.toml").symlink_to(shared)
+    path, _ = apply_choice(repository, "lin", chosen, 100.0)
+    assert path == shared.resolve() and (repo / "lin" / "config.toml").is_symlink()
+    assert "threads = 1" in shared.read_text() and (shared.stat().st_mode & 0o777) == 0o640
+
+
+def test_a_model_no_runtime_can_load_fails_the_run(repo: Path, tmp_path: Path) -> None:
+    # every backend "skipped" and exit 0, though the docs say a model that cannot be
+    # read fails the run
+    (repo / "garbage" / "1").mkdir(parents=True)
+    (repo / "garbage" / "1" / "model.onnx").write_bytes(b"not a model")
+    out = tmp_path / "p.json"
+    assert _tune(repo, out, "--models", "garbage,lin", "--backends", "onnxruntime") == 1
+    doc = json.loads(out.read_text())
+    assert "no runtime could load and run it" in doc["models"]["garbage"]["error"]
+    assert doc["models"]["lin"]["chosen"] is not None
+
+
 def test_the_real_example_model_is_tuned_on_onnxruntime(
     example_repository: Path, tmp_path: Path
 ) -> None:

@@ -82,3 +82,26 @@ def test_cli_convert_writes_beside_the_source_by_default(
     assert run_model_command(args) == 0
     assert fp32.with_suffix(".xml").is_file() and fp32.with_suffix(".bin").is_file()
     assert "model.xml + " in capsys.readouterr().out
+
+
+def test_unwritable_or_odd_destinations_are_clear_errors_and_leave_nothing(
+    fp32: Path, tmp_path: Path
+) -> None:
+    # OpenVINO's writer took only a lower-case .xml (a traceback for UP.XML); an
+    # existing file as the folder was a FileExistsError traceback.
+    xml = convert_to_openvino(fp32, tmp_path / "ir" / "UP.XML", progress=False)
+    assert xml.name == "UP.xml" and xml.with_suffix(".bin").is_file()
+    existing = tmp_path / "existing.txt"
+    existing.write_text("x")
+    with pytest.raises(InvalidInput, match="is a file"):
+        convert_to_openvino(fp32, existing, progress=False)
+    with pytest.raises(InvalidInput, match="is a folder: give the model file"):
+        convert_to_openvino(tmp_path / "ir", tmp_path / "out", progress=False)
+    # a failed conversion leaves no half-written IR over a good one
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"not onnx")
+    before = xml.read_bytes()
+    with pytest.raises(InvalidInput):
+        convert_to_openvino(corrupt, xml, progress=False)
+    assert xml.read_bytes() == before
+    assert sorted(p.name for p in xml.parent.iterdir()) == ["UP.bin", "UP.xml"]

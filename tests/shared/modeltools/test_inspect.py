@@ -138,3 +138,13 @@ def test_a_zipmap_output_is_described_as_the_tensor_ferry_serves(tmp_path: Path)
     assert "probs  FP32  [?, ?]  (the file's seq(map(int64,tensor(float))))" in (
         format_description(d)
     )
+
+
+def test_a_model_folder_resolves_to_the_newest_version_holding_a_file(tmp_path: Path) -> None:
+    # an empty folder for the next version made inspect fail; the repository serves 1
+    from shared.modeltools.inspect import resolve_model_file
+    from tests.shared.modeltools import write_conv_model
+
+    write_conv_model(tmp_path / "m" / "1" / "model.onnx")
+    (tmp_path / "m" / "2").mkdir()
+    assert resolve_model_file(tmp_path / "m") == tmp_path / "m" / "1" / "model.onnx"

@@ -206,3 +206,86 @@ def test_cli_prints_the_random_calibration_warning_as_one_clean_line(
     assert len(lines) == 1
     assert lines[0].startswith("ferry-cloud: warning: no calibration data given")
     assert "CalibrationWarning" not in err and ".py:" not in err
+
+
+def _opset12_mlp(path: Path) -> Path:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        "mlp12",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)], ir_version=7)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_model_below_opset_13_is_upgraded_and_its_quantized_copy_loads(tmp_path: Path) -> None:
+    # Quantized at opset 12 it got per-channel DequantizeLinear (an axis, opset 13+):
+    # "wrote ..." and exit 0 for a model no runtime loads.
+    import onnxruntime as ort
+
+    src = _opset12_mlp(tmp_path / "mlp12.onnx")
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.random.default_rng(1).standard_normal((16, 8)).astype(np.float32))
+    out = quantize_static_qdq(src, tmp_path / "q.onnx", folder, progress=False)
+    x = np.ones((2, 8), np.float32)
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got[0], run_onnx(src, x), atol=0.5)
+
+
+def test_calibration_with_an_infinity_is_refused_naming_the_file(
+    fp32: Path, tmp_path: Path
+) -> None:
+    # one inf made every range infinite: a model answering one constant, exit 0
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    bad = conv_inputs(4, seed=3)
+    bad[1, 0, 0, 0] = np.inf
+    np.save(folder / "a.npy", bad)
+    with pytest.raises(InvalidInput, match=r"a\.npy: input 'x' holds NaN or infinite"):
+        quantize_static_qdq(fp32, tmp_path / "q.onnx", folder, progress=False)
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_samples_of_several_sizes_and_scalar_inputs_calibrate(tmp_path: Path) -> None:
+    # [N, 3, ?, ?] images of two sizes cannot be stacked (a traceback); a rank-0 input
+    # (a sample rate, as silero_vad takes) had no batch dimension to count (another).
+    specs = [InputSpec("x", np.dtype(np.float32), (-1, 3, -1, -1))]
+    folder = tmp_path / "sizes"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.zeros((3, 16, 16), np.float32))
+    np.save(folder / "b.npy", np.zeros((2, 3, 24, 20), np.float32))
+    batches = [
+        b["x"].shape
+        for b in iter(folder_reader(folder, specs, samples=8, batch_size=1).get_next, None)
+    ]
+    assert sorted(batches) == [(1, 3, 16, 16), (1, 3, 24, 20), (1, 3, 24, 20)]
+    specs = [
+        InputSpec("state", np.dtype(np.float32), (2, -1, 4)),
+        InputSpec("sr", np.dtype(np.int64), ()),
+    ]
+    folder = tmp_path / "scalar"
+    folder.mkdir()
+    for i in range(3):
+        np.savez(folder / f"{i}.npz", state=np.zeros((2, 1, 4), np.float32), sr=np.array(16000))
+    feeds = list(iter(folder_reader(folder, specs, samples=8, batch_size=1).get_next, None))
+    assert len(feeds) == 3 and feeds[0]["sr"].shape == () and feeds[0]["state"].shape == (2, 1, 4)
+
+
+def test_output_paths_that_cannot_be_written_are_clear_errors(fp32: Path, tmp_path: Path) -> None:
+    (tmp_path / "adir.onnx").mkdir()
+    with pytest.raises(InvalidInput, match="is a folder"):
+        quantize_static_qdq(fp32, tmp_path / "adir.onnx", progress=False)
+    with pytest.raises(InvalidInput, match="a file stands where its folder should be"):
+        quantize_static_qdq(fp32, fp32 / "x.onnx", progress=False)
+    with pytest.raises(InvalidInput, match="is a folder: give the model file"):
+        quantize_static_qdq(tmp_path, tmp_path / "q.onnx", progress=False)
+    with pytest.raises(InvalidInput, match="batch size must be >= 1"):
+        quantize_static_qdq(fp32, tmp_path / "q.onnx", batch_size=0, progress=False)
