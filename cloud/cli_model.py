@@ -115,7 +115,9 @@ def one_line_warnings(prog: str = "ferry-cloud") -> Iterator[None]:
 
 
 def _size(path: Path) -> int | None:
-    return path.stat().st_size if path.is_file() else None
+    from shared.repository.capacity import model_file_bytes
+
+    return model_file_bytes(path) if path.is_file() else None  # (external weights too)
 
 
 def _report(src: Path, before: int | None, *outputs: Path) -> None:

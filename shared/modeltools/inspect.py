@@ -194,8 +194,12 @@ def _describe_onnx(path: Path, files: dict[str, int]) -> dict[str, Any]:
         for entry in init.external_data:
             if entry.key == "location":
                 data = path.parent / entry.value
-                if data.exists():
-                    files[data.name] = data.stat().st_size
+                if not data.is_file():  # the graph reads, the model never loads
+                    raise ModelNotFound(
+                        f"{path.name} keeps tensor {init.name!r} in {entry.value}, "
+                        f"which is not in {path.parent}"
+                    )
+                files[data.name] = data.stat().st_size
     inputs, outputs = onnx_io(graph)
     ops = [node.op_type for node in graph.node]
     return {

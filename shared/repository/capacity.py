@@ -11,6 +11,7 @@ setting that makes a model faster) and scale with the node.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,39 @@ def model_file_bytes(path: Path) -> int:
     total = path.stat().st_size if path.is_file() else 0
     if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
         total += path.with_suffix(".bin").stat().st_size
+    elif path.suffix == ".onnx" and 0 < total < _EXTERNAL_PROBE_BYTES:
+        stat = path.stat()
+        names = _external_names(str(path), stat.st_mtime_ns, stat.st_size)
+        total += sum(f.stat().st_size for f in (path.parent / n for n in names) if f.is_file())
     return total
+
+
+@functools.lru_cache(maxsize=256)
+def _external_names(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
+    """(cached per file version: the controller reads the repository every 10 s)"""
+    folder = Path(path).parent
+    return tuple(sorted(str(p.relative_to(folder)) for p in onnx_external_files(Path(path))))
+
+
+#: an .onnx file this small may keep its weights in other files (ONNX's external data;
+#: a model past 2 GB must): they are counted too.  Larger ones hold their weights.
+_EXTERNAL_PROBE_BYTES = 64 << 20
+
+
+def onnx_external_files(path: Path) -> set[Path]:
+    """The external data files an ONNX model names (beside it), read without the weights."""
+    try:
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not readable: whoever loads it says why
+        return set()
+    found = set()
+    for init in model.graph.initializer:
+        for entry in init.external_data:
+            if entry.key == "location":
+                found.add(path.parent / entry.value)
+    return found
 
 
 def _refuse(source: str, key: str, value: object, bound: str) -> ConfigError:

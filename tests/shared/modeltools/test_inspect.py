@@ -148,3 +148,29 @@ def test_a_model_folder_resolves_to_the_newest_version_holding_a_file(tmp_path: 
     write_conv_model(tmp_path / "m" / "1" / "model.onnx")
     (tmp_path / "m" / "2").mkdir()
     assert resolve_model_file(tmp_path / "m") == tmp_path / "m" / "1" / "model.onnx"
+
+
+def test_an_onnx_file_whose_external_weights_are_missing_is_not_found(tmp_path: Path) -> None:
+    # inspect described it and exited 0; no runtime can load it
+    import onnx
+
+    from tests.shared.modeltools import write_conv_model
+
+    src = tmp_path / "m.onnx"
+    write_conv_model(src)
+    model = onnx.load(str(src))
+    onnx.save(
+        model,
+        str(tmp_path / "ext.onnx"),
+        save_as_external_data=True,
+        size_threshold=0,
+        location="ext.data",
+    )
+    assert describe(tmp_path / "ext.onnx")["files"]["ext.data"] > 0
+    # (its size counts its weights: memory estimates and the tools' size reports)
+    from shared.repository.capacity import model_file_bytes
+
+    assert model_file_bytes(tmp_path / "ext.onnx") >= model_file_bytes(src) * 0.9
+    (tmp_path / "ext.data").unlink()
+    with pytest.raises(ModelNotFound, match=r"ext\.data"):
+        describe(tmp_path / "ext.onnx")
