@@ -222,7 +222,7 @@ class DeferredStore:
         ).rowcount
         if changed:
             self._held_rows += 1
-            self._held_bytes += len(result or b"") + len((error or "").encode())
+            self._held_bytes += len(result or b"") + len(error or "")  # (SQL LENGTH: chars)
             self._trim_answers(request_id)
 
     def _trim_answers(self, keep: str | None = None) -> int:

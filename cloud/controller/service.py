@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 STEP_S = 0.5
 
 
+#: after a (re)connect, how long to wait for the retained placement before restoring ours
+RETAINED_WAIT_S = 1.0
 #: how often the repository is read again for models added, removed or re-configured
 RESCAN_S = 10.0
 
@@ -95,6 +97,10 @@ class ControllerService(RoutedApp):
         self._beat = -math.inf  # when this one last said it is alive
         self._rescan_task: asyncio.Task[None] | None = None
         self._removing: set[str] = set()  # models one scan found gone (a second confirms)
+        # after a (re)connect: when to put ours back as the retained placement, unless
+        # the broker's (its generation, once read) is as new
+        self._republish_at: float | None = None
+        self._retained_generation: int | None = None
 
     async def start(self) -> None:
         self.core.started = time.monotonic()
@@ -168,6 +174,12 @@ class ControllerService(RoutedApp):
                 return
             log.warning("controller %s silent for %.0f s: placing", self._leader, silent)
             self._take_over()
+        if self._republish_at is not None and now >= self._republish_at:
+            self._republish_at = None
+            current = self.core.current
+            retained = self._retained_generation
+            if current is not None and (retained is None or retained < current.generation):
+                self._publish(PLACEMENT_TOPIC, json.dumps(current.to_dict()).encode())
         if now - self._beat >= self.options.heartbeat_s:
             self._beat = now
             assert self._client is not None
@@ -220,15 +232,16 @@ class ControllerService(RoutedApp):
     def _on_connect(self) -> None:
         assert self._client is not None
         self._client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC, CONTROLLER_TOPIC)
+        self._leader_seen = time.monotonic()  # (a grace: its status arrives after this)
         if not self.active:
             return  # standing by: the active one's status and placement stay retained
         self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
-        current = self.core.current
-        if current is not None:
-            # Back from a broker that may have lost its retained messages (restarted
-            # without its store): the placement in force is retained again, so a node
-            # that restarts while this controller is down still finds it.
-            self._publish(PLACEMENT_TOPIC, json.dumps(current.to_dict()).encode())
+        # Back from a broker that may have lost its retained messages (restarted
+        # without its store): the placement in force is retained again, so a node that
+        # restarts while this controller is down still finds it; unless the broker holds
+        # a newer one (another controller's, placed meanwhile), which is adopted instead.
+        self._retained_generation = None
+        self._republish_at = time.monotonic() + RETAINED_WAIT_S
 
     def _on_message(self, message: Publish) -> None:
         self._handle(message.topic, message.payload)
@@ -243,6 +256,10 @@ class ControllerService(RoutedApp):
             # adopted when newer than ours (another controller's, while this one stood
             # by or was cut off): the count goes on from the nodes' newest
             self.core.on_retained_placement(document)
+            if isinstance(document, dict) and isinstance(document.get("generation"), int):
+                seen = document["generation"]
+                if self._retained_generation is None or seen > self._retained_generation:
+                    self._retained_generation = seen
             return
         if topic == CONTROLLER_TOPIC:
             self._on_controller(document)

@@ -130,8 +130,6 @@ def apply_choice(
     ConfigError (and nothing written) when the result would not load."""
     folder = repository.model_dir(name)
     path = folder / CONFIG_FILE
-    if path.is_symlink():  # (a config shared between folders): written where it lives
-        path = path.resolve()
     if not path.is_file() and (folder / LEGACY_CONFIG_FILE).is_file():
         raise ConfigError(
             f"{folder / LEGACY_CONFIG_FILE}: a dl_inference config is not rewritten; "
@@ -160,6 +158,8 @@ def apply_choice(
             # which a rewrite does not carry over (a second --apply overwrote it).
             if not backup.exists():
                 shutil.copy2(path, backup)
+            # (a symlink shared between model folders becomes this model's own file:
+            # the choice was measured and checked for this model only)
             shutil.copymode(path, tmp)
         os.replace(tmp, path)
     except OSError as exc:

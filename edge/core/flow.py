@@ -395,7 +395,7 @@ class RequestFlow:
         self.core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback = choice, None
         give_up = now + max(DEFERRED_SEND_S, 3 * choice.latency_q_s)
-        return self._sent(Offload(choice, self.mp.cloud_model, give_up, "deferred"))
+        return self._sent(Offload(choice, self.mp.cloud_model, give_up, "deferred"), now)
 
     def _hedge(
         self, now: float, choice: Option, local: Option, reason: str, local_at: float | None = None
@@ -414,13 +414,13 @@ class RequestFlow:
         tail = now + choice.latency_q_s
         give_up = tail if tail > self.deadline else self.deadline
         return Hedge(
-            run, self._sent(Offload(choice, self.mp.cloud_model, give_up, reason)), local_at
+            run, self._sent(Offload(choice, self.mp.cloud_model, give_up, reason), now), local_at
         )
 
-    def _sent(self, offload: Offload) -> Offload:
+    def _sent(self, offload: Offload, now: float) -> Offload:
         """An offload begins: its bytes count against the daily cap from now (until it
         ends, or at the latest its give-up time), so requests deciding meanwhile see them."""
-        self.core.reserve(self.id, offload.option, offload.give_up_at)
+        self.core.reserve(self.id, offload.option, offload.give_up_at, now)
         return offload
 
     def race_due(self, now: float) -> RunLocal | None:
@@ -456,7 +456,7 @@ class RequestFlow:
         self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial
         self._attempt = choice
         self._fallback = local if self.mp.local_model is not None else None
-        return self._sent(Offload(choice, self.mp.cloud_model, give_up, reason))
+        return self._sent(Offload(choice, self.mp.cloud_model, give_up, reason), now)
 
     def local_done(
         self, now: float, seconds: float, confidence: float | None = None
@@ -507,7 +507,7 @@ class RequestFlow:
         core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback = choice, None
         why = f"cascade: local confidence {confidence:.2f} < {mp.cascade_threshold}"
-        return self._sent(Offload(choice, mp.cloud_model, self.deadline, why))
+        return self._sent(Offload(choice, mp.cloud_model, self.deadline, why), now)
 
     def offload_done(
         self,
@@ -664,7 +664,10 @@ class EdgeCore:
         if self.events is not None:
             self.events.append(event)
 
-    def reserve(self, flow_id: int, choice: Option, until: float) -> None:
+    def reserve(self, flow_id: int, choice: Option, until: float, now: float) -> None:
+        if self.policy.config.data_cap_mb_per_day is None:
+            return  # (nothing to count against; and nothing kept)
+        self.reserved_mb(now)  # (prunes those past their give-up time)
         self.reserved[flow_id] = (choice.up_bytes + choice.down_bytes, until)
 
     def reserved_mb(self, now: float) -> float:

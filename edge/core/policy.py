@@ -111,7 +111,7 @@ class Option:
     # beyond what this one adds (choose() charges it when that run costs more than
     # running locally: a run is what staying on the radio is).
     run_extra: float = 0.0
-    run_per_byte: float = 0.0  # d(cost)/d(bytes up): to price a typical request
+    run_per_byte: float = 0.0  # d(cost)/d(bytes up), about: to price a typical request
     # Set by Policy.choose:
     cost: float = 0.0
     feasible: bool = True
@@ -537,7 +537,11 @@ class Policy:
             w.energy_j * profile.tail_power_w * (tail - extra)
             if tail is not None and extra is not None and promotion == 0.0 and tail > extra
             else 0.0,
-            8.0 * per_s / up_bps if t_up >= t_down else 0.0,  # run_per_byte
+            # run_per_byte: time while the upload is the bottleneck, the radio's power
+            # per bit, and the bytes' own price (data weight, a metered link's money)
+            (8.0 * per_s / up_bps if t_up >= t_down else 0.0)
+            + w.energy_j * profile.alpha_up_w_per_mbps * 8e-6
+            + (w.data_mb + (w.money * profile.cost_per_mb if profile.metered else 0.0)) / 1e6,
         )
 
     def decide(self, model: str, ctx: Context, mode: str | None = None) -> Decision:

@@ -85,11 +85,13 @@ class ProgressReader:
 
 
 def _batched(specs: list[InputSpec]) -> bool:
-    """Whether every input leads with a dynamic batch dimension: then samples from
-    several files can be stacked and cut into batches.  Otherwise (a scalar input, a
-    fixed leading dim such as a recurrent state's ``[2, ?, 128]``) each file is one
+    """Whether every input leads with a batch dimension (dynamic, or one fixed size they
+    share, as ``[1, 3, 224, 224]`` exports have): then samples from several files are
+    stacked and cut into batches.  Otherwise (a scalar input, leading dims that differ
+    such as a recurrent state's ``[2, ?, 128]`` beside ``[1, 512]``) each file is one
     feed, as given."""
-    return all(s.dims and s.dims[0] < 0 for s in specs)
+    fixed = {s.dims[0] for s in specs if s.dims and s.dims[0] > 0}
+    return all(s.dims for s in specs) and len(fixed) <= 1
 
 
 def folder_reader(

@@ -168,3 +168,41 @@ async def test_a_rescan_unplaces_a_model_only_when_two_scans_agree_and_never_all
     scans.append(({"a": entry("a"), "c": entry("c")}, {}))
     await service._rescan()
     assert set(service.core.catalogue) == {"a", "c"}
+
+
+async def test_a_controller_back_from_a_broker_restart_never_puts_back_an_older_placement(
+    broker,
+) -> None:
+    # It re-published its own placement on every connect, over a newer one another
+    # controller had placed meanwhile: a node restarting then followed the old one.
+    from cloud.mqtt_front import new_client
+    from cloud.placement.types import Copy, Placement
+    from shared.mqtt import PLACEMENT_TOPIC
+
+    def placement(generation: int) -> Placement:
+        copy = Copy("m", "n1", "onnxruntime", 1.0, 1, 0.1, 0.1, 1 << 20)
+        return Placement(copies=(copy,), generation=generation)
+
+    await _publish(broker, PLACEMENT_TOPIC, placement(7).to_dict())
+    running = _Running()
+    try:
+        service = _service(broker, "ctl-old")
+        service.core.current = placement(5)
+        await running.start(service)
+        await asyncio.sleep(1.5)  # past the wait for the retained one
+        assert service.core.current is not None and service.core.current.generation == 7
+        got: list[dict] = []
+        reader = new_client(
+            parse_broker_url(broker.url),
+            f"reader-{time.monotonic_ns()}",
+            on_message=lambda m: got.append(json.loads(m.payload)),
+        )
+        reader.on_connect = lambda: reader.subscribe(PLACEMENT_TOPIC)
+        await reader.start(5.0)
+        try:
+            await _until(lambda: bool(got))
+        finally:
+            await reader.close()
+        assert got[-1]["generation"] == 7
+    finally:
+        await running.close()

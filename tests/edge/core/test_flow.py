@@ -535,3 +535,12 @@ def test_offloads_under_way_count_against_the_data_cap():
     assert wheres.count("cloud") == 2  # 0.8 MB under way: a third would pass the cap
     assert core.reserved_mb(2.0) == pytest.approx(0.8, rel=0.05)  # (and replies expected)
     assert core.reserved_mb(1e9) == 0.0  # past their give-up time they no longer count
+
+
+def test_without_a_data_cap_nothing_is_reserved_and_kept():
+    # reservations whose offload never reported its end piled up without a cap
+    core = _core()
+    for i in range(50):
+        flow = core.begin("m", now=1.0 + i, in_bytes=400_000, connected={"http": True})
+        flow.start()
+    assert core.reserved == {}

@@ -10,7 +10,15 @@ import pytest
 
 from devices.profiles import load_device, load_link
 from edge.core.estimators import Estimators
-from edge.core.policy import Context, Decision, ModelPolicy, Policy, PolicyConfig, Weights
+from edge.core.policy import (
+    Context,
+    Decision,
+    ModelPolicy,
+    Option,
+    Policy,
+    PolicyConfig,
+    Weights,
+)
 
 IMAGE = 602_112 + 256  # a 1x3x224x224 FP32 request
 
@@ -437,3 +445,19 @@ def test_a_link_always_slower_than_its_kind_relaxes_to_its_own_level_not_the_pri
     # the long run survives a restart
     again = LogRate.from_dict(belief.to_dict(now), now)
     assert again.at(1e6, 6e6, later) == pytest.approx(belief.at(1e6, 6e6, later))
+
+
+def test_a_typical_requests_run_price_counts_the_bytes_own_price():
+    # the size correction counted time and energy only: on a data-weighted link a run
+    # of mixed sizes was priced at a third of its slope
+    def cloud(data_mb: float, size: int) -> Option:
+        weights = Weights(latency_s=1.0, energy_j=0.05, data_mb=data_mb)
+        p = _policy(local_ms=300, up_mbps=8.0, rtt_ms=70, link="lte", weights=weights)
+        ctx = _ctx(deadline_ms=5000, in_bytes=size, rate_per_s=0.5, radio_idle_s=2.0)
+        ctx.radio_share = 1.0
+        return next(o for o in p.decide("m", ctx).options if o.name == "cloud-http")
+
+    priced = cloud(2.0, 20_000)
+    assert priced.run_per_byte - cloud(0.0, 20_000).run_per_byte == pytest.approx(2.0 / 1e6)
+    slope = (cloud(2.0, 120_000).cost - priced.cost) / 100_000
+    assert 0.7 * slope < priced.run_per_byte <= slope  # (races add a little more per byte)

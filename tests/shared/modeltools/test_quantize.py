@@ -289,3 +289,14 @@ def test_output_paths_that_cannot_be_written_are_clear_errors(fp32: Path, tmp_pa
         quantize_static_qdq(tmp_path, tmp_path / "q.onnx", progress=False)
     with pytest.raises(InvalidInput, match="batch size must be >= 1"):
         quantize_static_qdq(fp32, tmp_path / "q.onnx", batch_size=0, progress=False)
+
+
+def test_files_of_many_samples_feed_a_fixed_batch_of_one(tmp_path: Path) -> None:
+    # [1, 3, 4, 4] exports (the common case) were read file by file and refused
+    specs = [InputSpec("x", np.dtype(np.float32), (1, 3, 4, 4))]
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    for name in ("a", "b"):
+        np.save(folder / f"{name}.npy", np.zeros((8, 3, 4, 4), np.float32))
+    batches = list(iter(folder_reader(folder, specs, samples=32, batch_size=4).get_next, None))
+    assert len(batches) == 16 and {b["x"].shape for b in batches} == {(1, 3, 4, 4)}
