@@ -494,4 +494,6 @@ def run_auth_command(args: argparse.Namespace) -> int:
         print(f"  new passwords: {', '.join(new)}")
     if files.removed:
         print(f"  revoked: {', '.join(files.removed)}")
+    if os.geteuid() == 0:  # Debian's mosquitto drops to its own user, which must read them
+        print(f"  as root: chown mosquitto {files.passwd} {files.acl}  (before mosquitto -c)")
     return 0

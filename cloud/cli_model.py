@@ -33,7 +33,10 @@ def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
         "--calibration",
         type=Path,
         metavar="DIR",
-        help="folder of .npy/.npz input samples (default: random data, less accurate)",
+        help="folder of input samples, as the model takes them after any preprocessing: "
+        ".npy files for a one-input model (one sample, e.g. [3,224,224], or a batch "
+        "[N,3,224,224]), .npz files keyed by input name otherwise; finite values only "
+        "(default: random data, less accurate)",
     )
     quantize.add_argument("--samples", type=int, default=32, help="calibration samples (32)")
     quantize.add_argument("--batch-size", type=int, default=1, help="calibration batch (1)")

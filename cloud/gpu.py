@@ -57,12 +57,10 @@ class GpuMonitor:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
             self.reason = _describe(pynvml, exc)
-            log.info("%s", self.reason)
             return False
         except Exception as exc:  # a broken install must not take the node down
             self.reason = f"no GPU: NVML failed to initialise: {exc}"
-            log.info("%s", self.reason)
-            return False
+            return False  # (the caller says why, once)
         self._nvml = pynvml
         try:
             count = pynvml.nvmlDeviceGetCount()

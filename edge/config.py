@@ -269,7 +269,9 @@ def _read_secret(base: Path, value: str, key: str, source: str) -> str:
     try:
         return (base / value).read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"{source}: key {key!r}: cannot read: {exc.strerror}") from None
+        raise ConfigError(
+            f"{source}: key {key!r}: cannot read {base / value}: {exc.strerror}"
+        ) from None
 
 
 def _existing(base: Path, value: str | None, key: str, source: str) -> str | None:

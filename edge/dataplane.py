@@ -171,8 +171,9 @@ class EdgeDataPlane:
         a 404 here, as the cloud would answer it."""
         if name not in self.core.policy.config.models and not self.local.has(name):
             raise ModelNotFound(
-                f"unknown model {name!r}: not in the agent's [models] and no local model "
-                "of that name"
+                f"unknown model {name!r}: not in the agent's [models], and not a local model "
+                "it loaded (the agent loads the local variants its [models] name: add "
+                f"[models.{name}] with local = {name!r} to serve that folder)"
             )
 
     def resolve(self, name: str, version: str | None = None) -> Any:

@@ -183,7 +183,7 @@ def build_repository(out: Path, force: bool = False) -> Path:
     for name, paths, seconds in built:
         size = sum(p.stat().st_size for p in paths)
         state = f"built in {seconds:.1f} s" if seconds is not None else "up to date"
-        print(f"  {name:<17} {' + '.join(p.name for p in paths):<21} {size:>10,} bytes  {state}")
+        print(f"  {name:<21} {' + '.join(p.name for p in paths):<21} {size:>10,} bytes  {state}")
     return out
 
 

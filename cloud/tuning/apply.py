@@ -139,9 +139,23 @@ def apply_choice(
         data = tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
+    out = merged(data, chosen, latency_ms)
+    warnings = []
+    group = out.get("instance_group")
+    count = group.get("count", 1) if isinstance(group, dict) else 1
+    threads = int(chosen["threads"])
+    if cores and isinstance(count, int) and count * threads > cores:
+        # The choice was measured as one session alone: copies that together want more
+        # threads than the cores would undo it (two 2-thread sessions on 2 cores).
+        fewer = max(1, cores // threads)
+        out.setdefault("instance_group", {})["count"] = fewer
+        warnings.append(
+            f"{name}: instance_group.count {count} -> {fewer}, so {fewer} x {threads} threads "
+            f"fit the {cores} cores (tuning measured one session alone)"
+        )
     tmp = path.with_suffix(".toml.tmp")
     try:
-        tmp.write_text(dumps(merged(data, chosen, latency_ms)), encoding="utf-8")
+        tmp.write_text(dumps(out), encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: not applied: cannot write: {exc.strerror or exc}") from None
     try:
@@ -165,11 +179,4 @@ def apply_choice(
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise ConfigError(f"{path}: not applied: cannot write: {exc.strerror or exc}") from None
-    warnings = []
-    sessions = config.instance_group.count * config.runtime.threads
-    if cores and sessions > cores:
-        warnings.append(
-            f"{name}: {config.instance_group.count} instances x {config.runtime.threads} "
-            f"threads > {cores} cores (tuning measured one session alone)"
-        )
     return path, warnings

@@ -53,7 +53,10 @@ def open_session(backend: str, path: Path, options: RuntimeOptions, config: Mode
 
     where = str(config.source) if config.source else f"model {config.name!r}"
     try:
-        return wrap(session, config.preprocess, config.postprocess, Path(path).parent.parent, where)
+        # (the config file's folder: a converted copy elsewhere, as tune makes in a
+        # temporary folder, read /tmp/labels.txt)
+        folder = Path(config.source).parent if config.source else Path(path).parent.parent
+        return wrap(session, config.preprocess, config.postprocess, folder, where)
     except BaseException:
         session.close()
         raise

@@ -227,6 +227,20 @@ def test_apply_keeps_the_first_backup_and_leaves_a_shared_symlinked_config_alone
     assert shared.read_text() == LIN_CONFIG and (path.stat().st_mode & 0o777) == 0o640
 
 
+def test_apply_lowers_the_instance_count_so_the_chosen_threads_fit_the_cores(
+    repo: Path,
+) -> None:
+    # threads = 2 applied beside count = 2 on 2 cores, then a warning that it oversubscribes
+    repository = ModelRepository(repo)
+    cfg = repo / "lin" / "config.toml"
+    cfg.write_text(LIN_CONFIG.replace("count = 1", "count = 2"))
+    chosen = {"backend": "onnxruntime", "threads": 2, "batch": 1, "p99_ms": 1.0}
+    _, warnings = apply_choice(repository, "lin", chosen, 100.0, cores=2)
+    config = repository.read_config("lin")
+    assert (config.instance_group.count, config.runtime.threads) == (1, 2)
+    assert any("instance_group.count 2 -> 1" in w for w in warnings)
+
+
 def test_a_model_no_runtime_can_load_fails_the_run(repo: Path, tmp_path: Path) -> None:
     # every backend "skipped" and exit 0, though the docs say a model that cannot be
     # read fails the run
@@ -262,13 +276,21 @@ def test_a_model_with_an_image_input_is_tuned_on_encoded_images(tmp_path: Path) 
 
     root = tmp_path / "repo"
     write_image_model(root / "img" / "1" / "model.onnx", ["N", 3, 16, 16])
-    (root / "img" / "config.toml").write_text("max_batch_size = 4\n[[preprocess]]\n")
+    (root / "img" / "labels.txt").write_text("a\nb\nc\nd\n")
+    (root / "img" / "config.toml").write_text(
+        "max_batch_size = 4\n[[preprocess]]\n"
+        '[[postprocess]]\noutput = "y"\nsoftmax = true\ntop_k = 1\nlabels = "labels.txt"\n'
+    )
     out = tmp_path / "profiles.json"
-    assert _tune(root, out, "--backends", "onnxruntime", "--max-batch", "2") == 0
+    backends = "onnxruntime,openvino" if "openvino" in installed_backends() else "onnxruntime"
+    assert _tune(root, out, "--backends", backends, "--max-batch", "2") == 0
     profiles = load_profiles(out)["img"]
     assert profiles and profiles[0].backend == "onnxruntime"
     doc = json.loads(out.read_text())
     assert "error" not in json.dumps(doc["models"]["img"]).lower()
+    # the IR converted into a temporary folder still reads the model folder's labels
+    # (it looked for /tmp/.../labels.txt and skipped OpenVINO)
+    assert "labels" not in json.dumps(doc["models"]["img"].get("skipped", {}))
 
 
 def test_on_a_gpu_node_tensorrt_is_listed_with_why_it_was_not_tried(repo: Path) -> None:
