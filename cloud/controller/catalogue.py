@@ -39,6 +39,9 @@ def read_catalogue(repository: ModelRepository) -> tuple[dict[str, ModelEntry], 
         except FerryError as exc:
             problems[name] = exc.message
             log.warning("model %s cannot be placed: %s", name, exc.message)
+        except Exception as exc:  # one odd folder must not stop the fleet's placement
+            problems[name] = f"cannot be read: {type(exc).__name__}: {exc}"
+            log.warning("model %s cannot be placed: %s", name, problems[name])
     return entries, problems
 
 

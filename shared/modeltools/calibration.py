@@ -90,8 +90,10 @@ def _batched(specs: list[InputSpec]) -> bool:
     stacked and cut into batches.  Otherwise (a scalar input, leading dims that differ
     such as a recurrent state's ``[2, ?, 128]`` beside ``[1, 512]``) each file is one
     feed, as given."""
-    fixed = {s.dims[0] for s in specs if s.dims and s.dims[0] > 0}
-    return all(s.dims for s in specs) and len(fixed) <= 1
+    leads = {s.dims[0] if s.dims else None for s in specs}
+    # all dynamic, or one fixed size every input shares (a lone fixed lead beside a
+    # dynamic one is not a batch: a recurrent state's layer count)
+    return None not in leads and (leads == {-1} or (len(leads) == 1 and -1 not in leads))
 
 
 def folder_reader(

@@ -11,7 +11,6 @@ setting that makes a model faster) and scale with the node.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,22 +102,37 @@ def model_file_bytes(path: Path) -> int:
     if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
         total += path.with_suffix(".bin").stat().st_size
     elif path.suffix == ".onnx" and 0 < total < _EXTERNAL_PROBE_BYTES:
-        stat = path.stat()
-        names = _external_names(str(path), stat.st_mtime_ns, stat.st_size)
+        names = _external_names(path)
         total += sum(f.stat().st_size for f in (path.parent / n for n in names) if f.is_file())
     return total
-
-
-@functools.lru_cache(maxsize=256)
-def _external_names(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
-    """(cached per file version: the controller reads the repository every 10 s)"""
-    folder = Path(path).parent
-    return tuple(sorted(str(p.relative_to(folder)) for p in onnx_external_files(Path(path))))
 
 
 #: an .onnx file this small may keep its weights in other files (ONNX's external data;
 #: a model past 2 GB must): they are counted too.  Larger ones hold their weights.
 _EXTERNAL_PROBE_BYTES = 64 << 20
+#: path -> (mtime_ns, size, external names): the controller reads the repository every
+#: 10 s, and a file is parsed again only when it changed (bounded: cleared when full)
+_EXTERNAL_SEEN: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+_EXTERNAL_SEEN_MAX = 4096
+
+
+def _external_names(path: Path) -> tuple[str, ...]:
+    stat = path.stat()
+    key = str(path)
+    seen = _EXTERNAL_SEEN.get(key)
+    if seen is not None and seen[:2] == (stat.st_mtime_ns, stat.st_size):
+        return seen[2]
+    folder = path.parent.resolve()
+    names = []
+    for found in onnx_external_files(path):
+        try:  # (an absolute location, or one outside the folder, is not the model's)
+            names.append(str(found.resolve().relative_to(folder)))
+        except (ValueError, OSError):
+            continue
+    if len(_EXTERNAL_SEEN) >= _EXTERNAL_SEEN_MAX:
+        _EXTERNAL_SEEN.clear()
+    _EXTERNAL_SEEN[key] = (stat.st_mtime_ns, stat.st_size, tuple(sorted(names)))
+    return _EXTERNAL_SEEN[key][2]
 
 
 def onnx_external_files(path: Path) -> set[Path]:

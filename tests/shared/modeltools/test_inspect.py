@@ -174,3 +174,34 @@ def test_an_onnx_file_whose_external_weights_are_missing_is_not_found(tmp_path: 
     (tmp_path / "ext.data").unlink()
     with pytest.raises(ModelNotFound, match=r"ext\.data"):
         describe(tmp_path / "ext.onnx")
+
+
+def test_external_data_outside_the_model_folder_is_not_counted_and_never_raises(
+    tmp_path: Path,
+) -> None:
+    # an absolute location killed the controller at start (ValueError from relative_to)
+    import onnx
+
+    from shared.repository.capacity import model_file_bytes
+    from tests.shared.modeltools import write_conv_model
+
+    src = tmp_path / "m.onnx"
+    write_conv_model(src)
+    (tmp_path / "elsewhere").mkdir()
+    model = onnx.load(str(src))
+    onnx.save(
+        model,
+        str(tmp_path / "elsewhere" / "w.onnx"),
+        save_as_external_data=True,
+        size_threshold=0,
+        location="w.data",
+    )
+    ext = onnx.load(str(tmp_path / "elsewhere" / "w.onnx"), load_external_data=False)
+    for init in ext.graph.initializer:
+        for entry in init.external_data:
+            if entry.key == "location":
+                entry.value = str(tmp_path / "elsewhere" / "w.data")  # absolute
+    (tmp_path / "model").mkdir()
+    onnx.save(ext, str(tmp_path / "model" / "model.onnx"))
+    path = tmp_path / "model" / "model.onnx"
+    assert model_file_bytes(path) == path.stat().st_size

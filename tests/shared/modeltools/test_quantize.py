@@ -300,3 +300,19 @@ def test_files_of_many_samples_feed_a_fixed_batch_of_one(tmp_path: Path) -> None
         np.save(folder / f"{name}.npy", np.zeros((8, 3, 4, 4), np.float32))
     batches = list(iter(folder_reader(folder, specs, samples=32, batch_size=4).get_next, None))
     assert len(batches) == 16 and {b["x"].shape for b in batches} == {(1, 3, 4, 4)}
+
+
+def test_a_fixed_lead_beside_a_dynamic_batch_is_fed_file_by_file(tmp_path: Path) -> None:
+    # a recurrent state's [2, 3] beside x [N, 4]: the 2 is layers, not samples
+    specs = [
+        InputSpec("x", np.dtype(np.float32), (-1, 4)),
+        InputSpec("h", np.dtype(np.float32), (2, 3)),
+    ]
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    for i in range(3):
+        np.savez(
+            folder / f"s{i}.npz", x=np.zeros((1, 4), np.float32), h=np.zeros((2, 3), np.float32)
+        )
+    feeds = list(iter(folder_reader(folder, specs, samples=8, batch_size=1).get_next, None))
+    assert [(f["x"].shape, f["h"].shape) for f in feeds] == [((1, 4), (2, 3))] * 3
