@@ -22,6 +22,11 @@ LIN_CLOUD = LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"')
 SOFT = '[models.soft]\nlocal = "soft-local"\ncloud = "soft"\nmode = "cascade"\ncascade_threshold = 0.6\n'
 
 
+def _lin_cloud(tmp_path, edge_repos, cloud):
+    """An agent config that offloads ``lin`` over HTTP to ``cloud`` (its local variant the fallback)."""
+    return agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN_CLOUD)
+
+
 @pytest.fixture(scope="module")
 def cloud(edge_repos):
     proc = cloud_server(edge_repos[0], "--node", "cloud-e2e").start()
@@ -54,12 +59,7 @@ async def test_local_and_cloud_answers_agree_and_carry_provenance(tmp_path, edge
         p["where"] == "local" and p["bytes_sent"] == 0 and p["energy_j"] > 0 and p["latency_ms"] > 0
     )
 
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=cloud.http_url,
-        models=LIN_CLOUD,
-    )
+    cfg = _lin_cloud(tmp_path, edge_repos, cloud)
     async with Agent(load_agent_config(cfg)) as agent:
         remote = await agent.infer("lin", {"x": x})
     np.testing.assert_allclose(remote.outputs[0].data, local.outputs[0].data, rtol=1e-5, atol=1e-5)
@@ -247,12 +247,7 @@ def _request(x):
 
 
 async def test_the_daily_data_used_survives_a_restart(tmp_path, edge_repos, cloud):
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=cloud.http_url,
-        models=LIN_CLOUD,
-    )
+    cfg = _lin_cloud(tmp_path, edge_repos, cloud)
     x = np.ones((32, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:
         for _ in range(3):
@@ -266,12 +261,7 @@ async def test_the_daily_data_used_survives_a_restart(tmp_path, edge_repos, clou
 async def test_a_reply_quicker_than_the_radio_promotion_still_teaches_the_link(
     tmp_path, edge_repos, cloud
 ):
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=cloud.http_url,
-        models=LIN_CLOUD,
-    )
+    cfg = _lin_cloud(tmp_path, edge_repos, cloud)
     x = np.ones((1, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:
         assert agent.links["http"].promotion_s > 0.05  # WiFi's: more than a loopback round trip
@@ -331,12 +321,7 @@ async def test_the_python_api_answers_metadata_config_readiness_and_index_as_the
 
 async def test_every_offload_carries_the_request_id_as_idempotency_key(tmp_path, edge_repos, cloud):
     """What the agent sends is what a resend after a crash would send: the same key."""
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=cloud.http_url,
-        models=LIN_CLOUD,
-    )
+    cfg = _lin_cloud(tmp_path, edge_repos, cloud)
     x = np.ones((1, 4), np.float32)
     async with Agent(load_agent_config(cfg)) as agent:
         transport = agent.transports["http"]
@@ -430,12 +415,7 @@ async def test_stop_lets_the_offloads_in_flight_finish_and_refuses_new_ones(
 ):
     from shared.errors import ShuttingDown
 
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=cloud.http_url,
-        models=LIN_CLOUD,
-    )
+    cfg = _lin_cloud(tmp_path, edge_repos, cloud)
     x = np.ones((1, 4), np.float32)
     agent = Agent(load_agent_config(cfg))
     await agent.start()
