@@ -240,17 +240,22 @@ def linear_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def write_identity_model(
-    path: Path, onnx_type: int, name_in: str = "x", name_out: str = "y"
+    path: Path,
+    onnx_type: int,
+    name_in: str = "x",
+    name_out: str = "y",
+    dims: list[int | str] | None = ["N", 3],  # noqa: B006 (read only)
 ) -> None:
-    """y = x for one datatype (exercises every V2 datatype end to end)."""
+    """y = x for one datatype (exercises every V2 datatype end to end); ``dims`` None:
+    no shape in the file (the runtime takes any rank)."""
     import onnx
     from onnx import helper
 
     graph = helper.make_graph(
         [helper.make_node("Identity", [name_in], [name_out])],
         "identity",
-        [helper.make_tensor_value_info(name_in, onnx_type, ["N", 3])],
-        [helper.make_tensor_value_info(name_out, onnx_type, ["N", 3])],
+        [helper.make_tensor_value_info(name_in, onnx_type, dims)],
+        [helper.make_tensor_value_info(name_out, onnx_type, dims)],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

@@ -139,7 +139,7 @@ def random_inputs(
     for spec in config.inputs:
         if spec.datatype == "BYTES":
             raise Untunable(f"input {spec.name!r} is BYTES: random bytes cannot exercise it")
-        dims = (shapes or {}).get(spec.name) or tuple(d if d > 0 else 1 for d in spec.dims)
+        dims = (shapes or {}).get(spec.name) or spec.sample_dims()
         shape = tuple(lead + list(dims))
         dtype = numpy_dtype(spec.datatype)
         if dtype.kind == "b":
@@ -226,7 +226,7 @@ def measure_model(
                 path = _model_path(target, Path(tmp))
                 config = sweep.prime(target.backend, path)
                 result.max_batch_size = config.max_batch_size or 0
-                if shapes is None and any(d < 0 for s in config.inputs for d in s.dims):
+                if shapes is None and any(not s.ranked or -1 in s.dims for s in config.inputs):
                     note = "dynamic input dims measured as 1 (--shape gives real ones)"
                     result.notes = sorted({*result.notes, note})
                 unused = sorted(set(shapes or ()) - {s.name for s in config.inputs})

@@ -45,7 +45,7 @@ def _inputs(config, n: int, seed: int, session=None) -> list[dict[str, np.ndarra
     for _ in range(n):
         feed = {}
         for s in config.inputs:
-            shape = ([1] if config.max_batch_size else []) + [max(d, 1) for d in s.dims]
+            shape = ([1] if config.max_batch_size else []) + list(s.sample_dims())
             feed[s.name] = rng.random(shape).astype(numpy_dtype(s.datatype))
         out.append(feed)
     return out

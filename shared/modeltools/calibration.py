@@ -31,11 +31,12 @@ class CalibrationWarning(UserWarning):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One model input as calibration sees it (-1 marks a dynamic dimension)."""
+    """One model input as calibration sees it (-1 marks a dynamic dimension; dims
+    None: the file gives no shape, so any rank, and each file is fed as it is)."""
 
     name: str
     dtype: np.dtype
-    dims: tuple[int, ...]
+    dims: tuple[int, ...] | None
 
 
 class ArrayReader:
@@ -171,6 +172,11 @@ def random_reader(
         return rng.integers(0, 2, size=shape).astype(spec.dtype)
 
     for spec in specs:
+        if spec.dims is None:
+            raise InvalidInput(
+                f"input {spec.name!r} has no shape in the model file (any rank): random "
+                "calibration cannot guess one; give a calibration folder"
+            )
         fixed = spec.dims[1:] if batched else spec.dims
         if any(d < 0 for d in fixed):
             raise InvalidInput(
@@ -207,6 +213,7 @@ def _load_file(path: Path, specs: list[InputSpec]) -> dict[str, np.ndarray]:
 
 def _as_batch(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
     """Add the batch dimension when missing, check the rest against the model."""
+    assert spec.dims is not None  # (_batched: an input of any rank is fed file by file)
     if array.ndim == len(spec.dims) - 1:
         array = array[None, ...]
     if array.ndim != len(spec.dims) or any(
@@ -221,6 +228,8 @@ def _as_batch(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
 
 def _as_feed(array: np.ndarray, spec: InputSpec, path: Path) -> np.ndarray:
     """One file, one feed, its shape the model's (a leading 1 added where it fits)."""
+    if spec.dims is None:  # any rank: the runtime judges the shape
+        return np.require(_typed(array, spec, path), requirements="C")
     if array.ndim == len(spec.dims) - 1 and spec.dims[0] in (1, -1):
         array = array[None, ...]
     if array.ndim != len(spec.dims) or any(

@@ -101,7 +101,11 @@ def format_description(d: dict[str, Any]) -> str:
     for title in ("inputs", "outputs"):
         lines.append(f"  {title}:")
         for t in d[title]:
-            dims = ", ".join("?" if x < 0 else str(x) for x in t["dims"])
+            dims = (
+                "any rank"
+                if t["dims"] is None
+                else ", ".join("?" if x < 0 else str(x) for x in t["dims"])
+            )
             served = f"  (the file's {t['onnx_type']})" if "onnx_type" in t else ""
             lines.append(f"    {t['name']:<{width}}  {t['datatype']:<6}[{dims}]{served}")
     return "\n".join(lines)
@@ -140,7 +144,9 @@ def onnx_io(graph: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 "onnx_type": onnx_type,
             }
         tensor_type = value.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
+        dims: list[int] | None = None  # no shape at all: any rank (not a scalar's [])
+        if tensor_type.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
         return {
             "name": value.name,
             "datatype": tensor_datatype(tensor_type.elem_type),

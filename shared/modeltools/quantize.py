@@ -193,7 +193,11 @@ def input_specs(graph: object) -> list[InputSpec]:
                 f"input {spec['name']!r} has type {spec['datatype']}, which cannot be calibrated"
             )
         specs.append(
-            InputSpec(spec["name"], np.dtype(numpy_dtype(spec["datatype"])), tuple(spec["dims"]))
+            InputSpec(
+                spec["name"],
+                np.dtype(numpy_dtype(spec["datatype"])),
+                None if spec["dims"] is None else tuple(spec["dims"]),
+            )
         )
     return specs
 

@@ -15,7 +15,7 @@ import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,7 @@ class _Image:
 class _Output:
     stage: OutputStage
     labels: tuple[str, ...] | None
-    leading: int  # axes kept as they are (1 with a batch axis)
+    leading: int  # axes kept as they are (1 with a batch axis; -1: all but the last)
 
 
 class PipelineSession:
@@ -136,6 +136,8 @@ class PipelineSession:
             rows = batch if spec.dims and spec.dims[0] == -1 else None
             rest = spec.dims[1:] if rows else spec.dims
             shape = tuple(([rows] if rows else []) + [d if d > 0 else 1 for d in rest])
+            if not spec.ranked:
+                shape = (batch,)
             if image is None:
                 out[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
                 continue
@@ -185,10 +187,11 @@ def _apply(stage: _Output, array: np.ndarray) -> np.ndarray:
     s = stage.stage
     if s.softmax:
         array = softmax(array)
+    leading = stage.leading if stage.leading >= 0 else max(array.ndim - 1, 0)
     if s.top_k:
-        return top_k(array, s.top_k, stage.labels, stage.leading)
+        return top_k(array, s.top_k, stage.labels, leading)
     if s.argmax:
-        return argmax(array, stage.labels, stage.leading)
+        return argmax(array, stage.labels, leading)
     return array
 
 
@@ -241,7 +244,7 @@ def wrap(
                 )
             inputs.append(spec)
             continue
-        dims = (spec.dims[0], 1) if image.batched else (1,)
+        dims = (image.spec.dims[0], 1) if image.batched else (1,)  # (its resolved dims)
         inputs.append(TensorSpec(image.stage.input, "BYTES", dims))
     post, outputs = _resolve_outputs(postprocess, session, model_dir, where)
     return PipelineSession(session, pre, post, inputs, outputs)
@@ -251,7 +254,11 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
     key = f"preprocess[{index}]"
     tensors = {s.name: s for s in session.inputs}
     if stage.tensor is None:
-        candidates = [s for s in session.inputs if s.datatype != "BYTES" and len(s.dims) in (3, 4)]
+        candidates = [
+            s
+            for s in session.inputs
+            if s.datatype != "BYTES" and (not s.ranked or len(s.dims) in (3, 4))
+        ]
         if len(candidates) != 1:
             raise ConfigError(
                 f"{where}: key '{key}.tensor' is required: the model has inputs "
@@ -265,6 +272,8 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
         )
     else:
         spec = tensors[stage.tensor]
+    if not spec.ranked:  # any rank: fed as a batch of images, as a 4-dim input would be
+        spec = replace(spec, dims=(-1, -1, -1, -1), ranked=True)
     if spec.datatype in ("BYTES", "BOOL") or len(spec.dims) not in (3, 4):
         raise ConfigError(
             f"{where}: key '{key}.tensor': input {spec.name!r} ({spec.datatype} {list(spec.dims)}) "
@@ -372,7 +381,15 @@ def _resolve_outputs(
             )
         leading = 1 if spec.dims and spec.dims[0] == -1 else 0
         item = spec.dims[leading:]
-        if stage.top_k:
+        if not spec.ranked:
+            # Any rank: the classes are the last axis of whatever comes (-1: every axis
+            # before it is kept, counted per run), and what comes out has any rank too.
+            datatype = "FP32" if stage.softmax else spec.datatype
+            if stage.top_k or stage.argmax:
+                datatype = "BYTES" if stage.top_k or labels is not None else "INT64"
+            new = TensorSpec(stage.name, datatype, (), ranked=False)
+            leading = -1
+        elif stage.top_k:
             classes = int(np.prod(item)) if item and all(d > 0 for d in item) else -1
             k = min(stage.top_k, classes) if classes > 0 else -1
             new = TensorSpec(stage.name, "BYTES", (*spec.dims[:leading], k))

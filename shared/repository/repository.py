@@ -229,7 +229,7 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
         max_batch_size = max((DEFAULT_MAX_BATCH_SIZE, *preferred)) if batchable else 0
     if max_batch_size > 0:
         for t in found:
-            if not t.dims or t.dims[0] != -1:
+            if t.ranked and (not t.dims or t.dims[0] != -1):  # (any rank takes a batch axis)
                 raise ConfigError(
                     f"{where}: key 'max_batch_size': {max_batch_size} needs a dynamic (-1) first "
                     f"dimension, but tensor {t.name!r} in the model file has dims {list(t.dims)}; "
@@ -238,8 +238,8 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
         strip = 1
     else:
         strip = 0
-    file_in = [TensorSpec(t.name, t.datatype, tuple(t.dims[strip:])) for t in session.inputs]
-    file_out = [TensorSpec(t.name, t.datatype, tuple(t.dims[strip:])) for t in session.outputs]
+    file_in = [replace(t, dims=tuple(t.dims[strip:])) for t in session.inputs]
+    file_out = [replace(t, dims=tuple(t.dims[strip:])) for t in session.outputs]
     note = " (batch dimension left out)" if strip else ""
     _check_stage_names(config, session, where)
     inputs = _merge(config.inputs, file_in, "input", where, note, exhaustive=True)
@@ -310,6 +310,9 @@ def _merge(
                 f"{where}: key '{key}.datatype': {kind} {spec.name!r} is {actual.datatype} "
                 f"in the model file, not {spec.datatype}"
             )
+        if not actual.ranked:  # the file allows any rank: the declared dims fix it
+            merged.append(TensorSpec(spec.name, spec.datatype, spec.dims))
+            continue
         mismatch = len(spec.dims) != len(actual.dims) or any(
             c != a and c != -1 and a != -1 for c, a in zip(spec.dims, actual.dims, strict=False)
         )

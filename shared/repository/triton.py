@@ -30,7 +30,11 @@ def triton_datatype(datatype: str) -> str:
 
 
 def _tensor(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "data_type": triton_datatype(spec.datatype), "dims": list(spec.dims)}
+    return {
+        "name": spec.name,
+        "data_type": triton_datatype(spec.datatype),
+        "dims": spec.shown_dims(),
+    }
 
 
 def triton_model_config(config: ModelConfig, platform_hint: str | None = None) -> dict[str, Any]:
@@ -82,7 +86,7 @@ def v2_model_metadata(name: str, config: ModelConfig, versions: list[str]) -> di
     batch = [-1] if config.max_batch_size else []
 
     def spec(t: TensorSpec) -> dict[str, Any]:
-        return {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+        return {"name": t.name, "datatype": t.datatype, "shape": batch + t.shown_dims()}
 
     return {
         "name": name,
@@ -102,7 +106,7 @@ def warm_up_inputs(config: ModelConfig) -> dict[str, np.ndarray]:
     batch = [1] if config.max_batch_size else []
     inputs = {}
     for spec in config.inputs:
-        shape = tuple(batch + [d if d > 0 else 1 for d in spec.dims])
+        shape = tuple(batch + list(spec.sample_dims()))
         if spec.datatype == "BYTES":
             arr = np.empty(shape, dtype=object)
             arr.fill(b"")

@@ -55,7 +55,7 @@ def validated_inputs(config: ModelConfig, request: InferRequest) -> dict[str, np
             inner = shape[1:]
         else:
             inner = shape
-        if not dims_match(spec.dims, inner):
+        if spec.ranked and not dims_match(spec.dims, inner):
             want = ([-1] if config.max_batch_size else []) + list(spec.dims)
             raise InvalidInput(f"input {tensor.name!r}: expected shape {want}, got {list(shape)}")
         given[tensor.name] = tensor.data

@@ -49,7 +49,7 @@ def check_inputs(
             raise InvalidInput(
                 f"input {spec.name!r}: expected datatype {spec.datatype}, got {got} ({array.dtype})"
             )
-        if not shape_matches(spec.dims, array.shape):
+        if spec.ranked and not shape_matches(spec.dims, array.shape):
             raise InvalidInput(
                 f"input {spec.name!r}: expected shape {list(spec.dims)} (-1: any size), "
                 f"got {list(array.shape)}"

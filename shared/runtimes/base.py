@@ -20,11 +20,30 @@ import numpy as np
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor's name, V2 datatype and dims (-1 marks a dynamic dimension)."""
+    """A tensor's name, V2 datatype and dims (-1 marks a dynamic dimension).
+
+    ``ranked`` False: the model file says nothing of the tensor's shape (an
+    ONNX value with no shape, an OpenVINO port of dynamic rank), so the
+    runtime takes any rank and ``dims`` is empty.  Reading that as a scalar
+    refused every request the runtime would run; a config's declared dims
+    fix the rank instead (as Triton does for such tensors).
+    """
 
     name: str
     datatype: str
     dims: tuple[int, ...]
+    ranked: bool = True
+
+    def sample_dims(self) -> tuple[int, ...]:
+        """Dims for a made-up input (a warm-up, a profile): dynamic ones 1, any rank [1]."""
+        if not self.ranked:
+            return (1,)
+        return tuple(d if d > 0 else 1 for d in self.dims)
+
+    def shown_dims(self) -> list[int]:
+        """Dims as V2 metadata and Triton configs show them: any rank as [-1]
+        (neither format can say "any rank"; [-1] at least says it is not fixed)."""
+        return list(self.dims) if self.ranked else [-1]
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,31 @@ _BF16_ONNX_TYPE = 16  # onnx.TensorProto.BFLOAT16
 _SEQ_MAP = re.compile(r"seq\(map\((int64|string),tensor\((float|double)\)\)\)")
 
 
-def _spec(arg: Any, kind: str, path: Path) -> TensorSpec:
+def _shapeless(path: Path) -> set[str] | None:
+    """Names of the graph's inputs and outputs that carry no shape at all (any rank).
+
+    ONNX Runtime shows those and scalars alike as ``[]``; only the file tells
+    them apart.  None when the ``onnx`` package is absent (the edge install
+    may lack it) or cannot read the file: every ``[]`` is then taken as any
+    rank, which only leaves the rank check to the runtime.
+    """
+    try:
+        import onnx
+    except ImportError:
+        return None
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return None
+    graph = model.graph
+    return {
+        v.name
+        for v in (*graph.input, *graph.output)
+        if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
+    }
+
+
+def _spec(arg: Any, kind: str, path: Path, shapeless: set[str] | None = None) -> TensorSpec:
     datatype = ORT_TYPES.get(arg.type)
     if datatype is None and kind == "output":
         zipmap = _SEQ_MAP.fullmatch(arg.type)
@@ -76,6 +100,8 @@ def _spec(arg: Any, kind: str, path: Path) -> TensorSpec:
             f"supported: {sorted(ORT_TYPES)} (and seq(map(int64|string, float)) outputs)"
         )
     shape = arg.shape if isinstance(arg.shape, list) else []
+    if not shape and (shapeless is None or arg.name in shapeless):
+        return TensorSpec(arg.name, datatype, (), ranked=False)
     dims = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in shape)
     return TensorSpec(arg.name, datatype, dims)
 
@@ -123,8 +149,12 @@ class OnnxRuntimeSession:
         self._session = session
         self._ort = ort
         self.path = path
-        self.inputs = [_spec(a, "input", path) for a in session.get_inputs()]
-        self.outputs = [_spec(a, "output", path) for a in session.get_outputs()]
+        args = (*session.get_inputs(), *session.get_outputs())
+        # (the file is read again only where a shape says [], rare: scalars, any rank)
+        blank = any(a.shape == [] and a.type in ORT_TYPES for a in args)
+        shapeless = _shapeless(path) if blank else set()
+        self.inputs = [_spec(a, "input", path, shapeless) for a in session.get_inputs()]
+        self.outputs = [_spec(a, "output", path, shapeless) for a in session.get_outputs()]
         self._output_names = [s.name for s in self.outputs]
         self._maps = {
             a.name: spec.datatype

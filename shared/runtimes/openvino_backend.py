@@ -75,11 +75,22 @@ def _spec(port: Any, name: str, kind: str, path: Path) -> TensorSpec:
         )
     shape = port.get_partial_shape()
     if shape.rank.is_dynamic:
-        raise ConfigError(
-            f"{path}: {kind} {name!r} has a dynamic rank, which Ferry cannot describe"
-        )
+        return TensorSpec(name, datatype, (), ranked=False)  # any rank: the runtime checks
     dims = tuple(d.get_length() if d.is_static else -1 for d in shape)
     return TensorSpec(name, datatype, dims)
+
+
+def _said(exc: Exception) -> str:
+    """OpenVINO's message without its lines of C++ source locations."""
+    lines = []
+    for line in str(exc).splitlines():
+        line = line.strip().removeprefix("Caught exception: ")
+        if not line or line.startswith("Exception from "):
+            continue
+        if line.startswith("Check '") and " failed at " in line and line.endswith(":"):
+            continue  # the check's source location; its words follow
+        lines.append(line)
+    return "; ".join(lines) or type(exc).__name__
 
 
 def _run_error(exc: Exception) -> InvalidInput | InternalError:
@@ -87,12 +98,7 @@ def _run_error(exc: Exception) -> InvalidInput | InternalError:
     request's fault (400, as ONNX Runtime's are), anything else the node's (500).
     OpenVINO wraps the plugin's words in lines of C++ source locations: dropped."""
     text = str(exc)
-    lines = []
-    for line in text.splitlines():
-        line = line.strip().removeprefix("Caught exception: ")
-        if line and not line.startswith("Exception from "):
-            lines.append(line)
-    said = "; ".join(lines) or type(exc).__name__
+    said = _said(exc)
     if "shape_inference" in text or "shape infer" in text.lower():
         return InvalidInput(f"openvino cannot run the model on these inputs: {said}")
     return InternalError(f"openvino failed: {said}")
@@ -249,5 +255,5 @@ def load(path: Path, options: RuntimeOptions) -> OpenVinoSession:
     try:
         compiled = core.compile_model(model, device, config)
     except RuntimeError as exc:
-        raise ConfigError(f"openvino cannot compile {path} for {device}: {exc}") from None
+        raise ConfigError(f"openvino cannot compile {path} for {device}: {_said(exc)}") from None
     return OpenVinoSession(compiled, ov, path, device)

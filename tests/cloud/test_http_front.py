@@ -367,6 +367,29 @@ def test_json_bodies_over_a_megabyte_round_trip(server, test_repository):
     client.unload_model("bigjson")
 
 
+def test_a_model_whose_file_gives_no_shape_serves_every_rank(server, test_repository):
+    """ONNX Runtime runs such a model on any rank: so does the server, not only scalars."""
+    from onnx import TensorProto
+
+    from tests.support import write_identity_model
+
+    write_identity_model(
+        test_repository / "anyrank" / "1" / "model.onnx", TensorProto.FLOAT, dims=None
+    )
+    client = triton.InferenceServerClient(_host(server))
+    client.load_model("anyrank")
+    meta = client.get_model_metadata("anyrank")
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1]}]
+    for shape in [(), (4,), (2, 3, 2)]:
+        x = np.asarray(np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) - 2)
+        inp = triton.InferInput("x", list(shape), "FP32")
+        inp.set_data_from_numpy(x)
+        got = client.infer("anyrank", [inp]).as_numpy("y")
+        assert got.shape == shape
+        np.testing.assert_array_equal(got, x)
+    client.unload_model("anyrank")
+
+
 @pytest.mark.parametrize(
     "config, key",
     [

@@ -205,3 +205,24 @@ def test_external_data_outside_the_model_folder_is_not_counted_and_never_raises(
     onnx.save(ext, str(tmp_path / "model" / "model.onnx"))
     path = tmp_path / "model" / "model.onnx"
     assert model_file_bytes(path) == path.stat().st_size
+
+
+def test_a_tensor_with_no_shape_is_described_as_any_rank_not_a_scalar(tmp_path: Path) -> None:
+    from onnx import TensorProto, helper
+
+    from tests.shared.runtimes.conftest import _save
+
+    path = _save(
+        tmp_path / "anyrank.onnx",
+        [helper.make_node("Add", ["x", "s"], ["y"])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        check=False,
+    )
+    d = describe(path)
+    assert [t["dims"] for t in d["inputs"]] == [None, []]
+    text = format_description(d)
+    assert "x  FP32  [any rank]" in text and "s  FP32  []" in text

@@ -316,3 +316,29 @@ def test_a_fixed_lead_beside_a_dynamic_batch_is_fed_file_by_file(tmp_path: Path)
         )
     feeds = list(iter(folder_reader(folder, specs, samples=8, batch_size=1).get_next, None))
     assert [(f["x"].shape, f["h"].shape) for f in feeds] == [((1, 4), (2, 3))] * 3
+
+
+def test_an_input_of_any_rank_calibrates_from_files_fed_as_they_are(tmp_path: Path) -> None:
+    specs = [InputSpec("x", np.dtype(np.float32), None)]
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.ones((2, 5), np.float32))
+    np.save(folder / "b.npy", np.ones(7, np.float32))
+    feeds = list(iter(folder_reader(folder, specs, samples=8, batch_size=4).get_next, None))
+    assert sorted(f["x"].shape for f in feeds) == [(2, 5), (7,)]
+
+
+def test_random_calibration_of_an_input_of_any_rank_asks_for_a_folder(tmp_path: Path) -> None:
+    from tests.shared.runtimes.conftest import _save
+
+    path = _save(
+        tmp_path / "anyrank.onnx",
+        [onnx.helper.make_node("Relu", ["x"], ["y"])],
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        check=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CalibrationWarning)
+        with pytest.raises(InvalidInput, match=r"any rank.*give a calibration folder"):
+            quantize_static_qdq(path, tmp_path / "q.onnx", progress=False)

@@ -52,9 +52,10 @@ def jpeg_declaring(width: int, height: int) -> bytes:
 
 
 def write_image_model(
-    path: Path, dims: list[int | str], onnx_type: int = 1, name: str = "x"
+    path: Path, dims: list[int | str] | None, onnx_type: int = 1, name: str = "x"
 ) -> None:
-    """y = x: the model input the pipeline must fill, exactly as given."""
+    """y = x: the model input the pipeline must fill, exactly as given (dims None:
+    no shape in the file, any rank)."""
     import onnx
     from onnx import helper
 

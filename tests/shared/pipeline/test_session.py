@@ -76,6 +76,38 @@ def test_a_png_at_the_model_size_is_exactly_the_by_hand_tensor(tmp_path: Path) -
     np.testing.assert_allclose(out[0], want.transpose(2, 0, 1), rtol=1e-5, atol=1e-5)
 
 
+def test_an_input_of_any_rank_takes_a_batch_of_images_in_the_stated_layout(
+    tmp_path: Path,
+) -> None:
+    write_image_model(tmp_path / "m" / "1" / "model.onnx", None)
+    (tmp_path / "m" / "config.toml").write_text(
+        f"[[preprocess]]\ncolor = 'bgr'\nlayout = 'NCHW'\nsize = [32, 48]\n"
+        f"mean = {MEAN}\nstd = {STD}\n"
+    )
+    session, _ = open_model(tmp_path, "m")
+    pixels = photo(32, 48)
+    out = session.run({"image": np.array([[encode(pixels, "PNG")]], dtype=object)})["y"]
+    want = (pixels[:, :, ::-1] / np.float32(255) - np.float32(MEAN)) / np.float32(STD)
+    np.testing.assert_allclose(out, want.transpose(2, 0, 1)[None], rtol=1e-5, atol=1e-5)
+
+
+def test_argmax_and_top_k_over_an_output_of_any_rank_read_its_last_axis(tmp_path: Path) -> None:
+    write_image_model(tmp_path / "m" / "1" / "model.onnx", None)
+    (tmp_path / "m" / "labels.txt").write_text("a\nb\nc\n")
+    (tmp_path / "m" / "config.toml").write_text(
+        "[[postprocess]]\noutput = 'y'\nname = 'best'\nargmax = true\nlabels = 'labels.txt'\n"
+        "[[postprocess]]\noutput = 'y'\nname = 'top'\ntop_k = 2\n"
+    )
+    session, config = open_model(tmp_path, "m")
+    x = np.array([[0.0, 2.0, 1.0], [5.0, 0.0, 1.0]], np.float32)
+    out = session.run({"x": x}, ["best", "top"])
+    assert out["best"].tolist() == [[b"b"], [b"a"]]
+    assert out["top"].shape == (2, 2) and out["top"][1, 1].decode().endswith(":2")
+    assert session.run({"x": x[0]}, ["best"])["best"].tolist() == [b"b"]
+    meta = v2_model_metadata("m", config, ["1"])
+    assert {"name": "best", "datatype": "BYTES", "shape": [-1]} in meta["outputs"]
+
+
 def test_metadata_and_config_describe_the_bytes_input_the_client_sends(
     example_repository: Path,
 ) -> None:

@@ -8,15 +8,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.errors import ConfigError, InvalidInput, ModelNotFound
+from shared.messages import InferRequest
 from shared.repository import (
     DEFAULT_MAX_BATCH_SIZE,
     ModelConfig,
     ModelRepository,
     complete_config,
     parse_config_dict,
+    v2_model_metadata,
     validate_model_name,
+    warm_up_inputs,
 )
+from shared.repository.validation import validated_inputs
 from shared.runtimes.base import TensorSpec
+from shared.tensors import Tensor
 from tests.shared.repository import open_session, write_identity_model
 
 BATCHED = [("x", "FP32", ["N", 3]), ("mask", "BOOL", ["N", 2])]
@@ -72,6 +77,52 @@ def test_a_folder_with_only_a_model_file_serves_with_a_completed_config(
     result = session.run({"x": x, "mask": np.ones((2, 2), dtype=bool)})
     np.testing.assert_array_equal(result["x_out"], x)
     session.close()
+
+
+ANY_RANK = [("x", "FP32", None)]
+
+
+def _request(shape: tuple[int, ...]) -> InferRequest:
+    return InferRequest(inputs=[Tensor("x", "FP32", np.ones(shape, dtype=np.float32))])
+
+
+def test_a_tensor_of_any_rank_is_served_as_any_shape_and_shown_as_dynamic(
+    repo: ModelRepository,
+) -> None:
+    model(repo.root, "anyrank", ANY_RANK)
+    config = completed(repo, "anyrank")
+    assert config.max_batch_size == 0  # nothing says which axis would be a batch
+    assert config.inputs == (TensorSpec("x", "FP32", (), ranked=False),)
+    for shape in [(), (4,), (2, 3, 5)]:
+        assert validated_inputs(config, _request(shape))["x"].shape == shape
+    meta = v2_model_metadata("anyrank", config, ["1"])
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1]}]
+    assert warm_up_inputs(config)["x"].shape == (1,)
+
+
+def test_declared_dims_fix_the_rank_of_a_tensor_the_file_leaves_open(
+    repo: ModelRepository,
+) -> None:
+    model(
+        repo.root,
+        "anyrank",
+        ANY_RANK,
+        config='[[input]]\nname = "x"\ndatatype = "FP32"\ndims = [-1, 3]\n',
+    )
+    config = completed(repo, "anyrank")
+    assert config.inputs == (TensorSpec("x", "FP32", (-1, 3)),)
+    assert validated_inputs(config, _request((5, 3)))["x"].shape == (5, 3)
+    with pytest.raises(InvalidInput, match="expected shape"):
+        validated_inputs(config, _request((3,)))
+
+
+def test_a_declared_batch_axis_is_accepted_over_any_rank(repo: ModelRepository) -> None:
+    model(repo.root, "anyrank", ANY_RANK, config="max_batch_size = 4\n")
+    config = completed(repo, "anyrank")
+    assert config.max_batch_size == 4
+    assert validated_inputs(config, _request((2, 7)))["x"].shape == (2, 7)
+    with pytest.raises(InvalidInput, match="batch dimension"):
+        validated_inputs(config, _request((9, 7)))
 
 
 def test_a_fixed_first_dimension_means_no_batch_dimension(repo: ModelRepository) -> None:
@@ -331,7 +382,9 @@ def test_a_name_with_a_separator_or_parent_reference_is_always_rejected(name: st
         validate_model_name(name)
 
 
-@pytest.mark.parametrize("bad", ["01", "+1", "1_0", " 1", "1 ", "\u0661", "-1", "1.0", "", True, -2])
+@pytest.mark.parametrize(
+    "bad", ["01", "+1", "1_0", " 1", "1 ", "\u0661", "-1", "1.0", "", True, -2]
+)
 def test_a_version_is_plain_ascii_digits_and_nothing_int_would_also_take(bad):
     from shared.errors import InvalidInput
     from shared.repository import parse_version

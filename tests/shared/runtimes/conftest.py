@@ -27,11 +27,12 @@ class Model:
     reference: Reference
 
 
-def _save(path: Path, nodes, inputs, outputs, initializers=()) -> Path:
+def _save(path: Path, nodes, inputs, outputs, initializers=(), check: bool = True) -> Path:
     graph = helper.make_graph(nodes, path.stem, inputs, outputs, list(initializers))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    onnx.checker.check_model(model)
+    if check:  # (the checker wants a shape on every graph input; runtimes do not)
+        onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
 
@@ -74,6 +75,19 @@ def scalar_onnx(tmp_path: Path) -> Model:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
     )
     return Model(path, lambda x: {"y": x + x})
+
+
+@pytest.fixture
+def anyrank_onnx(tmp_path: Path) -> Model:
+    """``y = Relu(x)`` where neither ``x`` nor ``y`` carries a shape: any rank runs."""
+    path = _save(
+        tmp_path / "anyrank.onnx",
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        check=False,
+    )
+    return Model(path, lambda x: {"y": np.maximum(x, 0)})
 
 
 @pytest.fixture

@@ -56,6 +56,24 @@ def test_a_scalar_input_keeps_rank_0_through_the_run(scalar_onnx) -> None:
     assert out["y"] == np.float32(7.0)
 
 
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (1, 3, 4, 4)])
+def test_a_tensor_with_no_shape_in_the_file_takes_any_rank(anyrank_onnx, shape) -> None:
+    session = load(anyrank_onnx.path, ONE_THREAD)
+    assert session.inputs == [TensorSpec("x", "FP32", (), ranked=False)]
+    assert session.outputs == [TensorSpec("y", "FP32", (), ranked=False)]
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    out = session.run({"x": x})
+    np.testing.assert_array_equal(out["y"], anyrank_onnx.reference(x)["y"])
+
+
+def test_a_scalar_in_the_file_stays_rank_0_beside_any_rank_tensors(scalar_onnx) -> None:
+    # ORT shows a scalar and a shapeless tensor alike as []: the file tells them apart
+    session = load(scalar_onnx.path, ONE_THREAD)
+    assert session.inputs == [TensorSpec("x", "FP32", ())]
+    with pytest.raises(InvalidInput, match="expected shape"):
+        session.run({"x": np.ones(2, dtype=np.float32)})
+
+
 def test_only_the_requested_outputs_come_back(mlp_onnx) -> None:
     session = load(mlp_onnx.path, ONE_THREAD)
     x = np.ones((2, 4), np.float32)

@@ -120,6 +120,16 @@ def test_int64_values_beyond_int32_are_refused_on_cpu(numeric_onnx) -> None:
         session.run(x)
 
 
+def test_a_dynamic_rank_is_the_cpu_plugins_refusal_said_without_source_lines(
+    anyrank_onnx,
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(anyrank_onnx.path, RuntimeOptions(threads=1))
+    said = str(info.value)
+    assert "dynamic rank" in said and "Operation name: x" in said
+    assert "Exception from" not in said and ".cpp" not in said
+
+
 def test_string_models_are_refused_and_pointed_at_onnxruntime(strings_onnx: Path) -> None:
     with pytest.raises(ConfigError, match="onnxruntime"):
         load(strings_onnx, EXACT)
