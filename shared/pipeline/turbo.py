@@ -80,6 +80,14 @@ class TurboJpeg:
             own = self._local.d = _Decompressor(self._lib)
         return own
 
+    def _failed(self, own: _Decompressor) -> TurboJpegError:
+        """The error, and the thread's handle dropped: a call that failed mid-stream
+        leaves libjpeg's state behind, and the next image this thread decoded (another
+        client's) failed on it ("its header declares no size", "Bogus DQT index")."""
+        error = own.fail()
+        self._local.d = None
+        return error
+
     def header(self, data: bytes) -> Header:
         own = self._own()
         width, height, subsampling, colorspace = own.ints
@@ -88,7 +96,7 @@ class TurboJpeg:
         if self._lib.tjDecompressHeader3(
             own.handle, data, len(data), width, height, subsampling, colorspace
         ):
-            raise own.fail()
+            raise self._failed(own)
         return Header(width.value, height.value)
 
     def decode(self, data: bytes, header: Header, denominator: int, color: str) -> np.ndarray:
@@ -101,7 +109,7 @@ class TurboJpeg:
         if self._lib.tjDecompress2(
             own.handle, data, len(data), out.ctypes.data, width, 0, height, pixel, 0
         ):
-            raise own.fail()
+            raise self._failed(own)
         return out
 
 

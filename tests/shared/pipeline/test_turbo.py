@@ -83,3 +83,19 @@ def test_a_truncated_body_fails_the_decode_instead_of_returning_grey() -> None:
     cut = data[: len(data) // 2]
     with pytest.raises(turbo.TurboJpegError):
         TJ.decode(cut, TJ.header(cut), 1, "rgb")
+
+
+def test_an_image_that_fails_leaves_nothing_behind_for_the_next_one_on_its_thread() -> None:
+    from tests.shared.pipeline.test_images import target
+
+    good = encode(photo(300, 400), "JPEG")
+    want = images.decode(good, target())
+    failures = 0
+    for cut in range(20, len(good), max(1, len(good) // 60)):
+        try:
+            images.decode(good[:cut], target())
+        except Exception:
+            failures += 1
+        # the good image decodes as before, on the thread that just failed
+        np.testing.assert_array_equal(images.decode(good, target()), want)
+    assert failures > 10
