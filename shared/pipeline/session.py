@@ -12,6 +12,7 @@ turns the batch into the model's tensor.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ from shared.pipeline.post import argmax, read_labels, softmax, top_k
 from shared.pipeline.spec import ImageInput, OutputStage
 from shared.runtimes._common import check_inputs, check_outputs
 from shared.runtimes.base import Cancel, Session, TensorSpec, available_cpus, cancellable
+
+log = logging.getLogger(__name__)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -325,6 +328,17 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
         decoder=stage.decoder,
         where=f"input {stage.input!r}",
     )
+    if stage.decoder != "pillow" and images._module("opencv") is None:
+        # Without OpenCV, Pillow resizes, and its bilinear filter smooths a shrink
+        # where OpenCV's samples: up to ~80 grey levels apart on a photo, so an
+        # agent's local answer would differ from the cloud's (which has OpenCV).
+        log.warning(
+            "%s: key '%s.decoder': OpenCV is not installed, so images are resized with "
+            "Pillow, which gives other pixels than a tier with OpenCV (pip install "
+            'opencv-python-headless, or set decoder = "pillow" on every tier)',
+            where,
+            key,
+        )
     return _Image(
         stage=stage,
         spec=spec,

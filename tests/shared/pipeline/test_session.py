@@ -248,3 +248,29 @@ def test_a_stage_name_the_declared_tensors_lack_is_blamed_on_the_stage(
     config.write_text(text.replace(old, new, 1))
     with pytest.raises(ConfigError, match=re.escape(f"key '{key}'")):
         open_model(tmp_path, "m")
+
+
+def test_a_process_without_opencv_warns_that_its_resize_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from shared.pipeline import images
+
+    write_image_model(tmp_path / "m" / "1" / "model.onnx", ["N", 3, 32, 48])
+    (tmp_path / "m" / "config.toml").write_text("[[preprocess]]\ncolor = 'bgr'\n")
+    open_model(tmp_path, "m")
+    assert "OpenCV is not installed" not in caplog.text
+    monkeypatch.setitem(images._modules, "opencv", None)
+    open_model(tmp_path, "m")
+    assert "OpenCV is not installed" in caplog.text and "preprocess[0].decoder" in caplog.text
+
+
+def test_the_edge_install_brings_the_resize_the_cloud_uses() -> None:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[3]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for tier in ("edge", "cloud"):
+        assert "ferry[decode]" in extras[tier]
+    assert any(d.startswith("opencv-python-headless") for d in extras["decode"])
