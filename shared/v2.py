@@ -299,6 +299,9 @@ def decode_request(
             _check_parameters(params, f"output {out.name!r}")
             outputs.append(RequestedOutput(out.name, flag, params))
     parameters = _check_parameters(dict(raw.parameters), "request")
+    flag = parameters.get("binary_data_output")
+    if flag is not None and not isinstance(flag, bool):  # ("yes" read as true, "false" too)
+        raise InvalidInput("request parameter binary_data_output must be true or false")
     return InferRequest(inputs=inputs, id=raw.id, outputs=outputs, parameters=parameters)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.errors import InternalError
+from shared.errors import InternalError, InvalidInput
 
 
 def softmax(array: np.ndarray) -> np.ndarray:
@@ -29,12 +29,17 @@ def top_k(array: np.ndarray, k: int, labels: Sequence[str] | None, leading: int)
     ``leading`` is the number of axes kept (the batch axis, when there is
     one); the rest of each item is flattened into the classes.
     """
-    rows = array.reshape((*array.shape[:leading], -1)) if leading else array.reshape(1, -1)
-    rows = rows.reshape(-1, rows.shape[-1])
-    count = min(k, rows.shape[1])
-    values = rows.astype(np.float64)
-    order = np.argsort(-values, axis=1, kind="stable")[:, :count]
+    kept = array.shape[:leading]
+    classes = int(np.prod(array.shape[leading:], dtype=np.int64))
+    rows = array.reshape(int(np.prod(kept, dtype=np.int64)), classes)  # (no -1: may be empty)
+    count = min(k, classes)
     is_float = array.dtype.kind == "f" or array.dtype.name == "bfloat16"
+    # Integers are ranked and printed in their own type: through float64, 2**53 + 1 and
+    # 2**53 were one value, and UINT64's largest printed as 2**64.
+    values = rows.astype(np.float64) if is_float else rows
+    # descending, ties in index order; ~x reverses an integer order without overflow
+    # (unsigned, INT64's minimum) where -x would not
+    order = np.argsort(-values if is_float else ~values, axis=1, kind="stable")[:, :count]
     out = np.empty((rows.shape[0], count), dtype=object)
     for i in range(rows.shape[0]):
         for j, index in enumerate(order[i]):
@@ -43,13 +48,21 @@ def top_k(array: np.ndarray, k: int, labels: Sequence[str] | None, leading: int)
             if labels is not None and int(index) < len(labels):
                 text += f":{labels[int(index)]}"
             out[i, j] = text.encode()
-    return out.reshape((*array.shape[:leading], count))
+    return out.reshape((*kept, count))
 
 
 def argmax(array: np.ndarray, labels: Sequence[str] | None, leading: int) -> np.ndarray:
     """Index of the largest element of each item ([..., 1]); its label as BYTES with labels."""
-    rows = array.reshape((*array.shape[:leading], -1)) if leading else array.reshape(-1)
-    index = np.argmax(rows, axis=-1).astype(np.int64)[..., None]
+    kept = array.shape[:leading]
+    classes = int(np.prod(array.shape[leading:], dtype=np.int64))
+    if classes == 0 and array.size == 0 and int(np.prod(kept, dtype=np.int64)) > 0:
+        raise InvalidInput(f"the output is {list(array.shape)}: no class to pick for an item")
+    rows = array.reshape((*kept, classes))  # (no -1: may be empty)
+    index = (
+        np.argmax(rows, axis=-1).astype(np.int64)[..., None]
+        if rows.size
+        else (np.zeros((*kept, 1), np.int64))
+    )
     if labels is None:
         return index
     out = np.empty(index.shape, dtype=object)

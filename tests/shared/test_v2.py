@@ -94,6 +94,16 @@ def test_binary_output_default_follows_request_parameter():
     assert hl is None
 
 
+@pytest.mark.parametrize("flag", ["yes", "false", 1])
+def test_a_request_binary_data_output_that_is_not_a_boolean_is_refused(flag):
+    body = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+        "parameters": {"binary_data_output": flag},
+    }
+    with pytest.raises(InvalidInput, match="binary_data_output must be true or false"):
+        v2.decode_request(json.dumps(body).encode())
+
+
 def _binary_body(header: dict, blob: bytes) -> tuple[bytes, int]:
     head = json.dumps(header).encode()
     return head + blob, len(head)
