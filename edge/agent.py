@@ -361,11 +361,11 @@ class Agent:
     async def flush_deferred(self) -> None:
         dp = self.dataplane
 
-        def can_send() -> bool:
-            return any(dp.usable(time.monotonic()).values())
+        def can_send(model: str | None) -> bool:
+            cloud = dp.core.policy.model_policy(model).cloud_model if model else None
+            return any(dp.usable(time.monotonic(), cloud).values())
 
-        if can_send():
-            await self.deferrer.flush(dp.send_deferred, can_send)
+        await self.deferrer.flush(dp.send_deferred, can_send)
 
     # ---- Python API --------------------------------------------------------------
     async def infer(

@@ -102,13 +102,20 @@ class Deferrer:
             },
         )
 
-    async def flush(self, send: Sender, can_send: Callable[[], bool], limit: int = 50) -> int:
-        """Send what is stored while a link is usable; returns how many were answered.
+    async def flush(
+        self, send: Sender, can_send: Callable[[str | None], bool], limit: int = 50
+    ) -> int:
+        """Expire what waited too long, then send what is stored while a link is usable
+        (``can_send(model)``: a transport could take that model now; ``None``: any);
+        returns how many were answered.
 
+        Expiry runs with no link too: that is when requests wait, and a dead
+        one must not hold the store's room (nor stay "pending" past its ttl).
         A request the cloud refuses for its own reasons (bad input, unknown
         model, an internal error on it) fails alone, after ``max_attempts``
         for the transient kinds; one the link lets down stays stored; neither
-        blocks the queue behind it.
+        blocks the queue behind it, and a model no transport takes now is not
+        tried (nor marked, nor logged) until one does.
         """
         async with self._flushing:
             try:
@@ -117,7 +124,9 @@ class Deferrer:
                 log.warning("deferred flush stopped: the store failed (%s)", exc)
                 return 0
 
-    async def _flush(self, send: Sender, can_send: Callable[[], bool], limit: int) -> int:
+    async def _flush(self, send: Sender, can_send: Callable[[str | None], bool], limit: int) -> int:
+        if not self.store.opened:
+            return 0  # nothing was ever deferred here
         now = time.time()
         if not await self._save_unsaved():
             return 0  # the store still cannot write: nothing more to do now
@@ -127,15 +136,21 @@ class Deferrer:
             log.warning("deferred request %s expired before a link returned", request_id)
         await self._call(self.store.purge, now - self.ttl_s - self.keep_results_s)
         done = 0
+        if not can_send(None):
+            return done
         for item in await self._call(self.store.pending, limit=limit, now_wall=now):
-            if not can_send():
+            if not can_send(None):
                 break
+            if not can_send(item.model):
+                continue  # no transport takes this model now: it waits, untouched
             try:
                 request = envelope.decode_request(item.payload)
             except FerryError as exc:  # a corrupt row fails alone; the rest still flush
                 log.error("deferred %s cannot be read back: %s", item.request_id, exc.message)
                 await self._call(self.store.mark_sending, item.request_id)
-                done += await self._failed(item, f"internal: stored request unreadable: {exc}", True)
+                done += await self._failed(
+                    item, f"internal: stored request unreadable: {exc}", True
+                )
                 continue
             await self._call(self.store.mark_sending, item.request_id)
             try:
@@ -226,5 +241,12 @@ class Deferrer:
         return counts
 
     async def close(self) -> None:
+        """Close the store; a request a clean stop interrupted mid-send goes back to
+        pending without counting an attempt (only a crash counts one: see the store)."""
+        try:
+            await self._save_unsaved()
+            await self._call(self.store.requeue_sending)
+        except db_error() as exc:
+            log.warning("deferred store not tidied at stop (%s)", exc)
         await self._call(self.store.close)
         self._io.shutdown(wait=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.errors import Overloaded
+from shared.errors import Overloaded, PayloadTooLarge
 
 #: the store's order follows the cloud's: priority 1 is the most urgent, and 0
 #: (no priority given) goes after every explicit level
@@ -44,6 +44,10 @@ CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, creat
 
 #: what a finished row holds (its request's payload is dropped when it finishes)
 _HELD = "COALESCE(LENGTH(result), 0) + COALESCE(LENGTH(error), 0) + LENGTH(payload)"
+#: answers kept for the apps: this many times the bounds on requests waiting, so that a
+#: whole store's worth answered at once (a backlog expiring together) is kept entire:
+#: at one bound, the newest of them were forgotten at once, their receipts a 404
+_KEEP_FACTOR = 2
 #: trimmed to this share of a bound, so the sort runs once per tenth of it, not per answer
 _TRIM_TO = 0.9
 
@@ -81,9 +85,11 @@ class DeferredStore:
     def __init__(self, path: Path, *, max_rows: int = 10_000, max_bytes: int = 256 << 20) -> None:
         """``max_rows`` / ``max_bytes`` bound the requests waiting (pending or sending):
         a deferral past them is refused with "overloaded", never dropped silently.
-        They bound the answers kept for the apps too, apart: past them the oldest
+        Twice them bound the answers kept for the apps, apart: past that the oldest
         answers are forgotten first (an app that never fetches must not fill the disk
-        for ``keep_results_s``).  An answered row keeps its answer, not its request."""
+        for ``keep_results_s``), and a whole store's worth answered at once (a backlog
+        expiring together) is always kept.  An answered row keeps its answer, not its
+        request."""
         self.path = Path(path)
         self.max_rows = max_rows
         self.max_bytes = max_bytes
@@ -138,14 +144,16 @@ class DeferredStore:
     ) -> None:
         import sqlite3
 
+        if self.max_bytes and len(payload) > self.max_bytes:  # no wait would make it fit
+            raise PayloadTooLarge(
+                f"the request is {len(payload)} bytes stored; the deferred store holds at "
+                f"most {self.max_bytes} bytes ([store] max_bytes)"
+            )
         try:  # disk full, read-only, corrupt: a typed refusal, not a raw sqlite error
-            rows, size = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM deferred"
-                " WHERE status IN ('pending', 'sending')"
-            ).fetchone()
-            if (self.max_rows and rows >= self.max_rows) or (
-                self.max_bytes and size + len(payload) > self.max_bytes
-            ):
+            rows, size = self._waiting()
+            if self._full(rows, size, len(payload)) and self.expire(created_wall):
+                rows, size = self._waiting()  # the dead made room
+            if self._full(rows, size, len(payload)):
                 raise Overloaded(
                     f"the deferred store is full ({rows} requests, {size} bytes waiting; "
                     f"bounds {self.max_rows} requests, {self.max_bytes} bytes)",
@@ -173,6 +181,20 @@ class DeferredStore:
             raise Overloaded(
                 f"the deferred store cannot take the request: {exc}", retry_after=60.0
             ) from None
+
+    def _waiting(self) -> tuple[int, int]:
+        """(requests, their bytes) waiting to be sent: what the bounds hold."""
+        rows, size = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM deferred"
+            " WHERE status IN ('pending', 'sending')"
+        ).fetchone()
+        return int(rows), int(size)
+
+    def _full(self, rows: int, size: int, adding: int) -> bool:
+        return bool(
+            (self.max_rows and rows >= self.max_rows)
+            or (self.max_bytes and size + adding > self.max_bytes)
+        )
 
     def pending(self, limit: int = 100, now_wall: float | None = None) -> list[DeferredItem]:
         if not self.opened:
@@ -228,12 +250,13 @@ class DeferredStore:
     def _trim_answers(self, keep: str | None = None) -> int:
         """Forget the answers, failures and expiries answered longest ago once past the
         bounds, down to ``_TRIM_TO`` of them (``keep``: the one just written stays)."""
-        over_rows = self.max_rows and self._held_rows > self.max_rows
-        over_bytes = self.max_bytes and self._held_bytes > self.max_bytes
+        max_rows, max_bytes = self.max_rows * _KEEP_FACTOR, self.max_bytes * _KEEP_FACTOR
+        over_rows = max_rows and self._held_rows > max_rows
+        over_bytes = max_bytes and self._held_bytes > max_bytes
         if not (over_rows or over_bytes):
             return 0
-        rows = int(self.max_rows * _TRIM_TO) if self.max_rows else -1
-        size = int(self.max_bytes * _TRIM_TO) if self.max_bytes else -1
+        rows = int(max_rows * _TRIM_TO) if max_rows else -1
+        size = int(max_bytes * _TRIM_TO) if max_bytes else -1
         forgotten = self._db.execute(
             "DELETE FROM deferred WHERE request_id IN (SELECT request_id FROM (SELECT"
             f" request_id, ROW_NUMBER() OVER newest AS n, SUM({_HELD}) OVER newest AS held"

@@ -44,6 +44,9 @@ from shared.tensors import DEFAULT_LIMITS, Limits
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
 #: times a waiting request is sent again because a node died (not a storm on churn)
 _MAX_RESENDS = 3
+#: seconds after subscribing during which no node status yet means "not known": the
+#: broker sends its retained statuses right after the SUBACK
+STATUS_GRACE_S = 1.0
 _NODES = f"{PREFIX}/nodes/"
 
 log = logging.getLogger(__name__)
@@ -84,12 +87,24 @@ class MqttTransport:
         self.republished = 0
         self.nodes: dict[str, frozenset[str]] = {}  # live node -> models it hosts
         self._status_seen = False
+        self._subscribed_at: float | None = None  # (monotonic) this session's SUBACK
 
     def serves(self, model: str) -> bool | None:
-        """Whether a live cloud node hosts ``model`` (None: no node status seen yet)."""
+        """Whether a live cloud node hosts ``model`` (None: not known yet).
+
+        With no node status at all, it is unknown only just after subscribing
+        (the broker's retained statuses are on their way); past that, no node
+        has ever spoken on this broker, so none serves anything.  Read as
+        unknown for good, a fresh broker with no node made a cloud-only model
+        ready and every deferrable request wait out its deadline on it.
+        """
         if not self._status_seen:
-            return None
+            return None if self._statuses_may_come() else False
         return any(model in models for models in self.nodes.values())
+
+    def _statuses_may_come(self) -> bool:
+        at = self._subscribed_at
+        return at is None or time.monotonic() - at < STATUS_GRACE_S
 
     @property
     def connected(self) -> bool:
@@ -173,7 +188,7 @@ class MqttTransport:
         """
         if self._client is None or self._loop is None or not self._ready.is_set():
             raise EndpointUnavailable("MQTT transport not connected")
-        if self._status_seen and not self.nodes:
+        if not self.nodes and (self._status_seen or not self._statuses_may_come()):
             raise EndpointUnavailable("no cloud node is online behind the broker")
         correlation = b"probe:" + uuid.uuid4().hex.encode()
         future: asyncio.Future[float] = self._loop.create_future()
@@ -210,6 +225,7 @@ class MqttTransport:
         # SUBACK's callback runs a loop turn later, after those statuses).
         self.nodes.clear()
         self._status_seen = False
+        self._subscribed_at = None
         subscribed = self._client.subscribe(self.reply_topic, NODE_STATUS_TOPICS)
         subscribed.add_done_callback(self._after_subscribe)
 
@@ -228,6 +244,7 @@ class MqttTransport:
         if done.cancelled() or done.exception() is not None:
             return  # the connection dropped before the SUBACK: the next one subscribes
         was_ready = self._ready.is_set()
+        self._subscribed_at = time.monotonic()
         self._ready.set()
         if not was_ready:
             self._republish(lambda pending: True)

@@ -416,3 +416,30 @@ async def test_a_request_past_the_brokers_packet_limit_falls_back_or_is_payload_
     finally:
         node.kill()
         small.stop()
+
+
+async def test_a_broker_no_node_ever_spoke_on_serves_nothing_so_deferrals_go_at_once(
+    tmp_path, edge_repos, broker
+):
+    # No node status at all read as "not known yet" for good: the cloud-only model was
+    # ready and each deferrable request waited out its deadline before its receipt.
+    from edge.transports.mqtt import STATUS_GRACE_S
+
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        mqtt=broker.url,
+        models='[models.solo]\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        mqtt = agent.transports["mqtt"]
+        assert mqtt.connected
+        await asyncio.sleep(STATUS_GRACE_S + 0.2)
+        assert mqtt.serves("lin") is False
+        assert not agent.dataplane.model_ready("solo")
+        with pytest.raises(Exception, match="no cloud node is online"):
+            await mqtt.probe(time.monotonic() + 1)
+        started = time.monotonic()
+        receipt = await agent.infer("solo", {"x": X}, deadline_ms=3000, deferrable=True)
+        assert receipt.parameters["where"] == "deferred"
+        assert time.monotonic() - started < 1.0  # not the deadline's wait
