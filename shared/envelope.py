@@ -1,7 +1,9 @@
 """The MQTT MessagePack envelope (DESIGN.md section 2), sans-IO.
 
 Request: ``{id, model_version?, inputs: [{name, datatype, shape, data}],
-outputs?: [name], parameters?}``; reply ``{id, model_name, model_version,
+outputs?: [name | {name, parameters}], parameters?}`` (an output with
+parameters, Triton's ``classification`` say, is a map; a bare name otherwise,
+as every peer reads); reply ``{id, model_name, model_version,
 outputs, parameters}`` or ``{id, error: {code, message, retry_after_ms?}}``
 (``retry_after_ms`` on transient errors such as overloaded).  ``data`` is the
 tensor's raw little-endian bytes (BYTES: 4-byte length-prefixed elements).
@@ -38,11 +40,16 @@ class WireTensor(msgspec.Struct, kw_only=True):
     data: memoryview  # bytes also encode; decoding yields a view
 
 
+class WireOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
 class WireRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: str
     model_version: str | None = None
     inputs: list[WireTensor]
-    outputs: list[str] | None = None
+    outputs: list[str | WireOutput] | None = None
     parameters: dict[str, Any] | None = None
 
 
@@ -153,11 +160,18 @@ def _check_size(payload: bytes | memoryview, limits: Limits) -> None:
 def encode_request(request: InferRequest) -> bytes:
     if request.id is None:
         raise InvalidInput("an MQTT request needs an id")
+    outputs: list[str | WireOutput] | None = None
+    if request.outputs is not None:
+        # (dropped, a classification asked of an offload came back as the raw tensor)
+        outputs = [
+            WireOutput(name=o.name, parameters=o.parameters) if o.parameters else o.name
+            for o in request.outputs
+        ]
     wire = WireRequest(
         id=request.id,
         model_version=request.model_version,
         inputs=_wire(request.inputs),
-        outputs=request.output_names(),
+        outputs=outputs,
         parameters=request.parameters or None,
     )
     return _encoder.encode(wire)
@@ -175,7 +189,13 @@ def decode_request(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS)
         raise InvalidInput("inference request has no inputs")
     outputs = None
     if raw.outputs is not None:
-        outputs = [RequestedOutput(check_name(n, "output", limits)) for n in raw.outputs]
+        outputs = []
+        for out in raw.outputs:
+            if isinstance(out, str):
+                outputs.append(RequestedOutput(check_name(out, "output", limits)))
+                continue
+            name = check_name(out.name, "output", limits)
+            outputs.append(RequestedOutput(name, None, dict(out.parameters or {})))
     return InferRequest(
         inputs=_from_wire(raw.inputs, limits, "input"),
         id=raw.id,

@@ -133,3 +133,39 @@ async def test_a_model_the_agent_does_not_know_is_not_found_not_offloaded_or_def
         for deferrable in (False, True):
             with pytest.raises(ModelNotFound, match="unknown model 'nosuch'"):
                 await agent.infer("nosuch", x, deferrable=deferrable)
+
+
+async def test_classification_asked_of_an_mqtt_offload_comes_back_classified(
+    tmp_path: Path, example_repository: Path, broker
+) -> None:
+    # The envelope carried output names only: the cloud got no class_count and sent
+    # the raw probabilities back.
+    import asyncio
+
+    from shared.messages import InferRequest, RequestedOutput
+    from shared.tensors import Tensor
+
+    node = cloud_server(
+        example_repository, "--models", "orientation-jpeg", "--node", "cls", "--mqtt", broker.url
+    ).start()
+    try:
+        cfg = agent_toml(
+            tmp_path, example_repository, mqtt=broker.url, models=MODELS.format(mode="cloud")
+        )
+        async with Agent(load_agent_config(cfg)) as agent:
+            for _ in range(100):
+                if agent.transports["mqtt"].serves("orientation-jpeg"):
+                    break
+                await asyncio.sleep(0.05)
+            blob = orientation_jpegs(1, seed=5, quality=80)[0][0]
+            image = Tensor("image", "BYTES", np.array([[blob]], dtype=object))
+            asked = [RequestedOutput("fetch_name_0", parameters={"classification": 2})]
+            response = await agent.dataplane.infer(
+                "pages", InferRequest(inputs=[image], outputs=asked)
+            )
+            assert response.parameters["where"] == "cloud-mqtt"
+            (out,) = response.outputs
+            assert out.datatype == "BYTES" and out.data.shape == (1, 2)
+            assert out.data[0, 0].count(b":") == 2  # "score:index:label"
+    finally:
+        node.terminate()

@@ -299,3 +299,22 @@ def test_a_payload_that_is_only_nesting_has_no_id(as_map):
 def test_bool_bytes_other_than_0_and_1_are_refused():
     with pytest.raises(InvalidInput, match="BOOL bytes must be 0 or 1"):
         envelope.decode_request(_request(datatype="BOOL", shape=[2], data=b"\x00\x02"))
+
+
+def test_output_parameters_travel_and_bare_names_still_decode():
+    x = Tensor.from_array("x", np.ones(3, np.float32))
+    request = InferRequest(
+        inputs=[x],
+        id="r",
+        outputs=[RequestedOutput("y", parameters={"classification": 2}), RequestedOutput("z")],
+    )
+    decoded = envelope.decode_request(envelope.encode_request(request))
+    assert [(o.name, o.parameters) for o in decoded.outputs] == [
+        ("y", {"classification": 2}),
+        ("z", {}),
+    ]
+    # an older peer's request: outputs as a list of names
+    wire = msgspec.msgpack.decode(envelope.encode_request(request))
+    wire["outputs"] = ["y"]
+    decoded = envelope.decode_request(msgspec.msgpack.encode(wire))
+    assert [(o.name, o.parameters) for o in decoded.outputs] == [("y", {})]
