@@ -402,8 +402,8 @@ class Agent:
     async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
         return await self.dataplane.model_config(name, version)
 
-    def model_ready(self, name: str, version: str | None = None) -> bool:
-        return self.ready and self.dataplane.model_ready(name, version)
+    async def model_ready(self, name: str, version: str | None = None) -> bool:
+        return self.ready and await self.dataplane.ready(name, version)
 
     def repository_index(self) -> list[dict[str, str]]:
         return self.dataplane.repository_index()

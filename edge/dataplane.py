@@ -186,26 +186,62 @@ class EdgeDataPlane:
             model = self.local.get(mp.local_model)
         elif mp.cloud_model is None or not self.transports:
             raise ModelNotFound(f"unknown model {name!r}")
-        if version not in (None, "") and (model is None or version != str(model.version)):
-            raise ModelNotFound(f"model {name!r} has no version {version}")
+        if version not in (None, "") and model is not None and version != str(model.version):
+            if not self._cloud_version(name, version):
+                raise ModelNotFound(f"model {name!r} has no version {version}")
+            return None  # another version than the local one: the cloud's to serve
         return model
+
+    def _cloud_version(self, name: str, version: str | None) -> bool:
+        """Whether ``version`` of ``name`` is the cloud's to serve: a cloud-only model's
+        versions are the cloud's (it answers a 404 for one it lacks), and so is any
+        version but the local variant's where the model has a cloud route."""
+        if version in (None, ""):
+            return False
+        mp = self.core.policy.model_policy(name)
+        if mp.cloud_model is None or not self.transports or mp.mode == "local":
+            return False
+        local = (
+            self.local.get(mp.local_model)
+            if mp.local_model and self.local.has(mp.local_model)
+            else None
+        )
+        return local is None or str(local.version) != version
 
     async def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         """V2 metadata: the local variant's, or the cloud's for a cloud-only model."""
         model = self.resolve(name, version)
         if model is None:
-            return await self._cloud_json(name, "metadata")
+            return await self._cloud_json(name, "metadata", version)
         return v2_model_metadata(name, model.config, [str(model.version)])
 
     async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Triton-shaped configuration, from the same source as the metadata."""
         model = self.resolve(name, version)
         if model is None:
-            return await self._cloud_json(name, "config")
+            return await self._cloud_json(name, "config", version)
         return {**triton_model_config(model.config), "name": name}
 
+    async def ready(self, name: str, version: str | None = None) -> bool:
+        """:meth:`model_ready`, and a version the cloud serves asked of the cloud itself
+        (over HTTP; over MQTT alone, its nodes' status names models, not versions)."""
+        if not self.model_ready(name, version):
+            return False
+        http = self.transports.get("http")
+        if not self._cloud_version(name, version) or http is None:
+            return True
+        cloud_model = self.core.policy.model_policy(name).cloud_model
+        try:
+            await http.get_json(  # type: ignore[attr-defined]
+                f"/v2/models/{cloud_model}/versions/{version}/ready", time.monotonic() + 5.0
+            )
+        except FerryError:
+            return False
+        return True
+
     def model_ready(self, name: str, version: str | None = None) -> bool:
-        """A local variant is loaded, or (cloud-only) a transport could take it now."""
+        """A local variant is loaded, or (served by the cloud) a transport could take it
+        now: what routing knows, without asking the cloud (see :meth:`ready`)."""
         try:
             model = self.resolve(name, version)
         except FerryError:
@@ -241,8 +277,8 @@ class EdgeDataPlane:
             names = [name]
         return {"model_stats": [self.stats.to_triton(n) for n in names]}
 
-    async def _cloud_json(self, name: str, what: str) -> dict[str, Any]:
-        """Metadata or config of a cloud-only model, from the cloud's own V2 API."""
+    async def _cloud_json(self, name: str, what: str, version: str | None = None) -> dict[str, Any]:
+        """Metadata or config of a model (a version) the cloud serves, from its own V2 API."""
         mp = self.core.policy.model_policy(name)
         http = self.transports.get("http")
         if http is None or mp.cloud_model is None:
@@ -250,8 +286,9 @@ class EdgeDataPlane:
                 f"model {name!r} runs in the cloud only and no HTTP endpoint is configured "
                 f"to read its {what} from"
             )
+        at = f"/versions/{version}" if version else ""
         doc = await http.get_json(  # type: ignore[attr-defined]
-            f"/v2/models/{mp.cloud_model}{'/config' if what == 'config' else ''}",
+            f"/v2/models/{mp.cloud_model}{at}{'/config' if what == 'config' else ''}",
             time.monotonic() + 5.0,
         )
         doc["name"] = name
@@ -317,8 +354,18 @@ class EdgeDataPlane:
             request.parameters = {**request.parameters, "idempotency_key": app_key or request.id}
             if priority is not None:
                 request.parameters = {**request.parameters, "priority": priority}
+            # A version the cloud serves (not the local variant's) runs there only and goes
+            # with the request; the local one's number means nothing to the cloud.
+            cloud_version = self._cloud_version(model, request.model_version)
+            if not cloud_version:
+                request.model_version = None
             flow = self._begin(
-                model, request, start, deadline_ms=deadline_ms, deferrable=deferrable
+                model,
+                request,
+                start,
+                deadline_ms=deadline_ms,
+                deferrable=deferrable,
+                cloud_only=cloud_version,
             )
             wanted, output = request.output_names(), flow.mp.cascade_output
             if flow.wants_confidence and wanted is not None and output and output not in wanted:

@@ -161,9 +161,7 @@ class LocalApi(RoutedApp):
 
     async def model_ready(self, request: Request) -> Response:
         name = request.params["model"]
-        ready = self.agent.ready and self.agent.dataplane.model_ready(
-            name, request.params.get("version")
-        )
+        ready = await self.agent.model_ready(name, request.params.get("version"))
         return _json({"name": name, "ready": ready}, 200 if ready else 503)
 
     async def stats(self, request: Request) -> Response:
@@ -183,6 +181,7 @@ class LocalApi(RoutedApp):
         if version is not None:
             self.agent.dataplane.resolve(name, version)
         decoded = await decode_infer(request, self.limits)
+        decoded.model_version = version
         deadline_ms, priority, deferrable = _steering(decoded.parameters)
         response = await self.agent.dataplane.infer(
             name,

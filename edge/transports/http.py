@@ -73,7 +73,9 @@ class HttpTransport:
         except TimeoutError:
             raise DeadlineExceeded(f"no reply to {what} within the deadline") from None
         except OSError as exc:
-            raise EndpointUnavailable(f"cloud endpoint {self.base_url} unreachable: {exc}") from None
+            raise EndpointUnavailable(
+                f"cloud endpoint {self.base_url} unreachable: {exc}"
+            ) from None
 
     async def probe(self, deadline: float) -> float:
         """Round trip of ``GET /v2/health/live``: a light RTT sample."""
@@ -103,9 +105,13 @@ class HttpTransport:
             headers.append((v2.HEADER_LENGTH, str(header_length)))
         sent = sum(len(c) for c in chunks)
         started = time.monotonic()
-        resp = await self._call(
-            "POST", f"/v2/models/{model}/infer", deadline, f"model {model!r}", chunks, headers
+        version = request.model_version
+        path = (
+            f"/v2/models/{model}/versions/{version}/infer"
+            if version
+            else f"/v2/models/{model}/infer"
         )
+        resp = await self._call("POST", path, deadline, f"model {model!r}", chunks, headers)
         if resp.status != 200:
             raise _http_error(resp.status, bytes(resp.body))
         response = _decode_reply(resp, self.limits)
