@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -160,8 +161,9 @@ class EdgeDataPlane:
 
     # ---- the app's models (both fronts: the local V2 API and the Python API) ----
     def models(self) -> list[str]:
-        """The names an app may ask for: the policy file's, else the local models'."""
-        return sorted(self.core.policy.config.models) or self.local.names()
+        """The names an app may ask for: the policy file's and the local models' (each of
+        which is served under its own name too)."""
+        return sorted({*self.core.policy.config.models, *self.local.names()})
 
     def _known(self, name: str) -> None:
         """ModelNotFound unless ``name`` is one of the policy's models or a local model.
@@ -543,8 +545,10 @@ class EdgeDataPlane:
         config = local.config
         # The cloud's checks and Triton's classification extension, on the local
         # variant's own config: the same request gets the same answer or error here.
-        inputs = validated_inputs(config, request)
-        wanted = validated_outputs(config, request)
+        # (named as the app asked: "model 'types' has no input" puzzled one that sent 'typesl')
+        asked = config if config.name == flow.model else replace(config, name=flow.model)
+        inputs = validated_inputs(asked, request)
+        wanted = validated_outputs(asked, request)
         classes = requested_classes(config, request)
         outputs, seconds = await self.local.run(name, inputs, wanted, cancel)
         tensors = []

@@ -210,8 +210,9 @@ def test_the_local_api_answers_triton_config_stats_and_index_like_the_cloud(
         assert stats["inference_stats"]["success"]["count"] == 3
         assert sum(stats["where"].values()) == 3
         index = {e["name"]: e["state"] for e in client.get_model_repository_index()}
-        assert index == {"lin": "READY", "c": "READY"}
-        with pytest.raises(triton.InferenceServerException, match="no (loaded )?version 7"):
+        # (a local variant answers under its own name too: it is listed)
+        assert index == {"lin": "READY", "c": "READY", "lin-local": "READY"}
+        with pytest.raises(triton.InferenceServerException, match=r"no (loaded )?version 7"):
             client.infer("lin", [inp], model_version="7")
         assert not client.is_model_ready("lin", "7")
     finally:
@@ -314,7 +315,9 @@ async def test_the_python_api_answers_metadata_config_readiness_and_index_as_the
         assert meta["name"] == "lin" and meta["inputs"][0]["name"] == "x"
         assert (await agent.model_config("lin"))["name"] == "lin"
         assert await agent.model_ready("lin") and not await agent.model_ready("lin", "99")
-        assert [e["name"] for e in agent.repository_index()] == ["lin"]
+        assert [e["name"] for e in agent.repository_index()] == ["lin", "lin-local"]
+        with pytest.raises(InvalidInput, match="model 'lin' has no input 'q'"):
+            await agent.infer("lin", {"q": np.ones((1, 4), np.float32)}, deadline_ms=2000)
         with pytest.raises(ModelNotFound):
             await agent.model_metadata("lin", "99")
 
