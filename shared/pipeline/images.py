@@ -80,6 +80,19 @@ def decode(data: bytes, target: Target) -> np.ndarray:
     if fmt == "jpeg" and not _jpeg_complete(data):
         raise InvalidInput(f"{target.where}: the JPEG image is truncated (no end of image)")
     need_h, need_w = _decoded_size_needed(width, height, target)
+    # What the decode holds until the resize: every decoder writes the declared size
+    # (a JPEG's scaled by its IDCT reduction), and converting can copy it once more.
+    scale = _reduction((width, height), (need_w, need_h)) if fmt == "jpeg" else 1
+    held = -(-width // scale) * -(-height // scale) * 3 * 2
+    with pixel_budget().held(held):
+        return _decode(data, fmt, target, (width, height), (need_w, need_h))
+
+
+def _decode(
+    data: bytes, fmt: str, target: Target, size: tuple[int, int], need: tuple[int, int]
+) -> np.ndarray:
+    width, height = size
+    need_w, need_h = need
     pixels = None
     for decoder in _decoders(fmt, target.decoder):
         try:
@@ -93,6 +106,78 @@ def decode(data: bytes, target: Target) -> np.ndarray:
     if pixels is None:
         pixels = _pillow(data, fmt, target, (width, height), (need_w, need_h))
     return _fit(pixels, target)
+
+
+class PixelBudget:
+    """Bytes of decoded pixels the whole process may hold at once.
+
+    ``max_pixels`` bounds one image; nothing bounded them together: nine
+    models' workers and the decode pool each decoding a 36-megapixel PNG
+    (105 KB on the wire) took a process to 2 GB.  A decode waits here (in its
+    worker thread, never on the event loop) until its pixels fit; one that
+    needs more than the whole budget runs alone.  Each decode takes and gives
+    back its share without waiting on another, so none can wait forever.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = max(int(limit_bytes), 1)
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def held(self, nbytes: int) -> _Held:
+        return _Held(self, min(max(int(nbytes), 0), self.limit))
+
+    def _take(self, nbytes: int) -> None:
+        with self._cond:
+            while self.used and self.used + nbytes > self.limit:
+                self._cond.wait()
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+
+    def _give(self, nbytes: int) -> None:
+        with self._cond:
+            self.used -= nbytes
+            self._cond.notify_all()
+
+
+class _Held:
+    __slots__ = ("budget", "nbytes")
+
+    def __init__(self, budget: PixelBudget, nbytes: int) -> None:
+        self.budget, self.nbytes = budget, nbytes
+
+    def __enter__(self) -> None:
+        self.budget._take(self.nbytes)
+
+    def __exit__(self, *exc: object) -> None:
+        self.budget._give(self.nbytes)
+
+
+#: the budget's default: a quarter of the memory the process may still take, at most
+#: 1 GiB, at least 256 MiB (a camera photo's 12 megapixels are ~72 MB decoded here)
+DEFAULT_BUDGET_SHARE, DEFAULT_BUDGET_MAX, DEFAULT_BUDGET_MIN = 0.25, 1 << 30, 256 << 20
+_budget: PixelBudget | None = None
+
+
+def pixel_budget() -> PixelBudget:
+    """The process's budget (sized on first use; :func:`set_pixel_budget` replaces it)."""
+    global _budget
+    if _budget is None:
+        with _lock:
+            if _budget is None:
+                from shared.repository.capacity import available_memory
+
+                share = int(available_memory() * DEFAULT_BUDGET_SHARE)
+                _budget = PixelBudget(min(max(share, DEFAULT_BUDGET_MIN), DEFAULT_BUDGET_MAX))
+    return _budget
+
+
+def set_pixel_budget(limit_bytes: int) -> PixelBudget:
+    global _budget
+    with _lock:
+        _budget = PixelBudget(limit_bytes)
+    return _budget
 
 
 # ---- checks before decoding -----------------------------------------------------------------

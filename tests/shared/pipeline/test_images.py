@@ -204,3 +204,34 @@ def test_a_16_bit_gray_png_keeps_its_levels_with_every_decoder(decoder: str) -> 
     expected = (ramp >> 8).astype(int)
     # Pillow's convert("L") clipped every level past 255 (a near-white image)
     assert np.abs(out[:, :, 0].astype(int) - expected).mean() < 2
+
+
+def test_decoded_pixels_of_concurrent_decodes_stay_within_the_process_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each image was bounded alone: many workers decoding big PNGs at once held
+    # gigabytes together.  A decode now waits until its pixels fit the budget.
+    from concurrent.futures import ThreadPoolExecutor
+
+    png = encode(photo(600, 800), "PNG")  # 600 x 800 x 3 x 2 = 2.9 MB held per decode
+    budget = images.PixelBudget(6_000_000)  # two at a time
+    monkeypatch.setattr(images, "_budget", budget)
+    with ThreadPoolExecutor(6) as pool:
+        shapes = list(pool.map(lambda _: images.decode(png, target()).shape, range(12)))
+    assert shapes == [(64, 64, 3)] * 12
+    assert 0 < budget.peak <= budget.limit and budget.used == 0
+    # one image bigger than the whole budget still decodes, alone
+    monkeypatch.setattr(images, "_budget", images.PixelBudget(1000))
+    assert images.decode(png, target()).shape == (64, 64, 3)
+    assert images.pixel_budget().used == 0
+
+
+def test_a_decode_that_fails_gives_its_pixels_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.errors import InvalidInput
+
+    budget = images.PixelBudget(10_000_000)
+    monkeypatch.setattr(images, "_budget", budget)
+    good = encode(photo(300, 400), "PNG")
+    with pytest.raises(InvalidInput):
+        images.decode(good[: len(good) // 2], target())
+    assert budget.used == 0
