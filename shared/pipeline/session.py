@@ -315,7 +315,28 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
     integer = dtype.kind in "iu"
     scale = stage.scale if stage.scale is not None else (1.0 if integer else 1.0 / 255.0)
     std = np.asarray(stage.std or (1.0,), dtype=np.float64)
-    mean = np.asarray(stage.mean or (0.0,), dtype=np.float64)
+    mean_given = stage.mean
+    if not mean_given and stage.scale is None and dtype == np.int8:
+        # An INT8 input (TFLite's full-integer image models) takes pixel - 128: the one
+        # lossless map of 256 levels onto its range.  Pixels as they are clipped every
+        # one above 127 (half an image) to 127, without a word.
+        mean_given = (128.0,)
+    mean = np.asarray(mean_given or (0.0,), dtype=np.float64)
+    if integer:
+        info = np.iinfo(dtype)
+        ends = (np.array([0.0, 255.0])[:, None] * scale - mean) / std
+        if ends.min() < info.min - 0.5 or ends.max() > info.max + 0.5:
+            log.warning(
+                "%s: key '%s': pixels map onto %.4g..%.4g, beyond %s's %d..%d: what falls "
+                "outside is clipped (set scale, mean and std for this input's range)",
+                where,
+                key,
+                ends.min(),
+                ends.max(),
+                datatype,
+                info.min,
+                info.max,
+            )
     target = images.Target(
         height=h,
         width=w,
@@ -346,7 +367,7 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
         layout=layout,
         dtype=dtype,
         gain=_per_channel(np.float64(scale) / std, channels, layout),
-        offset=_per_channel(-mean / std, channels, layout) if stage.mean else None,
+        offset=_per_channel(-mean / std, channels, layout) if mean_given else None,
         batched=batched,
     )
 

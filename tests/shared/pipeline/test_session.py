@@ -274,3 +274,27 @@ def test_the_edge_install_brings_the_resize_the_cloud_uses() -> None:
     for tier in ("edge", "cloud"):
         assert "ferry[decode]" in extras[tier]
     assert any(d.startswith("opencv-python-headless") for d in extras["decode"])
+
+
+def test_an_int8_image_input_takes_pixel_minus_128_by_default(tmp_path: Path) -> None:
+    # Pixels as they were clipped every one above 127 to 127: half an image, unsaid.
+    write_image_model(tmp_path / "m" / "1" / "model.onnx", ["N", 32, 48, 3], TensorProto.INT8)
+    (tmp_path / "m" / "config.toml").write_text("[[preprocess]]\ncolor = 'rgb'\n")
+    session, _ = open_model(tmp_path, "m")
+    pixels = photo(32, 48)
+    out = session.run({"image": np.array([[encode(pixels, "PNG")]], dtype=object)})["y"]
+    assert out.dtype == np.int8
+    np.testing.assert_array_equal(out[0], (pixels.astype(np.int16) - 128).astype(np.int8))
+
+
+def test_a_pixel_map_beyond_an_integer_inputs_range_warns_at_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_image_model(tmp_path / "m" / "1" / "model.onnx", ["N", 32, 48, 3], TensorProto.UINT8)
+    (tmp_path / "m" / "config.toml").write_text("[[preprocess]]\nmean = [128]\n")
+    open_model(tmp_path, "m")
+    assert "beyond UINT8's 0..255" in caplog.text and "clipped" in caplog.text
+    caplog.clear()
+    (tmp_path / "m" / "config.toml").write_text("[[preprocess]]\n")  # raw pixels fit
+    open_model(tmp_path, "m")
+    assert "clipped" not in caplog.text
