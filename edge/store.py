@@ -196,14 +196,20 @@ class DeferredStore:
             or (self.max_bytes and size + adding > self.max_bytes)
         )
 
-    def pending(self, limit: int = 100, now_wall: float | None = None) -> list[DeferredItem]:
+    def pending(
+        self, limit: int = 100, now_wall: float | None = None, skip: frozenset[str] = frozenset()
+    ) -> list[DeferredItem]:
+        """The most urgent pending requests, but for those of the models in ``skip`` (ones
+        no transport takes now: the rest must not wait behind them)."""
         if not self.opened:
             return []
+        models = sorted(skip)
         rows = self._db.execute(
             "SELECT request_id, model, payload, created_wall, expires_wall, priority, attempts FROM deferred"
             " WHERE status = 'pending' AND (expires_wall IS NULL OR ? IS NULL OR expires_wall > ?)"
+            f" AND model NOT IN ({', '.join('?' * len(models))})"
             f" ORDER BY {_URGENCY}, created_wall LIMIT ?",
-            (now_wall, now_wall, limit),
+            (now_wall, now_wall, *models, limit),
         ).fetchall()
         return [DeferredItem(r[0], r[1], bytes(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
 

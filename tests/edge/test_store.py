@@ -340,3 +340,38 @@ async def test_a_model_no_transport_takes_now_waits_untouched_while_others_go(tm
     assert sent == ["b"] and store.result("a").status == "pending"
     assert not [w for w in writes if w.startswith("UPDATE")]
     await deferrer.close()
+
+
+async def test_a_backlog_drains_several_at_a_time_past_rows_of_a_model_nobody_takes(tmp_path):
+    # One request at a time and 50 per tick: a full store took minutes to drain after
+    # the link came back; and 50 rows of a model nobody served hid the rest behind them.
+    import asyncio
+    import time
+
+    from edge import deferred
+    from edge.deferred import Deferrer
+    from shared.messages import InferResponse
+
+    store = DeferredStore(tmp_path / "d.db")
+    now = time.time()
+    for i in range(60):
+        store.put("unserved", _request_bytes(f"u{i}"), request_id=f"u{i}", created_wall=now - 100,
+                  expires_wall=None)  # fmt: skip
+    for i in range(200):
+        store.put("served", _request_bytes(f"s{i}"), request_id=f"s{i}", created_wall=now,
+                  expires_wall=None)  # fmt: skip
+    deferrer = Deferrer(store)
+    inflight = peak = 0
+
+    async def send(model, request):
+        nonlocal inflight, peak
+        inflight += 1
+        peak = max(peak, inflight)
+        await asyncio.sleep(0.01)
+        inflight -= 1
+        return InferResponse(model_name=model, outputs=list(request.inputs), id=request.id)
+
+    assert await deferrer.flush(send, lambda model: model != "unserved") == 200
+    assert 1 < peak <= deferred.SENDERS
+    assert store.counts() == {"pending": 60, "delivered": 200}
+    await deferrer.close()
