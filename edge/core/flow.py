@@ -68,6 +68,9 @@ MISSING_MODEL_COOLDOWN_S = 30.0
 # How long a model the cloud says is not ready (failed load, unloading) is not
 # offloaded on that transport; the transport stays open for every other model.
 NOT_READY_MODEL_COOLDOWN_S = 10.0
+#: Time kept before a deferrable request's deadline for its receipt (the store's durable
+#: write, an fsync: receipts came 10-16 ms past a 300 ms deadline without it).
+DEFER_RESERVE_S = 0.05
 # The least time a stored (deferred) request is given to cross the link.
 DEFERRED_SEND_S = 30.0
 # A link estimate older than this is refreshed by a probe (when the radio is up).
@@ -456,6 +459,11 @@ class RequestFlow:
         self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial
         self._attempt = choice
         self._fallback = local if self.mp.local_model is not None else None
+        if self.deferrable and self._fallback is None:
+            # A deferral is the answer if the offload fails: its receipt (a durable
+            # write) must come by the deadline too, not a store write after it.
+            reserve = min(DEFER_RESERVE_S, 0.25 * max(self.deadline - now, 0.0))
+            give_up = min(give_up, self.deadline - reserve)
         return self._sent(Offload(choice, self.mp.cloud_model, give_up, reason), now)
 
     def local_done(

@@ -544,3 +544,26 @@ def test_without_a_data_cap_nothing_is_reserved_and_kept():
         flow = core.begin("m", now=1.0 + i, in_bytes=400_000, connected={"http": True})
         flow.start()
     assert core.reserved == {}
+
+
+@pytest.mark.parametrize("deadline_ms", [300, 2000])
+def test_a_deferrable_offload_gives_up_in_time_for_its_receipt_by_the_deadline(deadline_ms):
+    # Given up at the deadline, the deferral's durable write came after it (10-16 ms).
+    from edge.core.flow import DEFER_RESERVE_S, Defer
+
+    core = _core(mode="cloud")
+    core.policy.config.models["m"] = ModelPolicy(mode="cloud", local_model=None, cloud_model="m")
+    flow = core.begin(
+        "m",
+        now=1.0,
+        in_bytes=60_000,
+        connected={"http": True},
+        deadline_ms=deadline_ms,
+        deferrable=True,
+    )
+    action = flow.start()
+    assert isinstance(action, Offload)
+    reserve = min(DEFER_RESERVE_S, 0.25 * deadline_ms / 1000)
+    assert action.give_up_at == pytest.approx(flow.deadline - reserve)
+    after = flow.offload_failed(action.give_up_at, DeadlineExceeded("no reply"))
+    assert isinstance(after, Defer)
