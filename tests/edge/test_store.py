@@ -143,7 +143,7 @@ async def test_a_corrupt_row_fails_alone_and_the_rest_still_flush(tmp_path):
 
     from edge.deferred import Deferrer
     from shared import envelope
-    from shared.messages import InferRequest, InferResponse
+    from shared.messages import InferRequest
     from shared.tensors import Tensor
 
     store = DeferredStore(tmp_path / "d.db")
@@ -152,12 +152,7 @@ async def test_a_corrupt_row_fails_alone_and_the_rest_still_flush(tmp_path):
     store.put("m", envelope.encode_request(good), request_id="good", created_wall=2.0,
               expires_wall=None)  # fmt: skip
     deferrer = Deferrer(store)
-    sent = []
-
-    async def send(model, request):
-        sent.append(request.id)
-        return InferResponse(model_name=model, outputs=list(request.inputs), id=request.id)
-
+    send, sent = _echo()
     assert await deferrer.flush(send, lambda model: True) == 2
     assert sent == ["good"]
     assert store.result("bad").status == "failed" and "unreadable" in store.result("bad").error
@@ -321,19 +316,13 @@ async def test_a_model_no_transport_takes_now_waits_untouched_while_others_go(tm
     import time
 
     from edge.deferred import Deferrer
-    from shared.messages import InferResponse
 
     store = DeferredStore(tmp_path / "d.db")
     for name, model in (("a", "unserved"), ("b", "served")):
         store.put(model, _request_bytes(name), request_id=name, created_wall=time.time(),
                   expires_wall=None)  # fmt: skip
     deferrer = Deferrer(store)
-    sent = []
-
-    async def send(model, request):
-        sent.append(request.id)
-        return InferResponse(model_name=model, outputs=list(request.inputs), id=request.id)
-
+    send, sent = _echo()
     writes = []
     store._db.set_trace_callback(lambda sql: writes.append(sql) if "'a'" in sql else None)
     assert await deferrer.flush(send, lambda model: model != "unserved") == 1
@@ -375,3 +364,16 @@ async def test_a_backlog_drains_several_at_a_time_past_rows_of_a_model_nobody_ta
     assert 1 < peak <= deferred.SENDERS
     assert store.counts() == {"pending": 60, "delivered": 200}
     await deferrer.close()
+
+
+def _echo():
+    """A sender answering each request with its inputs, and the ids it was sent."""
+    from shared.messages import InferResponse
+
+    sent: list[str] = []
+
+    async def send(model, request):
+        sent.append(request.id)
+        return InferResponse(model_name=model, outputs=list(request.inputs), id=request.id)
+
+    return send, sent

@@ -313,15 +313,15 @@ def test_a_model_the_cloud_cannot_load_cools_down_alone_and_the_transport_stays_
     assert core.breakers["http"].state == "open"
 
 
-def _begin_cancellable(core, deadline_ms: float = 3000):
-    flow = core.begin(
-        "m",
-        now=1.0,
-        in_bytes=60_000,
-        connected={"http": True},
-        deadline_ms=deadline_ms,
-        local_cancellable=True,
+def _begin(core, deadline_ms: float = 3000, **kw):
+    """A 60 KB request for "m" at t=1 s with the HTTP link up."""
+    return core.begin(
+        "m", now=1.0, in_bytes=60_000, connected={"http": True}, deadline_ms=deadline_ms, **kw
     )
+
+
+def _begin_cancellable(core, deadline_ms: float = 3000):
+    flow = _begin(core, deadline_ms, local_cancellable=True)
     action = flow.start()
     assert isinstance(action, Hedge) and action.local_at is not None, action
     return flow, action
@@ -553,14 +553,7 @@ def test_a_deferrable_offload_gives_up_in_time_for_its_receipt_by_the_deadline(d
 
     core = _core(mode="cloud")
     core.policy.config.models["m"] = ModelPolicy(mode="cloud", local_model=None, cloud_model="m")
-    flow = core.begin(
-        "m",
-        now=1.0,
-        in_bytes=60_000,
-        connected={"http": True},
-        deadline_ms=deadline_ms,
-        deferrable=True,
-    )
+    flow = _begin(core, deadline_ms, deferrable=True)
     action = flow.start()
     assert isinstance(action, Offload)
     reserve = min(DEFER_RESERVE_S, 0.25 * deadline_ms / 1000)
