@@ -231,14 +231,18 @@ def password_file_text(
 def acl_text(principals: Sequence[Principal]) -> str:
     """Mosquitto ACL: each role reaches exactly the topics its Ferry program uses.
 
-    - device (edge agent): publishes requests to any model; reads the nodes'
-      retained status (the agent follows it to know whether some live node
-      serves a model); reads and writes only its own reply topic (the agent's
-      RTT probe publishes to it).  It cannot read other devices' requests.
+    - device (edge agent): publishes requests to any model, on its own user's
+      request topic only (``.../infer/<user>``: so a node knows who sent one,
+      and answers only into that user's replies); reads the nodes' retained
+      status (the agent follows it to know whether some live node serves a
+      model); reads and writes only its own reply topic (the agent's RTT probe
+      publishes to it).  It cannot read other devices' requests.
     - node (``ferry-cloud serve``): reads the request topics (its shared
-      subscription ``$share/ferry/...``), publishes to any reply topic (the
-      Response Topic each request names), publishes its own status (also its
-      last will, which the broker checks at CONNECT), reads the placement.
+      subscriptions ``$share/ferry/...``), publishes its forwarded requests on
+      its own user's request topic, publishes to the reply topics (a node
+      refuses a Response Topic outside the sender's own subtree), publishes its
+      own status (also its last will, which the broker checks at CONNECT),
+      reads the placement.
     - controller: reads every node status, publishes (and reads back) the
       retained placement.
 
@@ -269,12 +273,15 @@ def acl_text(principals: Sequence[Principal]) -> str:
         lines += ["", f"# {p.role}", f"user {p.name}"]
         if p.role == "device":
             lines += [
-                f"topic write {request_topic('+')}",
+                f"topic write {request_topic('+', p.name)}",
                 f"topic read {status_topic('+')}",
             ]
         elif p.role == "node":
             lines += [
                 f"topic read {request_topic('+')}",
+                f"topic read {request_topic('+', '+')}",
+                # (it forwards a request for a model it does not host, under its own name)
+                f"topic write {request_topic('+', p.name)}",
                 f"topic write {reply_topic('#')}",
                 f"topic write {status_topic(p.name)}",
                 f"topic read {PLACEMENT_TOPIC}",
@@ -317,7 +324,9 @@ def mosquitto_conf_text(
         "# Nagle's algorithm turns a 1 KB MQTT v5 round trip from 0.69 ms into 88 ms",
         "# (DESIGN.md section 2): keep TCP_NODELAY on.",
         "set_tcp_nodelay true",
-        "# Offloaded tensors are large; 64 MiB matches the servers' default body limit.",
+        "# Offloaded tensors are large: 64 MiB, above the servers' default body limit",
+        "# (16 MiB), so a request over that limit reaches a node and gets its",
+        "# payload_too_large answer instead of vanishing at the broker.",
         "max_packet_size 67108864",
         "max_inflight_messages 0",
         "max_queued_messages 10000",

@@ -43,10 +43,13 @@ from shared.errors import (
 )
 from shared.mqtt import (
     PREFIX,
+    REPLIES,
     BrokerAddress,
     model_from_topic,
+    parse_request_topic,
     reply_principal,
     shared_request_topic,
+    shared_request_topics,
     status_topic,
 )
 from shared.mqtt.codec import (
@@ -273,9 +276,28 @@ class MqttFront:
         self._reply(props, envelope.encode_error_reply(request_id, error))
 
     def _replyable(self, message: Publish) -> bool:
-        """Whether a reply can go to the request's Response Topic (logged when not)."""
+        """Whether a reply can go to the request's Response Topic (logged when not).
+
+        Only into the replies tree, and on a user's own request topic only into
+        that user's subtree: the node may write any reply topic, so without these
+        a requester could aim replies at a node's status topic (blanking its models
+        in the fleet view), at request topics, or into another device's replies,
+        matched to its pending requests.
+        """
         topic = message.properties.response_topic
         if not topic:
+            return False
+        parsed = parse_request_topic(message.topic)
+        sender = parsed[1] if parsed is not None else None
+        home = f"{REPLIES}{sender}/" if sender else REPLIES
+        if not topic.startswith(home):
+            self.bad_reply_topics += 1
+            log.warning(
+                "request on %s names Response Topic %r, outside %s#: not served, no reply",
+                message.topic,
+                topic[:200],
+                home,
+            )
             return False
         problem = topic_name_problem(topic)
         if problem is not None:
@@ -343,15 +365,15 @@ class MqttFront:
         and wait for the broker's acknowledgement (after it, no new request for it
         reaches this node), then for the requests already received to finish."""
         self._withheld.add(name)
-        topic = shared_request_topic(name)
+        topics = [t for t in shared_request_topics(name) if t in self._subscribed]
         client = self._client
-        if client is not None and topic in self._subscribed:
-            self._subscribed.discard(topic)
+        if client is not None and topics:
+            self._subscribed.difference_update(topics)
             if client.connected:
                 try:
-                    await asyncio.wait_for(client.unsubscribe(topic), timeout_s)
+                    await asyncio.wait_for(client.unsubscribe(*topics), timeout_s)
                 except TimeoutError:
-                    log.warning("no UNSUBACK for %s within %.1f s", topic, timeout_s)
+                    log.warning("no UNSUBACK for %s within %.1f s", topics, timeout_s)
                 except FerryError:
                     pass  # the connection dropped: the subscription went with it
         deadline = time.monotonic() + timeout_s
@@ -374,9 +396,10 @@ class MqttFront:
         if client is None or not self._accepting or not client.connected:
             return
         wanted = {
-            shared_request_topic(name)
+            topic
             for name in self.dataplane.loaded_names()
             if name not in self._withheld
+            for topic in shared_request_topics(name)
         }
         added = sorted(wanted - self._subscribed)
         if added:
@@ -407,7 +430,15 @@ class MqttFront:
     async def _answer(self, message: Publish, received: float, model: str | None) -> None:
         props = message.properties
         response_topic = props.response_topic
-        if response_topic and not self._replyable(message):
+        if not response_topic:
+            # (MQTT v3.1.1 has no Response Topic): nobody to answer, so nothing is run
+            log.warning(
+                "request on %s has no Response Topic (MQTT v5 requests need one): "
+                "not served, no reply",
+                message.topic,
+            )
+            return
+        if not self._replyable(message):
             return
         expiry = props.message_expiry
         deadline = received + expiry if expiry else None
@@ -426,12 +457,15 @@ class MqttFront:
             else:
                 request = envelope.decode_request(payload, self.limits)
             request_id = request.id
-            # the reply topic names the sender (the broker's ACLs keep it to its owner)
+            # Who sent it: the user whose own request topic it came on (a locked broker
+            # lets only that user publish there), else the user the reply topic names.
+            parsed = parse_request_topic(message.topic)
+            sender = parsed[1] if parsed is not None else None
             response = await self.dataplane.infer(
                 model,
                 request,
                 deadline=deadline,
-                principal=reply_principal(response_topic),
+                principal=sender or reply_principal(response_topic),
                 forwardable=not forwarded,
             )
             if envelope.encode_needs_worker(response):
@@ -447,11 +481,6 @@ class MqttFront:
             # the exception's text stays in the node's log: it may name paths or internals
             error = InternalError(f"internal error on node {self.node} (logged)")
             reply = envelope.encode_error_reply(request_id, error)
-        if not response_topic:
-            log.warning(
-                "request %s on %s has no Response Topic; no reply sent", request_id, message.topic
-            )
-            return
         try:
             self._reply(props, reply)
         except PacketTooLarge as exc:  # the answer itself: the requester still gets one

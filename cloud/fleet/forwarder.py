@@ -151,7 +151,7 @@ class Forwarder:
         self._pending[correlation] = _Pending(name, payload, props, future, until)
         self.forwarded += 1
         try:
-            self.front.publish(request_topic(name), payload, properties=props)
+            self.front.publish(request_topic(name, self.front.username), payload, properties=props)
             response = await asyncio.wait_for(future, max(0.0, until - time.monotonic()))
         except TimeoutError:
             raise DeadlineExceeded(
@@ -253,7 +253,8 @@ class Forwarder:
             message_expiry=expiry_s(left),
             user_properties=old.user_properties,
         )
-        self.front.publish(request_topic(pending.model), pending.payload, properties=props)
+        topic = request_topic(pending.model, self.front.username)
+        self.front.publish(topic, pending.payload, properties=props)
 
     def fail_all(self, error: FerryError) -> None:
         for pending in self._pending.values():

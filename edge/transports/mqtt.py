@@ -162,7 +162,9 @@ class MqttTransport:
             )
         correlation = request_id.encode()
         future: asyncio.Future[tuple[InferResponse, int]] = self._loop.create_future()
-        pending = _Pending(future, request_topic(model), payload, deadline)
+        # (under its broker user's own request topic when it logs in: see request_topic)
+        topic = request_topic(model, self.broker.username)
+        pending = _Pending(future, topic, payload, deadline)
         self._pending[correlation] = pending
         started = time.monotonic()
         try:
@@ -280,7 +282,7 @@ class MqttTransport:
                 # A node that (re)joins may have missed what was sent while it was
                 # away (a broker restarted without its sessions drops requests that
                 # no subscriber took): its models' waiting requests go out again.
-                topics = {request_topic(m) for m in models}
+                topics = {request_topic(m, self.broker.username) for m in models}
                 self._republish(lambda pending: pending.topic in topics)
         elif self.nodes.pop(node, None) is not None and self._pending:
             # A node that dies takes the requests in its hands with it (Mosquitto does

@@ -21,12 +21,28 @@ CONTROLLER_TOPIC = f"{PREFIX}/controller/status"
 ALERTS_TOPIC = f"{PREFIX}/fleet/alerts"
 
 
-def request_topic(model: str) -> str:
-    return f"{PREFIX}/models/{model}/infer"
+#: where every reply goes: a Response Topic outside it is refused (a node would
+#: otherwise publish into a status, request or system topic a requester names)
+REPLIES = f"{PREFIX}/replies/"
+
+
+def request_topic(model: str, user: str | None = None) -> str:
+    """A model's request topic; with ``user`` (a broker user name), that user's own
+    one: a locked broker lets each user publish only under its name, so a node
+    knows who sent a request there, which MQTT itself never tells a subscriber."""
+    base = f"{PREFIX}/models/{model}/infer"
+    return f"{base}/{user}" if user else base
 
 
 def shared_request_topic(model: str) -> str:
+    """The nodes' shared subscription to ``model``'s plain request topic."""
     return f"$share/{SHARE_GROUP}/{request_topic(model)}"
+
+
+def shared_request_topics(model: str) -> tuple[str, str]:
+    """The nodes' shared subscriptions for ``model``: its plain request topic and every
+    user's own (a message matches one of the two, so it is dealt once)."""
+    return shared_request_topic(model), f"$share/{SHARE_GROUP}/{request_topic(model, '+')}"
 
 
 def _one_level(topic: str, head: str, tail: str) -> str | None:
@@ -38,8 +54,23 @@ def _one_level(topic: str, head: str, tail: str) -> str | None:
 
 
 def model_from_topic(topic: str) -> str | None:
-    """The model name in a request topic, or None when the topic is not one."""
-    return _one_level(topic, f"{PREFIX}/models/", "/infer")
+    """The model name in a request topic (plain or a user's own), or None."""
+    parsed = parse_request_topic(topic)
+    return parsed[0] if parsed is not None else None
+
+
+def parse_request_topic(topic: str) -> tuple[str, str | None] | None:
+    """(model, the user whose own request topic it is, or None), or None when
+    ``topic`` is not a request topic."""
+    head = f"{PREFIX}/models/"
+    if not topic.startswith(head):
+        return None
+    parts = topic[len(head) :].split("/")
+    if len(parts) == 2 and parts[1] == "infer" and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[1] == "infer" and parts[0] and parts[2]:
+        return parts[0], parts[2]
+    return None
 
 
 def reply_topic(client_id: str, username: str | None = None) -> str:

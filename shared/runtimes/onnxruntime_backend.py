@@ -120,6 +120,18 @@ def _rows(value: Any, name: str, datatype: str) -> np.ndarray:
         ) from None
 
 
+#: "[ONNXRuntimeError] : 1 : FAIL : " and the C++ source file, line and function a
+#: check sits in ("/onnxruntime_src/.../element_wise_ops.h:583 void onnxruntime::...
+#: Append(ptrdiff_t, ptrdiff_t) "): the runtime's internals, not the reason
+_ORT_CODE = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_ORT_SOURCE = re.compile(r"/\S+\.(?:h|hpp|cc|cpp|c):\d+ (?:[^(\s]+ )*[^(\s]*\([^)]*\)(?: const)? ?")
+
+
+def _said(exc: Exception) -> str:
+    """ONNX Runtime's message without its error-code prefix and C++ source locations."""
+    return _ORT_SOURCE.sub("", _ORT_CODE.sub("", str(exc))).strip() or type(exc).__name__
+
+
 def _kernel_refused(message: str) -> bool:
     """Whether a FAIL from ``run`` is a kernel refusing these inputs (two dims that must
     agree do not, a sequence too short for a pad): the same request fails again, so it
@@ -224,13 +236,15 @@ class OnnxRuntimeSession:
             else:
                 result = session.run(names, feed, run_options)
         except self._bad_input_errors as exc:
-            raise InvalidInput(f"onnxruntime rejected the inputs: {exc}") from None
+            raise InvalidInput(f"onnxruntime rejected the inputs: {_said(exc)}") from None
         except self._node_failure as exc:
             if not _kernel_refused(str(exc)):
-                raise InternalError(f"onnxruntime failed: {type(exc).__name__}: {exc}") from None
-            raise InvalidInput(f"onnxruntime cannot run the model on these inputs: {exc}") from None
+                raise InternalError(f"onnxruntime failed: {_said(exc)}") from None
+            raise InvalidInput(
+                f"onnxruntime cannot run the model on these inputs: {_said(exc)}"
+            ) from None
         except Exception as exc:
-            raise InternalError(f"onnxruntime failed: {type(exc).__name__}: {exc}") from None
+            raise InternalError(f"onnxruntime failed: {type(exc).__name__}: {_said(exc)}") from None
         # ORT's outputs are fresh arrays the caller owns; only strings and maps need converting.
         out = {}
         for name, value in zip(names, result, strict=True):

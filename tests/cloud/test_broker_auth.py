@@ -47,7 +47,7 @@ from shared.mqtt import (
     BrokerAddress,
     reply_topic,
     request_topic,
-    shared_request_topic,
+    shared_request_topics,
     status_topic,
 )
 from shared.tensors import Tensor
@@ -200,6 +200,17 @@ class Peer:
         code = self.pubacks[info.mid].value
         return ACCEPTED if code in (0x00, 0x10) else code
 
+    def ask(self, topic: str, payload: bytes, response_topic: str, correlation: bytes) -> int:
+        """Publish a request (QoS 1) naming ``response_topic``; the PUBACK as publish()."""
+        from paho.mqtt.properties import Properties
+
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic, props.CorrelationData = response_topic, correlation
+        info = self.client.publish(topic, payload, qos=1, properties=props)
+        _wait(lambda: info.mid in self.pubacks, f"no PUBACK for {topic}")
+        code = self.pubacks[info.mid].value
+        return ACCEPTED if code in (0x00, 0x10) else code
+
     def payloads(self, topic: str | None = None) -> list[bytes]:
         with self._lock:
             return [m.payload for m in self.messages if topic is None or m.topic == topic]
@@ -237,12 +248,20 @@ def test_a_device_publishes_a_request_and_the_node_receives_it(locked):
     node = _peer(locked, NODE, will_topic=status_topic(NODE))  # will checked at CONNECT
     device = _peer(locked, "dev-a", client_id="ferry-edge-aaaa")
     try:
-        assert node.subscribe(shared_request_topic("linear")) == SUBSCRIBED
+        for topic in shared_request_topics("linear"):
+            assert node.subscribe(topic) == SUBSCRIBED
         assert node.publish(status_topic(NODE), b'{"state": "online"}', retain=True) == ACCEPTED
         assert device.subscribe(status_topic("+")) == SUBSCRIBED  # the agent follows them
-        assert device.publish(request_topic("linear"), b"request") == ACCEPTED
+        assert device.publish(request_topic("linear", "dev-a"), b"request") == ACCEPTED
         _wait(lambda: node.payloads() == [b"request"], "the node got no request")
         _wait(lambda: device.payloads() == [b'{"state": "online"}'], "no retained status")
+        # Only under its own name: a node takes the sender from the topic, so a request
+        # on the plain topic or another user's would let it pose as someone else.
+        assert device.publish(request_topic("linear"), b"plain") == NOT_AUTHORIZED
+        assert device.publish(request_topic("linear", "dev-b"), b"posing") == NOT_AUTHORIZED
+        # a node forwards under its own name
+        assert node.publish(request_topic("linear", NODE), b"forwarded") == ACCEPTED
+        _wait(lambda: b"forwarded" in node.payloads(), "the forwarded request got nowhere")
     finally:
         device.close()
         node.close()
@@ -346,11 +365,12 @@ def test_a_device_reads_no_requests_not_even_from_the_share_group(locked):
     spy = _peer(locked, "dev-b")
     device = _peer(locked, "dev-a")
     try:
-        assert node.subscribe(shared_request_topic("m")) == SUBSCRIBED
-        assert spy.subscribe(shared_request_topic("m")) == SUBSCRIBED
-        assert spy.subscribe(request_topic("+")) == SUBSCRIBED
+        for topic in shared_request_topics("m"):
+            assert node.subscribe(topic) == SUBSCRIBED
+            assert spy.subscribe(topic) == SUBSCRIBED
+        assert spy.subscribe(request_topic("+", "+")) == SUBSCRIBED
         for i in range(10):
-            assert device.publish(request_topic("m"), b"%d" % i) == ACCEPTED
+            assert device.publish(request_topic("m", "dev-a"), b"%d" % i) == ACCEPTED
         _wait(lambda: len(node.payloads()) >= 1, "the node got no request")
         time.sleep(0.2)
         assert spy.payloads() == []
@@ -554,3 +574,49 @@ async def test_the_real_agent_and_node_work_through_the_locked_broker(locked, tm
     finally:
         await agent.close()
         node.terminate()
+
+
+def test_a_device_cannot_aim_a_nodes_replies_outside_its_own_subtree(locked, tmp_path):
+    """The node may write every reply topic, and MQTT never says who published: a
+    device named another device's reply topic (replies and idempotency keys matched
+    to that device's requests) or the node's status topic (its models blanked in the
+    fleet view), and the node published there.  It now answers into the sender's
+    own subtree only, the sender being the user whose request topic it came on."""
+    from shared import envelope
+    from shared.envelope import decode_reply
+
+    write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
+    cfg = tmp_path / "cloud.toml"
+    cfg.write_text(
+        f'repository = "{tmp_path / "repo"}"\nnode = "{NODE}"\n[http]\nenabled = false\n'
+        f'[mqtt]\nurl = "mqtt://127.0.0.1:{locked.port}"\nusername = "{NODE}"\n'
+        f'password_file = "{locked.files.passwords_dir / f"{NODE}.pass"}"\n'
+    )
+    node = cloud_server(tmp_path / "repo", "--config", str(cfg)).start()
+    a, b = _peer(locked, "dev-a"), _peer(locked, "dev-b")
+    a_home, b_home = reply_topic("app", "dev-a"), reply_topic("app", "dev-b")
+    x = np.ones((1, 4), np.float32)
+
+    def request(rid: str) -> bytes:
+        return envelope.encode_request(InferRequest(inputs=[Tensor.from_array("x", x)], id=rid))
+
+    try:
+        assert a.subscribe(a_home) == SUBSCRIBED and b.subscribe(b_home) == SUBSCRIBED
+        assert b.subscribe(status_topic("+")) == SUBSCRIBED
+        _wait(lambda: b.payloads(status_topic(NODE)), "the node published no status")
+        topic = request_topic("linear", "dev-a")
+        assert a.ask(topic, request("forged"), b_home, b"c1") == ACCEPTED
+        assert a.ask(topic, request("spoof"), status_topic(NODE), b"c2") == ACCEPTED
+        assert a.ask(topic, request("mine"), a_home, b"c3") == ACCEPTED
+        _wait(lambda: a.payloads(a_home), "the sender's own request got no reply")
+        (rid, response) = decode_reply(a.payloads(a_home)[0])
+        assert rid == "mine" and response.outputs
+        time.sleep(0.3)
+        assert b.payloads(b_home) == []
+        statuses = b.payloads(status_topic(NODE))
+        assert all(s.startswith(b"{") for s in statuses)  # JSON statuses only, no reply
+    finally:
+        a.close()
+        b.close()
+        node.terminate()
+    assert node.output().count("outside ferry/v1/replies/dev-a/#") == 2

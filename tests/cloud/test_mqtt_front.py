@@ -275,6 +275,10 @@ def test_a_wildcard_response_topic_is_not_published_to_and_the_node_stays_connec
         sent = [raw.publish("slow", x * (i + 1)) for i in range(6)]
         for bad in ("ferry/v1/replies/+/x", "ferry/v1/replies/#"):
             raw.publish("slow", x, reply_topic=bad)
+        # outside the replies tree: a status (blanks a node in the fleet view), a
+        # request topic (a loop), anything else
+        for bad in ("ferry/v1/nodes/n1/status", "ferry/v1/models/slow/infer", "other/x"):
+            raw.publish("slow", x, reply_topic=bad)
         sent += [raw.publish("slow", x * (i + 7)) for i in range(6)]
         raw.wait_replies(sent, timeout=30)
     finally:
@@ -286,6 +290,7 @@ def test_a_wildcard_response_topic_is_not_published_to_and_the_node_stays_connec
         np.testing.assert_allclose(result.outputs[0].data, np.full((1, 4), i + 1))
     log = node.output()
     assert "wildcard" in log and "broker disconnected us" not in log
+    assert log.count("outside ferry/v1/replies/#") == 3
 
 
 def test_flood_beyond_the_in_flight_cap_gets_overloaded_replies_with_a_retry_hint(broker, tmp_path):
@@ -500,3 +505,29 @@ async def test_a_draining_front_answers_every_request_it_received(broker, tmp_pa
             np.testing.assert_allclose(r[0][1].outputs[0].data, np.full((1, 4), i + 1))
         elif r:
             assert isinstance(r[0][1], ShuttingDown | ModelNotReady)
+
+
+def test_a_request_without_a_response_topic_is_not_run(broker, tmp_path):
+    """An MQTT v3.1.1 client has no Response Topic: nobody can be answered, so the model
+    is not run for it (it was, and its answer thrown away)."""
+    import urllib.request
+
+    node = _slow_node(broker, build_slow_repository(tmp_path / "repo"))
+    raw = RawClient(broker)
+    old = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    try:
+        old.connect("127.0.0.1", broker.port)
+        old.loop_start()
+        x = np.ones((1, 4), np.float32)
+        request = envelope.encode_request(InferRequest(inputs=[Tensor.from_array("x", x)], id="v3"))
+        old.publish("ferry/v1/models/slow/infer", request, qos=1).wait_for_publish(5)
+        raw.wait_replies([raw.publish("slow", x)], timeout=30)  # after it, in order
+        with urllib.request.urlopen(f"{node.http_url}/v2/models/slow/stats", timeout=10) as r:
+            stats = json.loads(r.read())["model_stats"][0]["inference_stats"]
+        assert stats["success"]["count"] == 1
+    finally:
+        old.disconnect()
+        old.loop_stop()
+        raw.close()
+        node.terminate()
+    assert "has no Response Topic (MQTT v5 requests need one): not served" in node.output()
