@@ -50,14 +50,3 @@ class ByteBudget:
             f"budget of {self.limit}",
             retry_after=BUDGET_RETRY_S,
         )
-
-
-def default_max_connections() -> int:
-    """Connections a node accepts by default: room below the descriptor limit for
-    model files, the broker and the runtimes' own."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 4096
-    return max(16, min(4096, soft - 128))

@@ -33,6 +33,7 @@ from shared.aio.http_server import (
     Router,
     ServerOptions,
     add_v2_routes,
+    default_max_connections,
 )
 from shared.aio.v2http import decode_infer, encode_infer
 from shared.errors import InvalidInput, PermissionDenied, Unauthenticated
@@ -204,7 +205,11 @@ async def start_local_api(
     """Serve ``agent``'s local API; ``server.port`` says where (port 0 picks one)."""
     api = LocalApi(agent, limits, tokens)
     # no pool of request bodies on a device: each would stay resident between requests
-    options = ServerOptions(max_body_bytes=api.limits.max_body_bytes, body_pool_bytes=0)
+    options = ServerOptions(
+        max_body_bytes=api.limits.max_body_bytes,
+        body_pool_bytes=0,
+        max_connections=default_max_connections(),
+    )
     server = HttpServer(api, options)
     await server.start(host, port)
     return server

@@ -137,6 +137,18 @@ class HttpApp(Protocol):
     def finished(self, request: Request) -> None: ...
 
 
+def default_max_connections() -> int:
+    """Connections a server accepts by default: room below the descriptor limit for
+    model files, the broker and the runtimes' own (past the limit, accept() fails
+    in a loop: the agent took 100% CPU and logged megabytes a second, deaf)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft - 128))
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     max_body_bytes: int = 16 * 1024 * 1024

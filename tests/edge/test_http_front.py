@@ -44,3 +44,33 @@ async def test_the_local_api_takes_an_optional_token_and_keeps_health_open(tmp_p
         )
         assert link.status == 403 and (await link.json())["code"] == "permission_denied"
     await server.close()
+
+
+async def test_the_local_api_caps_its_connections_below_the_descriptor_limit(monkeypatch):
+    # Uncapped, ~1000 idle connections used up the descriptors: accept() failed in a
+    # loop (100% CPU, megabytes of log a second) and health went unanswered.
+    import asyncio
+
+    from edge import http_front
+
+    class _Agent:
+        ready = True
+
+    monkeypatch.setattr(http_front, "default_max_connections", lambda: 2)
+    server = await http_front.start_local_api(_Agent(), "127.0.0.1", 0)
+    try:
+        held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\n\r\n")
+        assert (await reader.read(100)).startswith(b"HTTP/1.1 503")
+        writer.close()
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\n\r\n")
+        assert (await reader.read(100)).startswith(b"HTTP/1.1 200")
+        writer.close()
+    finally:
+        await server.close()
