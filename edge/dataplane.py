@@ -550,7 +550,7 @@ class EdgeDataPlane:
         inputs = validated_inputs(asked, request)
         wanted = validated_outputs(asked, request)
         classes = requested_classes(config, request)
-        outputs, seconds = await self.local.run(name, inputs, wanted, cancel)
+        outputs, seconds = await self.local.run(name, inputs, wanted, cancel, flow.deadline)
         tensors = []
         for n in wanted or list(outputs):
             if classes and n in classes:

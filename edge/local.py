@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from shared.aio.threads import SessionThread
-from shared.errors import ModelNotFound, Overloaded, RunCancelled
+from shared.errors import DeadlineExceeded, ModelNotFound, Overloaded, RunCancelled
 from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
 from shared.runtimes import RuntimeOptions, Session
@@ -120,11 +121,15 @@ class LocalModels:
         inputs: dict[str, np.ndarray],
         outputs: list[str] | None = None,
         cancel: Cancel | None = None,
+        deadline: float | None = None,
     ) -> tuple[dict[str, np.ndarray], float]:
-        """Outputs and compute seconds; RunCancelled when ``cancel`` stopped it."""
+        """Outputs and compute seconds; RunCancelled when ``cancel`` stopped it, and
+        DeadlineExceeded when ``deadline`` (monotonic) passed before the run started
+        (queued behind others: a late answer is no answer, as a cloud queue says)."""
         model = self.get(name)
         loop = asyncio.get_running_loop()
         waiting = self._backlog.get(name, 0)
+        _check_deadline(name, deadline, waiting)
         if self.max_backlog and waiting >= self.max_backlog:
             # The session thread's queue is bounded here: past it a request is refused at once
             # instead of queueing work the device cannot finish in anyone's deadline.
@@ -141,7 +146,14 @@ class LocalModels:
                 if model.thread is None:
                     model.thread = SessionThread(f"local-{name}", loop)
                 handed = time.perf_counter_ns()
-                result, seconds = await model.thread.run(model.run_sync, inputs, outputs, cancel)
+                run = model.run_sync
+                if deadline is not None:
+
+                    def run(i: Any, o: Any, c: Any, w: int = waiting) -> Any:
+                        _check_deadline(name, deadline, w)  # (in the thread, as it starts)
+                        return model.run_sync(i, o, c)
+
+                result, seconds = await model.thread.run(run, inputs, outputs, cancel)
                 if not waiting:  # a lone run's hand-off: what running it in place saves
                     model.gate.record_hop(time.perf_counter_ns() - handed - int(seconds * 1e9))
             model.gate.record(int(seconds * 1e9), nbytes)
@@ -151,6 +163,7 @@ class LocalModels:
             if emulated > seconds:
                 lock = self._emulated.setdefault(name, asyncio.Lock())
                 async with lock:
+                    _check_deadline(name, deadline, waiting)  # (the emulated device's queue)
                     if cancel is not None and cancellable(model.session):
                         await _emulated_run(loop, emulated - seconds, cancel)
                     else:
@@ -167,6 +180,14 @@ class LocalModels:
                 model.thread.join()
             model.session.close()
         self._models.clear()
+
+
+def _check_deadline(name: str, deadline: float | None, ahead: int) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceeded(
+            f"local model {name!r}: the deadline passed before the run could start "
+            f"({ahead} request(s) ahead of it)"
+        )
 
 
 async def _emulated_run(loop: asyncio.AbstractEventLoop, seconds: float, cancel: Cancel) -> None:

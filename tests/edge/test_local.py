@@ -60,3 +60,25 @@ async def test_a_tiny_local_model_runs_on_the_loop_once_warmed_and_never_behind_
     await asyncio.gather(local.run("lin", big), local.run("lin", x))
     assert len(threads) == 2 and loop not in threads
     local.close()
+
+
+async def test_a_run_still_queued_at_its_deadline_is_refused_not_answered_late(tmp_path):
+    # Queued behind others, local runs answered 200 seconds past a 100 ms deadline.
+    import time
+
+    from shared.errors import DeadlineExceeded
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx")
+    local = LocalModels(ModelRepository(tmp_path), latency_floor_s=0.2)  # one at a time
+    local.load("lin")
+    x = {"x": np.ones((1, 4), np.float32)}
+    deadline = time.monotonic() + 0.15  # the second would start at 0.2 s
+    runs = [local.run("lin", x, deadline=deadline) for _ in range(3)]
+    results = await asyncio.gather(*runs, return_exceptions=True)
+    assert not isinstance(results[0], BaseException)  # it started in time: it answers
+    assert all(isinstance(r, DeadlineExceeded) for r in results[1:]), results
+    assert "before the run could start" in str(results[2])
+    with pytest.raises(DeadlineExceeded):  # already past: not even queued
+        await local.run("lin", x, deadline=time.monotonic() - 0.01)
+    assert local.backlog("lin") == 0
+    local.close()
