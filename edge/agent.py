@@ -48,6 +48,9 @@ from shared.tls import client_tls_context
 
 log = logging.getLogger(__name__)
 
+#: seconds between tries of a config reload that failed while the file stays unchanged
+RELOAD_RETRY_S = 10.0
+
 #: what POST /v2/agent/link may name: a profile of devices/links, not a path
 _LINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
@@ -156,6 +159,8 @@ class Agent:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._config_mtime = self._mtime()
+        # (mtime, message, when) of the last reload that failed: tried again (see _watch_config)
+        self._reload_failed: tuple[float, str, float] | None = None
         self._rapl = RaplReader()
         self.started_at: float | None = None
         self.ready = False
@@ -292,11 +297,22 @@ class Agent:
         except OSError:
             return None
 
-    async def _watch_config(self) -> None:
+    async def _watch_config(self, force: bool = False) -> None:
+        """Reload the config file when it changed (or ``force``: SIGHUP).
+
+        A reload that failed is tried again every ``RELOAD_RETRY_S`` while the
+        file stays as it is: the edit may be right and the world not yet (the
+        model folder it names still being copied in, descriptors short for a
+        moment), and it must not stay unapplied until the file is touched again.
+        The same failure is logged once."""
         mtime = self._mtime()
-        if mtime is None or mtime == self._config_mtime:
+        if mtime is None:
             return
-        self._config_mtime = mtime
+        now = time.monotonic()
+        failed = self._reload_failed
+        if not force and mtime == self._config_mtime:
+            if failed is None or failed[0] != mtime or now - failed[2] < RELOAD_RETRY_S:
+                return
         assert self.config.source is not None
         try:
             new = load_agent_config(self.config.source)
@@ -304,8 +320,11 @@ class Agent:
             links = {t: load_link(new.links[t]) for t in self.transports}
             await self._load_local_models(new)
         except FerryError as exc:
-            log.error("agent config not reloaded, keeping the running one: %s", exc.message)
+            if failed is None or failed[:2] != (mtime, exc.message):
+                log.error("agent config not reloaded, keeping the running one: %s", exc.message)
+            self._config_mtime, self._reload_failed = mtime, (mtime, exc.message, now)
             return
+        self._config_mtime, self._reload_failed = mtime, None
         self.apply(new, device, links)
         log.info("agent config reloaded from %s", new.source)
 

@@ -104,6 +104,38 @@ async def test_a_bad_edit_is_ignored_and_a_good_one_swapped_in(tmp_path, edge_re
         await agent.stop()
 
 
+async def test_an_edit_that_failed_for_want_of_its_model_is_applied_once_the_model_is_there(
+    tmp_path, edge_repos, monkeypatch, caplog
+):
+    # The mtime was taken as handled before the reload: an edit naming a model folder
+    # still being copied in failed once and stayed unapplied until the file changed.
+    import os
+    import shutil
+
+    from edge import agent as agent_module
+    from edge.agent import Agent
+    from tests.edge.conftest import agent_toml
+
+    local = tmp_path / "local"
+    shutil.copytree(edge_repos[1] / "lin-local", local / "lin-local")
+    path = agent_toml(tmp_path, local, models='[models.lin]\nlocal = "lin-local"\n')
+    monkeypatch.setattr(agent_module, "RELOAD_RETRY_S", 0.0)
+    agent = Agent(load_agent_config(path))
+    await agent.start()
+    try:
+        path.write_text(path.read_text() + '[models.soft]\nlocal = "soft-local"\n')
+        os.utime(path, (5, 5))
+        await agent._watch_config()
+        await agent._watch_config()  # tried again: the same failure, logged once
+        assert "soft" not in agent.dataplane.policy.config.models
+        assert caplog.text.count("agent config not reloaded") == 1
+        shutil.copytree(edge_repos[1] / "soft-local", local / "soft-local")
+        await agent._watch_config()  # the file is as it was: the retry applies it
+        assert "soft" in agent.dataplane.policy.config.models
+    finally:
+        await agent.stop()
+
+
 def test_profile_paths_resolve_against_the_config_folder(tmp_path: Path):
     (tmp_path / "my-link.toml").write_text(
         (ROOT / "devices" / "links" / "lte.toml")
