@@ -192,6 +192,12 @@ async def serve(config: CloudConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGHUP's default killed the node on the spot, requests in flight and all; there
+    # is nothing to reload by hand (the repository is watched): said, and kept serving.
+    loop.add_signal_handler(
+        signal.SIGHUP,
+        lambda: log.warning("SIGHUP ignored: the repository is rescanned on its own"),
+    )
     await server.start()
     parts = [f"node={config.node}", f"models={','.join(server.dataplane.loaded_names()) or '-'}"]
     if server.http_port is not None:

@@ -161,6 +161,7 @@ class Agent:
         self._config_mtime = self._mtime()
         # (mtime, message, when) of the last reload that failed: tried again (see _watch_config)
         self._reload_failed: tuple[float, str, float] | None = None
+        self._reloads: set[asyncio.Task[None]] = set()  # (SIGHUP's, held till done)
         self._rapl = RaplReader()
         self.started_at: float | None = None
         self.ready = False
@@ -296,6 +297,13 @@ class Agent:
             return src.stat().st_mtime if src else None
         except OSError:
             return None
+
+    def reload_soon(self) -> None:
+        """Re-read the config file now, changed or not (SIGHUP)."""
+        log.info("SIGHUP: re-reading %s", self.config.source)
+        task = asyncio.get_running_loop().create_task(self._watch_config(force=True))
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
 
     async def _watch_config(self, force: bool = False) -> None:
         """Reload the config file when it changed (or ``force``: SIGHUP).

@@ -78,6 +78,9 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGHUP (a closed terminal, an operator's "reload"): re-read the config now; by
+    # default it killed the agent on the spot, requests in flight and estimates lost.
+    loop.add_signal_handler(signal.SIGHUP, agent.reload_soon)
     await agent.start()
     server = None
     parts = [

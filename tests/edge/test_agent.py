@@ -498,3 +498,31 @@ async def test_a_version_the_cloud_serves_is_routed_there_through_the_local_api(
                 await server.close()
     finally:
         node.terminate()
+
+
+def test_sighup_rereads_the_config_and_the_agent_and_the_cloud_stay_up(tmp_path, edge_repos):
+    # SIGHUP's default killed either process at once, requests in flight and all.
+    import signal
+
+    node = cloud_server(edge_repos[0]).start()
+    try:
+        cfg = agent_toml(tmp_path, edge_repos[1], http=node.http_url, models=LIN)
+        agent = edge_agent(cfg).start()
+        try:
+            cfg.write_text(cfg.read_text().replace("deadline_ms = 2000", "deadline_ms = 750"))
+            for proc in (agent, node):
+                proc.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while "agent config reloaded" not in agent.output() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "SIGHUP: re-reading" in agent.output()
+            assert "agent config reloaded" in agent.output()
+            for proc in (agent, node):
+                assert proc.proc.poll() is None
+                with urllib.request.urlopen(f"{proc.http_url}/v2/health/live", timeout=5) as r:
+                    assert r.status == 200
+            assert "SIGHUP ignored" in node.output()
+        finally:
+            agent.terminate()
+    finally:
+        node.terminate()
