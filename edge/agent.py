@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 #: seconds between tries of a config reload that failed while the file stays unchanged
 RELOAD_RETRY_S = 10.0
+#: seconds a local variant the config no longer names stays loaded (requests that
+#: began before the reload may still run it), after which it is unloaded when idle
+RETIRE_AFTER_S = 30.0
 
 #: what POST /v2/agent/link may name: a profile of devices/links, not a path
 _LINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -162,6 +165,7 @@ class Agent:
         # (mtime, message, when) of the last reload that failed: tried again (see _watch_config)
         self._reload_failed: tuple[float, str, float] | None = None
         self._reloads: set[asyncio.Task[None]] = set()  # (SIGHUP's, held till done)
+        self._retired: dict[str, float] = {}  # local model -> when the config let it go
         self._rapl = RaplReader()
         self.started_at: float | None = None
         self.ready = False
@@ -298,6 +302,17 @@ class Agent:
         except OSError:
             return None
 
+    async def _unload_retired(self) -> None:
+        """Unload the local variants retired ``RETIRE_AFTER_S`` ago with no run under way
+        (a request that began before the reload may still be on its way to one)."""
+        now = time.monotonic()
+        for name, since in list(self._retired.items()):
+            if now - since < RETIRE_AFTER_S:
+                continue
+            if await asyncio.to_thread(self.local.unload, name):
+                del self._retired[name]
+                log.info("local model %s unloaded: the config no longer names it", name)
+
     def reload_soon(self) -> None:
         """Re-read the config file now, changed or not (SIGHUP)."""
         log.info("SIGHUP: re-reading %s", self.config.source)
@@ -313,6 +328,7 @@ class Agent:
         model folder it names still being copied in, descriptors short for a
         moment), and it must not stay unapplied until the file is touched again.
         The same failure is logged once."""
+        await self._unload_retired()
         mtime = self._mtime()
         if mtime is None:
             return
@@ -355,6 +371,15 @@ class Agent:
         self.store.max_rows, self.store.max_bytes = s.max_requests, s.max_bytes
         self.dataplane.policy = Policy(new.policy, self.estimators, self.device, self.links)
         self.config = new
+        # Local variants the new config no longer names are unloaded once no request
+        # can still be on its way to them (a remap kept every old one, ~90 MB each).
+        wanted = set(self._wanted_local(new))
+        now = time.monotonic()
+        for name in self.local.names():
+            if name not in wanted:
+                self._retired.setdefault(name, now)
+        for name in wanted:
+            self._retired.pop(name, None)
 
     def set_link(self, transport: str, link: str, signal_dbm: float | None = None) -> LinkProfile:
         """The OS reported a network change (e.g. WiFi -> LTE) under ``transport``.

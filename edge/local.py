@@ -173,6 +173,23 @@ class LocalModels:
             self._backlog[name] -= 1
         return result, seconds
 
+    def unload(self, name: str) -> bool:
+        """Drop ``name`` (its session, thread and memory) unless a run of it is under way;
+        True when it is gone.  Blocking (joins its thread): call off the loop."""
+        model = self._models.get(name)
+        if model is None:
+            return True
+        if self._backlog.get(name, 0):
+            return False
+        del self._models[name]
+        self._backlog.pop(name, None)
+        self._emulated.pop(name, None)
+        if model.thread is not None:
+            model.thread.stop()
+            model.thread.join()
+        model.session.close()
+        return True
+
     def close(self) -> None:
         for model in self._models.values():
             if model.thread is not None:

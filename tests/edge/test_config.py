@@ -136,6 +136,34 @@ async def test_an_edit_that_failed_for_want_of_its_model_is_applied_once_the_mod
         await agent.stop()
 
 
+async def test_a_local_variant_the_config_drops_is_unloaded_once_idle(
+    tmp_path, edge_repos, monkeypatch
+):
+    # Reloads only ever loaded: each remap kept the old variant's memory for good.
+    import os
+
+    from edge import agent as agent_module
+    from edge.agent import Agent
+    from tests.edge.conftest import agent_toml
+
+    both = '[models.lin]\nlocal = "lin-local"\n[models.soft]\nlocal = "soft-local"\n'
+    path = agent_toml(tmp_path, edge_repos[1], models=both)
+    monkeypatch.setattr(agent_module, "RETIRE_AFTER_S", 0.0)
+    agent = Agent(load_agent_config(path))
+    await agent.start()
+    try:
+        assert agent.local.names() == ["lin-local", "soft-local"]
+        path.write_text(path.read_text().replace('[models.soft]\nlocal = "soft-local"\n', ""))
+        os.utime(path, (7, 7))
+        await agent._watch_config()  # reloaded: soft-local retired
+        await agent._watch_config()  # idle and past its time: unloaded
+        assert agent.local.names() == ["lin-local"]
+        assert not await agent.model_ready("soft-local")
+        assert await agent.model_ready("lin")
+    finally:
+        await agent.stop()
+
+
 def test_profile_paths_resolve_against_the_config_folder(tmp_path: Path):
     (tmp_path / "my-link.toml").write_text(
         (ROOT / "devices" / "links" / "lte.toml")
