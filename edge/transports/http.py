@@ -24,6 +24,9 @@ from shared.errors import (
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import DEFAULT_LIMITS, Limits
 
+#: seconds a transport whose endpoint refused a connection reads as down
+REFUSED_RECHECK_S = 2.0
+
 
 class HttpTransport:
     name = "http"
@@ -41,10 +44,18 @@ class HttpTransport:
         self.limits = limits
         self.tls_context = tls_context
         self._client: HttpClient | None = None
+        self._refused_at: float | None = None  # (monotonic) the endpoint refused a connection
 
     @property
     def connected(self) -> bool:
-        return self._client is not None and not self._client.closed
+        """Up, unless the endpoint just refused a connection: then down for
+        ``REFUSED_RECHECK_S``, after which a request may find it back.  Without it
+        a cloud that was stopped stayed "connected" (status, readiness of cloud-only
+        models) until enough requests had failed to open the breaker."""
+        if self._client is None or self._client.closed:
+            return False
+        at = self._refused_at
+        return at is None or time.monotonic() - at >= REFUSED_RECHECK_S
 
     async def start(self) -> None:
         headers = [("Authorization", f"Bearer {self.token}")] if self.token else []
@@ -69,13 +80,17 @@ class HttpTransport:
         if deadline <= time.monotonic():
             raise DeadlineExceeded(f"deadline passed before {what} was sent")
         try:
-            return await self._client.request(method, path, body, headers or (), deadline=deadline)
+            resp = await self._client.request(method, path, body, headers or (), deadline=deadline)
         except TimeoutError:
             raise DeadlineExceeded(f"no reply to {what} within the deadline") from None
         except OSError as exc:
+            if isinstance(exc, ConnectionRefusedError):
+                self._refused_at = time.monotonic()
             raise EndpointUnavailable(
                 f"cloud endpoint {self.base_url} unreachable: {exc}"
             ) from None
+        self._refused_at = None
+        return resp
 
     async def probe(self, deadline: float) -> float:
         """Round trip of ``GET /v2/health/live``: a light RTT sample."""

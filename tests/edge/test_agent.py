@@ -170,7 +170,11 @@ async def test_killed_cloud_every_request_answered_locally_and_breaker_recovers(
         # the dead cloud was tried first (a fallback) or beside the local run (hedged:
         # on a link this fast that costs a few ms of a run that can be stopped)
         assert any(a.parameters["fallback"] or a.parameters.get("hedged") for a, _ in answers)
-        assert agent.dataplane.breakers["http"].state != "closed"
+        # known down: a refused connection reads as no link for a while, so most
+        # requests do not try it at all (each did until the breaker opened)
+        http = agent.transports["http"]
+        tried = [a for a, _ in answers if a.parameters["fallback"] or a.parameters.get("hedged")]
+        assert len(tried) <= 4
         # Cloud back on the same port: the probe closes the breaker, work returns.
         server2 = cloud_server(edge_repos[0], "--node", "reborn")
         server2.args[server2.args.index("0")] = port
@@ -178,7 +182,7 @@ async def test_killed_cloud_every_request_answered_locally_and_breaker_recovers(
         try:
             for _ in range(60):
                 await agent.dataplane.probe()
-                if agent.dataplane.breakers["http"].state == "closed":
+                if agent.dataplane.breakers["http"].state == "closed" and http.connected:
                     break
                 await asyncio.sleep(0.25)
             assert agent.dataplane.breakers["http"].state == "closed"

@@ -443,3 +443,30 @@ async def test_a_broker_no_node_ever_spoke_on_serves_nothing_so_deferrals_go_at_
         receipt = await agent.infer("solo", {"x": X}, deadline_ms=3000, deferrable=True)
         assert receipt.parameters["where"] == "deferred"
         assert time.monotonic() - started < 1.0  # not the deadline's wait
+
+
+async def test_an_http_endpoint_that_refuses_connections_reads_as_down_until_rechecked(
+    monkeypatch,
+):
+    # A stopped cloud stayed "connected" (status, cloud-only readiness) until enough
+    # requests had failed to open the breaker.
+    import socket
+
+    from edge.transports import http as http_transport
+    from edge.transports.http import HttpTransport
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: connections are refused
+    transport = HttpTransport(f"http://127.0.0.1:{port}")
+    await transport.start()
+    try:
+        assert transport.connected
+        with pytest.raises(Exception, match="unreachable"):
+            await transport.probe(time.monotonic() + 2)
+        assert not transport.connected
+        monkeypatch.setattr(http_transport, "REFUSED_RECHECK_S", 0.0)
+        assert transport.connected  # the recheck: the next request may find it back
+    finally:
+        await transport.close()
