@@ -46,8 +46,7 @@ T = TypeVar("T")
 MAX_UNSAVED = 1000
 MAX_UNSAVED_BYTES = 64 << 20
 
-#: stored requests in flight at once while a backlog drains, and batches per flush
-SENDERS = 8
+#: batches of stored requests one flush sends at most
 ROUNDS = 20
 
 _RETRY_LATER = (EndpointUnavailable, ModelNotReady, DeadlineExceeded, Overloaded, Unauthenticated)
@@ -140,65 +139,63 @@ class Deferrer:
             log.warning("deferred request %s expired before a link returned", request_id)
         await self._call(self.store.purge, now - self.ttl_s - self.keep_results_s)
         done = 0
-        # A backlog drains SENDERS at a time, ROUNDS batches per tick: one at a time,
-        # 50 a second, a full store (10,000) took minutes after the link came back.
-        slots = asyncio.Semaphore(SENDERS)
-        skip: set[str] = set()  # models no transport takes now: they wait, untouched
+        # A backlog drains up to ROUNDS batches a tick (50 a tick, a full store of 10,000
+        # took minutes after the link came back), one request at a time: sent side by
+        # side they split the uplink, each timed out on a slow link, and their transfers
+        # taught the link estimate a fraction of its rate.  Within a flush a request is
+        # tried once (a transient error must not use every attempt in milliseconds), and
+        # a model no transport takes now is passed over (its rows wait, untouched).
+        tried: set[str] = set()
+        skip: set[str] = set()
         for _ in range(ROUNDS):
             if not can_send(None):
                 break
             items = await self._call(
-                self.store.pending, limit=limit, now_wall=now, skip=frozenset(skip)
+                self.store.pending,
+                limit=limit,
+                now_wall=now,
+                skip=frozenset(skip),
+                skip_ids=frozenset(tried),
             )
-            tasks: list[asyncio.Task[int]] = []
-            try:
-                for item in items:
-                    if not can_send(None):
-                        break
-                    if item.model in skip or not can_send(item.model):
-                        skip.add(item.model)
-                        continue
-                    await slots.acquire()
-                    tasks.append(asyncio.create_task(self._send_one(item, send, slots)))
-                answered = sum(await asyncio.gather(*tasks))
-            finally:
-                for task in tasks:  # (a stop cancels the flush: its sends go with it)
-                    task.cancel()
-            done += answered
-            if len(items) < limit or (tasks and not answered):
-                break  # all sent, or the link let this round down: the next tick retries
+            for item in items:
+                if not can_send(None):
+                    return done
+                if item.model in skip or not can_send(item.model):
+                    skip.add(item.model)
+                    continue
+                tried.add(item.request_id)
+                done += await self._send_one(item, send)
+            if len(items) < limit:
+                break
         return done
 
-    async def _send_one(self, item: DeferredItem, send: Sender, slots: asyncio.Semaphore) -> int:
+    async def _send_one(self, item: DeferredItem, send: Sender) -> int:
         """Send one stored request; 1 when it got its final answer (result or error)."""
         try:
-            try:
-                request = envelope.decode_request(item.payload)
-            except FerryError as exc:  # a corrupt row fails alone; the rest still flush
-                log.error("deferred %s cannot be read back: %s", item.request_id, exc.message)
-                await self._call(self.store.mark_sending, item.request_id)
-                return await self._failed(item, f"internal: stored request unreadable: {exc}", True)
+            request = envelope.decode_request(item.payload)
+        except FerryError as exc:  # a corrupt row fails alone; the rest still flush
+            log.error("deferred %s cannot be read back: %s", item.request_id, exc.message)
             await self._call(self.store.mark_sending, item.request_id)
-            try:
-                response = await send(item.model, request)
-            except _RETRY_LATER as exc:
-                # The link or endpoint let this one down: keep it, try the next one
-                # (can_send() ends the flush once the breaker opens).
-                log.info("deferred %s not sent yet: %s", item.request_id, exc.message)
-                await self._call(self.store.mark_pending, item.request_id)
-                return 0
-            except FerryError as exc:
-                final = isinstance(exc, ModelNotFound) or exc.http_status < 500
-                return await self._failed(item, f"{exc.code.value}: {exc.message}", final)
-            except Exception as exc:  # a bug must not strand the row in "sending"
-                log.exception("deferred %s: sending failed", item.request_id)
-                return await self._failed(item, f"internal: {exc!r}", False)
-            response.id = item.request_id
-            await self._finish(item.request_id, envelope.encode_reply(response), None)
-            self.delivered += 1
-            return 1
-        finally:
-            slots.release()
+            return await self._failed(item, f"internal: stored request unreadable: {exc}", True)
+        await self._call(self.store.mark_sending, item.request_id)
+        try:
+            response = await send(item.model, request)
+        except _RETRY_LATER as exc:
+            # The link or endpoint let this one down: keep it, try the next one
+            # (can_send() ends the flush once the breaker opens).
+            log.info("deferred %s not sent yet: %s", item.request_id, exc.message)
+            await self._call(self.store.mark_pending, item.request_id)
+            return 0
+        except FerryError as exc:
+            final = isinstance(exc, ModelNotFound) or exc.http_status < 500
+            return await self._failed(item, f"{exc.code.value}: {exc.message}", final)
+        except Exception as exc:  # a bug must not strand the row in "sending"
+            log.exception("deferred %s: sending failed", item.request_id)
+            return await self._failed(item, f"internal: {exc!r}", False)
+        response.id = item.request_id
+        await self._finish(item.request_id, envelope.encode_reply(response), None)
+        self.delivered += 1
+        return 1
 
     async def _finish(self, request_id: str, reply: bytes | None, error: str | None) -> None:
         """Record an answer; one the store cannot write is kept in memory instead."""

@@ -197,19 +197,25 @@ class DeferredStore:
         )
 
     def pending(
-        self, limit: int = 100, now_wall: float | None = None, skip: frozenset[str] = frozenset()
+        self,
+        limit: int = 100,
+        now_wall: float | None = None,
+        skip: frozenset[str] = frozenset(),
+        skip_ids: frozenset[str] = frozenset(),
     ) -> list[DeferredItem]:
         """The most urgent pending requests, but for those of the models in ``skip`` (ones
-        no transport takes now: the rest must not wait behind them)."""
+        no transport takes now: the rest must not wait behind them) and the ids in
+        ``skip_ids`` (tried already in this flush)."""
         if not self.opened:
             return []
-        models = sorted(skip)
+        models, ids = sorted(skip), sorted(skip_ids)
         rows = self._db.execute(
             "SELECT request_id, model, payload, created_wall, expires_wall, priority, attempts FROM deferred"
             " WHERE status = 'pending' AND (expires_wall IS NULL OR ? IS NULL OR expires_wall > ?)"
             f" AND model NOT IN ({', '.join('?' * len(models))})"
+            f" AND request_id NOT IN ({', '.join('?' * len(ids))})"
             f" ORDER BY {_URGENCY}, created_wall LIMIT ?",
-            (now_wall, now_wall, *models, limit),
+            (now_wall, now_wall, *models, *ids, limit),
         ).fetchall()
         return [DeferredItem(r[0], r[1], bytes(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
 
@@ -293,11 +299,12 @@ class DeferredStore:
             (now_wall,),
         ).fetchall()
         ids = [r[0] for r in rows]
-        for request_id in ids:
+        if ids:  # one statement, one commit (a row each was an fsync each)
             self._db.execute(
                 "UPDATE deferred SET status = 'expired', error = 'deadline_exceeded: no link before the"
-                " deferral expired', payload = x'', answered_wall = ? WHERE request_id = ?",
-                (now_wall, request_id),
+                " deferral expired', payload = x'', answered_wall = ? WHERE status = 'pending'"
+                " AND expires_wall IS NOT NULL AND expires_wall <= ?",
+                (now_wall, now_wall),
             )
         if ids:
             self._count_held()

@@ -331,15 +331,12 @@ async def test_a_model_no_transport_takes_now_waits_untouched_while_others_go(tm
     await deferrer.close()
 
 
-async def test_a_backlog_drains_several_at_a_time_past_rows_of_a_model_nobody_takes(tmp_path):
-    # One request at a time and 50 per tick: a full store took minutes to drain after
-    # the link came back; and 50 rows of a model nobody served hid the rest behind them.
-    import asyncio
+async def test_a_backlog_drains_in_one_tick_past_rows_of_a_model_nobody_takes(tmp_path):
+    # 50 per tick, a full store took minutes to drain after the link came back; and
+    # 50 rows of a model nobody served hid the rest behind them.
     import time
 
-    from edge import deferred
     from edge.deferred import Deferrer
-    from shared.messages import InferResponse
 
     store = DeferredStore(tmp_path / "d.db")
     now = time.time()
@@ -350,19 +347,39 @@ async def test_a_backlog_drains_several_at_a_time_past_rows_of_a_model_nobody_ta
         store.put("served", _request_bytes(f"s{i}"), request_id=f"s{i}", created_wall=now,
                   expires_wall=None)  # fmt: skip
     deferrer = Deferrer(store)
-    inflight = peak = 0
+    send, sent = _echo()
+    assert await deferrer.flush(send, lambda model: model != "unserved") == 200
+    assert len(sent) == 200 and store.counts() == {"pending": 60, "delivered": 200}
+    await deferrer.close()
+
+
+async def test_one_flush_tries_a_request_once_however_many_batches_it_sends(tmp_path):
+    # A row put back came up again in the flush's next batch: a transient 500 used
+    # every attempt within milliseconds, and "retry later" hammered an overloaded cloud.
+    import time
+
+    from edge.deferred import Deferrer
+    from shared.errors import InternalError
+
+    store = DeferredStore(tmp_path / "d.db")
+    now = time.time()
+    store.put("m", _request_bytes("bad"), request_id="bad", created_wall=now - 10,
+              expires_wall=None)  # fmt: skip
+    for i in range(120):
+        store.put("m", _request_bytes(f"r{i}"), request_id=f"r{i}", created_wall=now,
+                  expires_wall=None)  # fmt: skip
+    deferrer = Deferrer(store, max_attempts=5)
+    echo, _ = _echo()
+    tries = []
 
     async def send(model, request):
-        nonlocal inflight, peak
-        inflight += 1
-        peak = max(peak, inflight)
-        await asyncio.sleep(0.01)
-        inflight -= 1
-        return InferResponse(model_name=model, outputs=list(request.inputs), id=request.id)
+        if request.id == "bad":
+            tries.append(1)
+            raise InternalError("the node broke on it")
+        return await echo(model, request)
 
-    assert await deferrer.flush(send, lambda model: model != "unserved") == 200
-    assert 1 < peak <= deferred.SENDERS
-    assert store.counts() == {"pending": 60, "delivered": 200}
+    assert await deferrer.flush(send, lambda model: True) == 120
+    assert len(tries) == 1 and store.result("bad").status == "pending"
     await deferrer.close()
 
 
