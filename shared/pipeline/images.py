@@ -285,6 +285,16 @@ def _module(name: str) -> Any:
         return found
 
 
+def opencv_installed() -> bool:
+    """Whether OpenCV is there, without importing it (~0.2 s) where nothing did yet:
+    a model's load asks, and the agent's start-up must not pay for it."""
+    if "opencv" in _modules:
+        return _modules["opencv"] is not None
+    import importlib.util
+
+    return importlib.util.find_spec("cv2") is not None
+
+
 def available_decoders() -> list[str]:
     """Decoders usable in this process (Pillow is a dependency, so always listed)."""
     return ["pillow"] + [n for n in ("opencv", "turbojpeg") if _module(n) is not None]

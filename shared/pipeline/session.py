@@ -349,7 +349,7 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
         decoder=stage.decoder,
         where=f"input {stage.input!r}",
     )
-    if stage.decoder != "pillow" and images._module("opencv") is None:
+    if stage.decoder != "pillow" and not images.opencv_installed():
         # Without OpenCV, Pillow resizes, and its bilinear filter smooths a shrink
         # where OpenCV's samples: up to ~80 grey levels apart on a photo, so an
         # agent's local answer would differ from the cloud's (which has OpenCV).

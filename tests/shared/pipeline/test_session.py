@@ -298,3 +298,27 @@ def test_a_pixel_map_beyond_an_integer_inputs_range_warns_at_load(
     (tmp_path / "m" / "config.toml").write_text("[[preprocess]]\n")  # raw pixels fit
     open_model(tmp_path, "m")
     assert "clipped" not in caplog.text
+
+
+def test_loading_an_image_model_does_not_import_opencv(example_repository: Path) -> None:
+    # Asking whether OpenCV is there imported it (~0.2 s of the agent's start-up).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from shared.pipeline import open_session\n"
+        "from shared.repository import ModelRepository\n"
+        "from shared.runtimes import RuntimeOptions\n"
+        f"repo = ModelRepository(Path({str(example_repository)!r}))\n"
+        "config = repo.read_config('orientation-int8-jpeg')\n"
+        "backend, path = repo.model_file('orientation-int8-jpeg', 1, None)\n"
+        "open_session(backend, path, RuntimeOptions(threads=1), config)\n"
+        "print('cv2' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
