@@ -1,9 +1,10 @@
 """The MQTT MessagePack envelope (DESIGN.md section 2), sans-IO.
 
 Request: ``{id, model_version?, inputs: [{name, datatype, shape, data}],
-outputs?: [name | {name, parameters}], parameters?}`` (an output with
-parameters, Triton's ``classification`` say, is a map; a bare name otherwise,
-as every peer reads); reply ``{id, model_name, model_version,
+outputs?: [name], output_parameters?: {name: {...}}, parameters?}`` (an
+output's parameters, Triton's ``classification`` say, in a map of their own,
+which a peer that predates them passes over; a node reads ``{name,
+parameters}`` items in ``outputs`` too); reply ``{id, model_name, model_version,
 outputs, parameters}`` or ``{id, error: {code, message, retry_after_ms?}}``
 (``retry_after_ms`` on transient errors such as overloaded).  ``data`` is the
 tensor's raw little-endian bytes (BYTES: 4-byte length-prefixed elements).
@@ -50,6 +51,7 @@ class WireRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     model_version: str | None = None
     inputs: list[WireTensor]
     outputs: list[str | WireOutput] | None = None
+    output_parameters: dict[str, dict[str, Any]] | None = None
     parameters: dict[str, Any] | None = None
 
 
@@ -161,17 +163,17 @@ def encode_request(request: InferRequest) -> bytes:
     if request.id is None:
         raise InvalidInput("an MQTT request needs an id")
     outputs: list[str | WireOutput] | None = None
+    extra: dict[str, dict[str, Any]] | None = None
     if request.outputs is not None:
+        outputs = [o.name for o in request.outputs]
         # (dropped, a classification asked of an offload came back as the raw tensor)
-        outputs = [
-            WireOutput(name=o.name, parameters=o.parameters) if o.parameters else o.name
-            for o in request.outputs
-        ]
+        extra = {o.name: o.parameters for o in request.outputs if o.parameters} or None
     wire = WireRequest(
         id=request.id,
         model_version=request.model_version,
         inputs=_wire(request.inputs),
         outputs=outputs,
+        output_parameters=extra,
         parameters=request.parameters or None,
     )
     return _encoder.encode(wire)
@@ -189,10 +191,12 @@ def decode_request(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS)
         raise InvalidInput("inference request has no inputs")
     outputs = None
     if raw.outputs is not None:
+        extra = raw.output_parameters or {}
         outputs = []
         for out in raw.outputs:
             if isinstance(out, str):
-                outputs.append(RequestedOutput(check_name(out, "output", limits)))
+                name = check_name(out, "output", limits)
+                outputs.append(RequestedOutput(name, None, dict(extra.get(name) or {})))
                 continue
             name = check_name(out.name, "output", limits)
             outputs.append(RequestedOutput(name, None, dict(out.parameters or {})))

@@ -313,8 +313,14 @@ def test_output_parameters_travel_and_bare_names_still_decode():
         ("y", {"classification": 2}),
         ("z", {}),
     ]
-    # an older peer's request: outputs as a list of names
+    # an older peer's request: outputs as a list of names, no output_parameters
     wire = msgspec.msgpack.decode(envelope.encode_request(request))
-    wire["outputs"] = ["y"]
+    assert wire["outputs"] == ["y", "z"]  # (a peer that predates them reads these)
+    del wire["output_parameters"]
     decoded = envelope.decode_request(msgspec.msgpack.encode(wire))
-    assert [(o.name, o.parameters) for o in decoded.outputs] == [("y", {})]
+    assert [(o.name, o.parameters) for o in decoded.outputs] == [("y", {}), ("z", {})]
+    # and an older node's decoder (outputs: list[str]) takes the new request
+    old = msgspec.msgpack.Decoder(
+        msgspec.defstruct("Old", [("id", str), ("outputs", list[str] | None, None)])
+    )
+    assert old.decode(envelope.encode_request(request)).outputs == ["y", "z"]
