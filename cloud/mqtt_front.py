@@ -495,8 +495,11 @@ class MqttFront:
     def _publish_status(self) -> None:
         if self._client is None:
             return
-        status = json.dumps(self.dataplane.status()).encode()
-        self._client.publish(status_topic(self.node), status, retain=True)
+        doc = self.dataplane.status()
+        # (it takes requests on each user's own topic too: an agent logged in to the
+        # broker uses that only when a node serving the model says so, see request_topic)
+        doc["user_topics"] = True
+        self._client.publish(status_topic(self.node), json.dumps(doc).encode(), retain=True)
 
     async def _status_loop(self) -> None:
         while True:

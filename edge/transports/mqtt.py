@@ -88,6 +88,18 @@ class MqttTransport:
         self.nodes: dict[str, frozenset[str]] = {}  # live node -> models it hosts
         self._status_seen = False
         self._subscribed_at: float | None = None  # (monotonic) this session's SUBACK
+        self._user_topics: dict[str, bool] = {}  # live node -> takes users' own topics
+
+    def _request_topic(self, model: str) -> str:
+        """Under its broker user's own request topic when it logs in (see request_topic),
+        unless the nodes serving ``model`` all predate those and take the plain one."""
+        user = self.broker.username
+        if not user:
+            return request_topic(model)
+        hosts = [n for n, models in self.nodes.items() if model in models]
+        if hosts and not any(self._user_topics.get(n) for n in hosts):
+            return request_topic(model)
+        return request_topic(model, user)
 
     def serves(self, model: str) -> bool | None:
         """Whether a live cloud node hosts ``model`` (None: not known yet).
@@ -162,8 +174,7 @@ class MqttTransport:
             )
         correlation = request_id.encode()
         future: asyncio.Future[tuple[InferResponse, int]] = self._loop.create_future()
-        # (under its broker user's own request topic when it logs in: see request_topic)
-        topic = request_topic(model, self.broker.username)
+        topic = self._request_topic(model)
         pending = _Pending(future, topic, payload, deadline)
         self._pending[correlation] = pending
         started = time.monotonic()
@@ -226,6 +237,7 @@ class MqttTransport:
         # again right after the SUBACK, in the same read, so forget them now (the
         # SUBACK's callback runs a loop turn later, after those statuses).
         self.nodes.clear()
+        self._user_topics.clear()
         self._status_seen = False
         self._subscribed_at = None
         subscribed = self._client.subscribe(self.reply_topic, NODE_STATUS_TOPICS)
@@ -278,18 +290,22 @@ class MqttTransport:
         if online:
             arrived = node not in self.nodes
             self.nodes[node] = models
+            self._user_topics[node] = doc.get("user_topics") is True
             if arrived and self._pending:
                 # A node that (re)joins may have missed what was sent while it was
                 # away (a broker restarted without its sessions drops requests that
                 # no subscriber took): its models' waiting requests go out again.
-                topics = {request_topic(m, self.broker.username) for m in models}
+                user = self.broker.username
+                topics = {request_topic(m, u) for m in models for u in (None, user)}
                 self._republish(lambda pending: pending.topic in topics)
-        elif self.nodes.pop(node, None) is not None and self._pending:
-            # A node that dies takes the requests in its hands with it (Mosquitto does
-            # not deal a dead member's messages to another, DESIGN.md section 5): send
-            # every waiting one again; the first answer wins, and the request id (the
-            # cloud's idempotency key) keeps a node that had it from running it twice.
-            self._republish(lambda pending: pending.resends < _MAX_RESENDS)
+        else:
+            self._user_topics.pop(node, None)
+            if self.nodes.pop(node, None) is not None and self._pending:
+                # A node that dies takes the requests in its hands with it (Mosquitto does
+                # not deal a dead member's messages to another, DESIGN.md section 5): send
+                # every waiting one again; the first answer wins, and the request id (the
+                # cloud's idempotency key) keeps a node that had it from running it twice.
+                self._republish(lambda pending: pending.resends < _MAX_RESENDS)
 
     def _resolve(self, correlation: bytes, payload: bytes) -> None:
         probe = self._probes.get(correlation)

@@ -470,3 +470,23 @@ async def test_an_http_endpoint_that_refuses_connections_reads_as_down_until_rec
         assert transport.connected  # the recheck: the next request may find it back
     finally:
         await transport.close()
+
+
+def test_a_logged_in_agent_uses_its_own_request_topic_only_where_a_node_takes_it():
+    # A node from before per-user topics listens on the plain one only: an agent that
+    # sent every request on its own topic was never answered by such a fleet.
+    import json
+
+    from edge.transports.mqtt import MqttTransport
+    from shared.mqtt import BrokerAddress, request_topic, status_topic
+
+    mqtt = MqttTransport(BrokerAddress("127.0.0.1", 1, False, "dev-a", "pw"))
+    online = {"state": "online", "models": [{"name": "m"}]}
+    mqtt._node_status(status_topic("old"), json.dumps(online).encode())
+    assert mqtt._request_topic("m") == request_topic("m")
+    assert mqtt._request_topic("other") == request_topic("other", "dev-a")  # nobody known
+    new = {**online, "user_topics": True}
+    mqtt._node_status(status_topic("new"), json.dumps(new).encode())
+    assert mqtt._request_topic("m") == request_topic("m", "dev-a")
+    anonymous = MqttTransport(BrokerAddress("127.0.0.1", 1))
+    assert anonymous._request_topic("m") == request_topic("m")
