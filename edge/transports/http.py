@@ -7,6 +7,7 @@ the tensors, and on a device aiohttp's import alone cost ~13 MiB.
 
 from __future__ import annotations
 
+import errno
 import json
 import ssl
 import time
@@ -26,6 +27,16 @@ from shared.tensors import DEFAULT_LIMITS, Limits
 
 #: seconds a transport whose endpoint refused a connection reads as down
 REFUSED_RECHECK_S = 2.0
+
+
+def _not_there(exc: OSError) -> bool:
+    """Whether connecting failed outright: refused, or no route, on every address (a
+    name with several, as localhost's ::1 and 127.0.0.1, fails as one plain OSError)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return True
+    return type(exc) is OSError and exc.errno is None and "Multiple exceptions" in str(exc)
 
 
 class HttpTransport:
@@ -84,7 +95,7 @@ class HttpTransport:
         except TimeoutError:
             raise DeadlineExceeded(f"no reply to {what} within the deadline") from None
         except OSError as exc:
-            if isinstance(exc, ConnectionRefusedError):
+            if _not_there(exc):
                 self._refused_at = time.monotonic()
             raise EndpointUnavailable(
                 f"cloud endpoint {self.base_url} unreachable: {exc}"

@@ -490,3 +490,15 @@ def test_a_logged_in_agent_uses_its_own_request_topic_only_where_a_node_takes_it
     assert mqtt._request_topic("m") == request_topic("m", "dev-a")
     anonymous = MqttTransport(BrokerAddress("127.0.0.1", 1))
     assert anonymous._request_topic("m") == request_topic("m")
+
+
+def test_a_connect_that_fails_on_every_address_reads_as_not_there_a_reset_does_not():
+    import errno
+
+    from edge.transports.http import _not_there
+
+    assert _not_there(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    assert _not_there(OSError(errno.EHOSTUNREACH, "no route to host"))
+    # asyncio's error when every address of a name refused (localhost: ::1 and 127.0.0.1)
+    assert _not_there(OSError("Multiple exceptions: [Errno 111] ..., [Errno 111] ..."))
+    assert not _not_there(ConnectionResetError(errno.ECONNRESET, "reset mid-request"))
