@@ -166,6 +166,7 @@ class Agent:
         self._reload_failed: tuple[float, str, float] | None = None
         self._reloads: set[asyncio.Task[None]] = set()  # (SIGHUP's, held till done)
         self._retired: dict[str, float] = {}  # local model -> when the config let it go
+        self._reloading = asyncio.Lock()
         self._rapl = RaplReader()
         self.started_at: float | None = None
         self.ready = False
@@ -179,7 +180,8 @@ class Agent:
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
-        await self._load_local_models(self.config)
+        async with self._reloading:  # (a SIGHUP while starting waits for this)
+            await self._load_local_models(self.config)
         for transport in self.transports.values():
             await transport.start()
         self._tasks = [
@@ -208,9 +210,9 @@ class Agent:
         self.ready = False
         if not await self.dataplane.drain(drain_s):
             log.warning("stopping with requests still in flight after %.1f s", drain_s)
-        for task in self._tasks:
+        for task in (*self._tasks, *self._reloads):
             task.cancel()
-        for task in self._tasks:
+        for task in (*self._tasks, *self._reloads):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         try:
@@ -309,9 +311,12 @@ class Agent:
         for name, since in list(self._retired.items()):
             if now - since < RETIRE_AFTER_S:
                 continue
-            if await asyncio.to_thread(self.local.unload, name):
-                del self._retired[name]
-                log.info("local model %s unloaded: the config no longer names it", name)
+            model = self.local.take_back(name)  # on the loop: no run can start on it now
+            if model is None:
+                continue  # a run of it is under way: next time
+            await asyncio.to_thread(model.close)
+            del self._retired[name]
+            log.info("local model %s unloaded: the config no longer names it", name)
 
     def reload_soon(self) -> None:
         """Re-read the config file now, changed or not (SIGHUP)."""
@@ -327,7 +332,12 @@ class Agent:
         file stays as it is: the edit may be right and the world not yet (the
         model folder it names still being copied in, descriptors short for a
         moment), and it must not stay unapplied until the file is touched again.
-        The same failure is logged once."""
+        The same failure is logged once.  One reload at a time (a SIGHUP's beside the
+        watcher's would load a model twice, or unload one twice)."""
+        async with self._reloading:
+            await self._reload(force)
+
+    async def _reload(self, force: bool) -> None:
         await self._unload_retired()
         mtime = self._mtime()
         if mtime is None:

@@ -44,6 +44,13 @@ class LocalModel:
             result = self.session.run(inputs, outputs)
         return result, time.perf_counter() - start
 
+    def close(self) -> None:
+        """Stop its thread and free its session (blocking: joins the thread)."""
+        if self.thread is not None:
+            self.thread.stop()
+            self.thread.join()
+        self.session.close()
+
 
 class LocalModels:
     def __init__(
@@ -173,29 +180,21 @@ class LocalModels:
             self._backlog[name] -= 1
         return result, seconds
 
-    def unload(self, name: str) -> bool:
-        """Drop ``name`` (its session, thread and memory) unless a run of it is under way;
-        True when it is gone.  Blocking (joins its thread): call off the loop."""
+    def take_back(self, name: str) -> LocalModel | None:
+        """Withdraw ``name`` unless a run of it is under way (None then): no run can
+        start on it after this.  Call on the event loop, where runs start; then
+        :meth:`LocalModel.close` it (blocking: off the loop)."""
         model = self._models.get(name)
-        if model is None:
-            return True
-        if self._backlog.get(name, 0):
-            return False
+        if model is None or self._backlog.get(name, 0):
+            return None
         del self._models[name]
         self._backlog.pop(name, None)
         self._emulated.pop(name, None)
-        if model.thread is not None:
-            model.thread.stop()
-            model.thread.join()
-        model.session.close()
-        return True
+        return model
 
     def close(self) -> None:
-        for model in self._models.values():
-            if model.thread is not None:
-                model.thread.stop()
-                model.thread.join()
-            model.session.close()
+        for model in list(self._models.values()):
+            model.close()
         self._models.clear()
 
 

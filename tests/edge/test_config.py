@@ -164,6 +164,27 @@ async def test_a_local_variant_the_config_drops_is_unloaded_once_idle(
         await agent.stop()
 
 
+async def test_reloads_run_one_at_a_time_and_load_a_new_model_once(tmp_path, edge_repos):
+    # A SIGHUP's reload beside the watcher's loaded the same model twice.
+    import asyncio
+
+    from edge.agent import Agent
+    from tests.edge.conftest import agent_toml
+
+    path = agent_toml(tmp_path, edge_repos[1], models='[models.lin]\nlocal = "lin-local"\n')
+    agent = Agent(load_agent_config(path))
+    await agent.start()
+    loads = []
+    load = agent.local.load
+    agent.local.load = lambda name: (loads.append(name), load(name))[1]
+    try:
+        path.write_text(path.read_text() + '[models.soft]\nlocal = "soft-local"\n')
+        await asyncio.gather(*(agent._watch_config(force=True) for _ in range(3)))
+        assert loads == ["soft-local"]
+    finally:
+        await agent.stop()
+
+
 def test_profile_paths_resolve_against_the_config_folder(tmp_path: Path):
     (tmp_path / "my-link.toml").write_text(
         (ROOT / "devices" / "links" / "lte.toml")
