@@ -20,6 +20,7 @@ instead of decoded half grey, which libjpeg would do with only a warning).
 
 from __future__ import annotations
 
+import collections
 import io
 import threading
 import warnings
@@ -124,16 +125,23 @@ class PixelBudget:
         self.used = 0
         self.peak = 0
         self._cond = threading.Condition()
+        self._queue: collections.deque[object] = collections.deque()  # waiters, in order
 
     def held(self, nbytes: int) -> _Held:
         return _Held(self, min(max(int(nbytes), 0), self.limit))
 
     def _take(self, nbytes: int) -> None:
+        ticket = object()
         with self._cond:
-            while self.used and self.used + nbytes > self.limit:
+            # In arrival order: admitting whatever fits left a big image waiting for
+            # good while small ones kept overlapping.
+            self._queue.append(ticket)
+            while self._queue[0] is not ticket or (self.used and self.used + nbytes > self.limit):
                 self._cond.wait()
+            self._queue.popleft()
             self.used += nbytes
             self.peak = max(self.peak, self.used)
+            self._cond.notify_all()  # the next in line may fit too
 
     def _give(self, nbytes: int) -> None:
         with self._cond:

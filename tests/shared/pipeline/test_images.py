@@ -235,3 +235,30 @@ def test_a_decode_that_fails_gives_its_pixels_back(monkeypatch: pytest.MonkeyPat
     with pytest.raises(InvalidInput):
         images.decode(good[: len(good) // 2], target())
     assert budget.used == 0
+
+
+def test_the_pixel_budget_admits_in_arrival_order_so_a_big_decode_is_not_starved() -> None:
+    import threading
+    import time
+
+    budget = images.PixelBudget(100)
+    order: list[str] = []
+    small = budget.held(40)
+    small.__enter__()  # 40 held
+
+    def take(name: str, nbytes: int) -> None:
+        with budget.held(nbytes):
+            order.append(name)
+            time.sleep(0.05)
+
+    big = threading.Thread(target=take, args=("big", 90))  # waits: 40 + 90 > 100
+    big.start()
+    time.sleep(0.05)
+    late = threading.Thread(target=take, args=("late", 30))  # would fit now, but after big
+    late.start()
+    time.sleep(0.05)
+    assert order == []
+    small.__exit__(None, None, None)
+    big.join()
+    late.join()
+    assert order == ["big", "late"] and budget.used == 0

@@ -273,6 +273,7 @@ def test_the_edge_install_brings_the_resize_the_cloud_uses() -> None:
     ]
     for tier in ("edge", "cloud"):
         assert "ferry[decode]" in extras[tier]
+        assert any(d.startswith("onnx>=") for d in extras[tier])  # scalars vs any rank
     assert any(d.startswith("opencv-python-headless") for d in extras["decode"])
 
 
