@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,8 @@ FORWARDED = "ferry-forwarded-by"
 _REQUEST_HEAD = f"{PREFIX}/models/"
 #: Retry-After hint for a refused MQTT request when the model's own queue gives none
 _DEFAULT_RETRY_S = 0.1
+#: requests not served for their Response Topic that are logged a minute, at most
+UNSERVED_LOGS = 10
 
 
 class MqttFront:
@@ -134,6 +137,7 @@ class MqttFront:
         self.replies_sent = 0
         self.refused = 0
         self.bad_reply_topics = 0  # requests whose Response Topic no one may publish to
+        self._unserved_window, self._unserved_logged = -math.inf, 0
 
     # ---- lifecycle --------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> None:
@@ -292,7 +296,7 @@ class MqttFront:
         home = f"{REPLIES}{sender}/" if sender else REPLIES
         if not topic.startswith(home):
             self.bad_reply_topics += 1
-            log.warning(
+            self._unserved(
                 "request on %s names Response Topic %r, outside %s#: not served, no reply",
                 message.topic,
                 topic[:200],
@@ -302,7 +306,7 @@ class MqttFront:
         problem = topic_name_problem(topic)
         if problem is not None:
             self.bad_reply_topics += 1
-            log.warning(
+            self._unserved(
                 "request on %s names Response Topic %r, which %s: not served, no reply "
                 "(a PUBLISH there would get this node disconnected)",
                 message.topic,
@@ -311,6 +315,19 @@ class MqttFront:
             )
             return False
         return True
+
+    def _unserved(self, message: str, *args: object) -> None:
+        """Log a request not served for its Response Topic, ``UNSERVED_LOGS`` a minute at
+        most (past that they are counted in ``bad_reply_topics``): a client sending
+        such requests in a loop would otherwise flood the node's log."""
+        now = time.monotonic()
+        if now - self._unserved_window >= 60.0:
+            self._unserved_window, self._unserved_logged = now, 0
+        self._unserved_logged += 1
+        if self._unserved_logged <= UNSERVED_LOGS:
+            log.warning(message, *args)
+        elif self._unserved_logged == UNSERVED_LOGS + 1:
+            log.warning("more requests not served for their Response Topic: counted, not logged")
 
     def _reply(self, props: PublishProperties, payload: bytes) -> None:
         if self._client is not None and props.response_topic:
@@ -432,7 +449,8 @@ class MqttFront:
         response_topic = props.response_topic
         if not response_topic:
             # (MQTT v3.1.1 has no Response Topic): nobody to answer, so nothing is run
-            log.warning(
+            self.bad_reply_topics += 1
+            self._unserved(
                 "request on %s has no Response Topic (MQTT v5 requests need one): "
                 "not served, no reply",
                 message.topic,

@@ -531,3 +531,18 @@ def test_a_request_without_a_response_topic_is_not_run(broker, tmp_path):
         raw.close()
         node.terminate()
     assert "has no Response Topic (MQTT v5 requests need one): not served" in node.output()
+
+
+def test_requests_not_served_for_their_reply_topic_are_logged_a_few_a_minute(caplog):
+    # A client sending them in a loop flooded the node's log.
+    import math
+
+    from cloud import mqtt_front
+
+    front = mqtt_front.MqttFront.__new__(mqtt_front.MqttFront)
+    front._unserved_window, front._unserved_logged = -math.inf, 0
+    for i in range(50):
+        front._unserved("request %d not served", i)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == mqtt_front.UNSERVED_LOGS + 1
+    assert "counted, not logged" in lines[-1]

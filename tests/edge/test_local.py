@@ -82,3 +82,33 @@ async def test_a_run_still_queued_at_its_deadline_is_refused_not_answered_late(t
         await local.run("lin", x, deadline=time.monotonic() - 0.01)
     assert local.backlog("lin") == 0
     local.close()
+
+
+async def test_a_run_queued_on_the_session_thread_past_its_deadline_does_not_start(tmp_path):
+    # The check in the session thread, as a queued job starts: a real model's runs,
+    # slowed to 0.2 s each, with no device emulation.
+    import time
+
+    from shared.errors import DeadlineExceeded
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx")
+    local = LocalModels(ModelRepository(tmp_path))
+    model = local.load("lin")
+    started = []
+    run_sync = model.run_sync
+
+    def slow(inputs, outputs, cancel=None):
+        started.append(time.monotonic())
+        time.sleep(0.2)
+        return run_sync(inputs, outputs, cancel)
+
+    model.run_sync = slow
+    x = {"x": np.ones((1, 4), np.float32)}
+    deadline = time.monotonic() + 0.1  # the second would start at 0.2 s
+    results = await asyncio.gather(
+        *(local.run("lin", x, deadline=deadline) for _ in range(3)), return_exceptions=True
+    )
+    assert not isinstance(results[0], BaseException)
+    assert all(isinstance(r, DeadlineExceeded) for r in results[1:]), results
+    assert len(started) == 1  # the late ones never ran
+    local.close()
