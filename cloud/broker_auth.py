@@ -228,7 +228,7 @@ def password_file_text(
 
 
 # ---- ACL and listener configuration -----------------------------------------------
-def acl_text(principals: Sequence[Principal]) -> str:
+def acl_text(principals: Sequence[Principal], transitional: bool = False) -> str:
     """Mosquitto ACL: each role reaches exactly the topics its Ferry program uses.
 
     - device (edge agent): publishes requests to any model, on its own user's
@@ -254,6 +254,10 @@ def acl_text(principals: Sequence[Principal]) -> str:
     device connecting as ``ferry-cloud-<node>`` would knock that node off).
     Mosquitto refuses patterns to user names holding ``+`` or ``#``.
 
+    ``transitional`` also lets devices publish on the plain request topics, for a
+    rolling upgrade while agents from before users' own topics remain: those
+    topics name no sender, so a node cannot keep replies to their senders then.
+
     Mosquitto 2.0's acl_file never refuses a SUBSCRIBE (the SUBACK grants it);
     it drops each message the subscriber may not read at delivery.  So nobody
     reads what the rules deny, but a device can still join the nodes' share
@@ -272,10 +276,10 @@ def acl_text(principals: Sequence[Principal]) -> str:
     for p in principals:
         lines += ["", f"# {p.role}", f"user {p.name}"]
         if p.role == "device":
-            lines += [
-                f"topic write {request_topic('+', p.name)}",
-                f"topic read {status_topic('+')}",
-            ]
+            lines += [f"topic write {request_topic('+', p.name)}"]
+            if transitional:  # agents from before users' own topics still send on the plain one
+                lines += [f"topic write {request_topic('+')}"]
+            lines += [f"topic read {status_topic('+')}"]
         elif p.role == "node":
             lines += [
                 f"topic read {request_topic('+')}",
@@ -416,6 +420,7 @@ def write_broker_auth(
     port: int | None = None,
     bind: str | None = None,
     hasher: Literal["auto", "mosquitto_passwd", "hashlib"] = "auto",
+    transitional: bool = False,
 ) -> AuthFiles:
     """Write the broker's password file, ACL, configuration and the credentials into ``out``."""
     if port is not None and not 0 < port < 65536:
@@ -445,7 +450,7 @@ def write_broker_auth(
     for name in removed:
         (passwords_dir / f"{name}.pass").unlink(missing_ok=True)
     _write_private(passwd, passwd_text, 0o600)
-    _write_private(acl, acl_text(principals), 0o644)
+    _write_private(acl, acl_text(principals, transitional), 0o644)
     _write_private(conf, conf_text, 0o644)
     return AuthFiles(
         conf, passwd, acl, credentials, passwords_dir, tuple(principals), kept, removed
@@ -476,6 +481,12 @@ def add_auth_command(subparsers: argparse._SubParsersAction) -> None:
     auth.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate")
     auth.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
     auth.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA file (client certs)")
+    auth.add_argument(
+        "--transitional",
+        action="store_true",
+        help="also let devices publish on the plain request topics (a rolling upgrade: "
+        "agents from before per-user topics); run auth again without it once all are new",
+    )
 
 
 def run_auth_command(args: argparse.Namespace) -> int:
@@ -489,6 +500,7 @@ def run_auth_command(args: argparse.Namespace) -> int:
         tls=tls,
         port=args.port,
         bind=args.bind,
+        transitional=args.transitional,
     )
     new = [p.name for p in files.principals if p.name not in files.kept]
     print(f"ferry-cloud auth: {len(files.principals)} broker users in {files.conf.parent}")

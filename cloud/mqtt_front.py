@@ -136,7 +136,7 @@ class MqttFront:
         self.received = 0  # requests the broker delivered
         self.replies_sent = 0
         self.refused = 0
-        self.bad_reply_topics = 0  # requests whose Response Topic no one may publish to
+        self.bad_reply_topics = 0  # requests not served for their Response Topic (or none)
         self._unserved_window, self._unserved_logged = -math.inf, 0
 
     # ---- lifecycle --------------------------------------------------------------
@@ -322,6 +322,11 @@ class MqttFront:
         such requests in a loop would otherwise flood the node's log."""
         now = time.monotonic()
         if now - self._unserved_window >= 60.0:
+            if self._unserved_logged > UNSERVED_LOGS:
+                log.warning(
+                    "%d more requests not served for their Response Topic in the last minute",
+                    self._unserved_logged - UNSERVED_LOGS,
+                )
             self._unserved_window, self._unserved_logged = now, 0
         self._unserved_logged += 1
         if self._unserved_logged <= UNSERVED_LOGS:
@@ -517,6 +522,7 @@ class MqttFront:
         # (it takes requests on each user's own topic too: an agent logged in to the
         # broker uses that only when a node serving the model says so, see request_topic)
         doc["user_topics"] = True
+        doc["unserved_requests"] = self.bad_reply_topics  # (no Response Topic one may use)
         self._client.publish(status_topic(self.node), json.dumps(doc).encode(), retain=True)
 
     async def _status_loop(self) -> None:

@@ -319,7 +319,9 @@ class Agent:
             log.info("local model %s unloaded: the config no longer names it", name)
 
     def reload_soon(self) -> None:
-        """Re-read the config file now, changed or not (SIGHUP)."""
+        """Re-read the config file now, changed or not (SIGHUP); not once stopping."""
+        if self._stopping is not None:
+            return
         log.info("SIGHUP: re-reading %s", self.config.source)
         task = asyncio.get_running_loop().create_task(self._watch_config(force=True))
         self._reloads.add(task)

@@ -145,7 +145,7 @@ class Deferrer:
         # taught the link estimate a fraction of its rate.  Within a flush a request is
         # tried once (a transient error must not use every attempt in milliseconds), and
         # a model no transport takes now is passed over (its rows wait, untouched).
-        tried: set[str] = set()
+        put_back: set[str] = set()  # tried in this flush and still pending
         skip: set[str] = set()
         for _ in range(ROUNDS):
             if not can_send(None):
@@ -153,19 +153,26 @@ class Deferrer:
             items = await self._call(
                 self.store.pending,
                 limit=limit,
-                now_wall=now,
+                now_wall=time.time(),  # (a long flush must not send what expired meanwhile)
                 skip=frozenset(skip),
-                skip_ids=frozenset(tried),
+                skip_ids=frozenset(put_back),
             )
+            tried = answered = 0
             for item in items:
                 if not can_send(None):
                     return done
                 if item.model in skip or not can_send(item.model):
                     skip.add(item.model)
                     continue
-                tried.add(item.request_id)
-                done += await self._send_one(item, send)
-            if len(items) < limit:
+                tried += 1
+                if await self._send_one(item, send):
+                    answered += 1
+                else:
+                    put_back.add(item.request_id)
+            done += answered
+            if len(items) < limit or (tried and not answered):
+                # all sent, or nothing of a batch got an answer (the link, or a node that
+                # fails every request): the next tick tries again, not the whole backlog
                 break
         return done
 

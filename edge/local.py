@@ -10,6 +10,7 @@ it: the hand-off would cost more than the run (:mod:`shared.runtimes.inline`).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,13 @@ from typing import Any
 import numpy as np
 
 from shared.aio.threads import SessionThread
-from shared.errors import DeadlineExceeded, ModelNotFound, Overloaded, RunCancelled
+from shared.errors import (
+    DeadlineExceeded,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    RunCancelled,
+)
 from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
 from shared.runtimes import RuntimeOptions, Session
@@ -71,6 +78,8 @@ class LocalModels:
         self._models: dict[str, LocalModel] = {}
         self._backlog: dict[str, int] = {}
         self._emulated: dict[str, asyncio.Lock] = {}
+        self._lock = threading.Lock()  # (load runs in a worker thread, close on the loop)
+        self._closed = False
 
     def backlog(self, name: str) -> int:
         """Requests submitted to ``name`` and not finished (one runs at a time)."""
@@ -119,7 +128,11 @@ class LocalModels:
             session,
             InlineGate(self.inline_us),
         )
-        self._models[name] = model
+        with self._lock:
+            if self._closed:  # closed while this loaded (a reload cut short by a stop)
+                model.close()
+                raise ModelNotReady(f"local model {name!r}: the agent is stopping")
+            self._models[name] = model
         return model
 
     async def run(
@@ -193,9 +206,12 @@ class LocalModels:
         return model
 
     def close(self) -> None:
-        for model in list(self._models.values()):
+        with self._lock:
+            self._closed = True
+            models = list(self._models.values())
+            self._models.clear()
+        for model in models:
             model.close()
-        self._models.clear()
 
 
 def _check_deadline(name: str, deadline: float | None, ahead: int) -> None:

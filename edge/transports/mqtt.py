@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Pending:
     future: asyncio.Future[tuple[InferResponse, int]]
+    model: str
     topic: str
     payload: bytes
     deadline: float
@@ -175,7 +176,7 @@ class MqttTransport:
         correlation = request_id.encode()
         future: asyncio.Future[tuple[InferResponse, int]] = self._loop.create_future()
         topic = self._request_topic(model)
-        pending = _Pending(future, topic, payload, deadline)
+        pending = _Pending(future, model, topic, payload, deadline)
         self._pending[correlation] = pending
         started = time.monotonic()
         try:
@@ -270,6 +271,9 @@ class MqttTransport:
         for correlation, pending in list(self._pending.items()):
             if not pending.future.done() and pending.deadline > now and which(pending):
                 pending.resends += 1
+                # the topic as the nodes serving it now take it (one that left may have
+                # been the only one on users' own topics)
+                pending.topic = self._request_topic(pending.model)
                 try:
                     self._publish(correlation, pending)
                 except PayloadTooLarge as exc:  # a new broker with a smaller limit
@@ -295,9 +299,7 @@ class MqttTransport:
                 # A node that (re)joins may have missed what was sent while it was
                 # away (a broker restarted without its sessions drops requests that
                 # no subscriber took): its models' waiting requests go out again.
-                user = self.broker.username
-                topics = {request_topic(m, u) for m in models for u in (None, user)}
-                self._republish(lambda pending: pending.topic in topics)
+                self._republish(lambda pending: pending.model in models)
         else:
             self._user_topics.pop(node, None)
             if self.nodes.pop(node, None) is not None and self._pending:

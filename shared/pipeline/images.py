@@ -136,8 +136,15 @@ class PixelBudget:
             # In arrival order: admitting whatever fits left a big image waiting for
             # good while small ones kept overlapping.
             self._queue.append(ticket)
-            while self._queue[0] is not ticket or (self.used and self.used + nbytes > self.limit):
-                self._cond.wait()
+            try:
+                while self._queue[0] is not ticket or (
+                    self.used and self.used + nbytes > self.limit
+                ):
+                    self._cond.wait()
+            except BaseException:  # (an interrupt while waiting: out of the line, or it jams)
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+                raise
             self._queue.popleft()
             self.used += nbytes
             self.peak = max(self.peak, self.used)

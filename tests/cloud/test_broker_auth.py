@@ -620,3 +620,15 @@ def test_a_device_cannot_aim_a_nodes_replies_outside_its_own_subtree(locked, tmp
         b.close()
         node.terminate()
     assert node.output().count("outside ferry/v1/replies/dev-a/#") == 2
+
+
+def test_a_transitional_acl_also_grants_devices_the_plain_request_topics():
+    from cloud.broker_auth import acl_text
+
+    principals = [Principal("dev-a", "device", "pw"), Principal(NODE, "node", "pw")]
+    strict = acl_text(principals).splitlines()
+    transitional = acl_text(principals, transitional=True).splitlines()
+    plain = f"topic write {request_topic('+')}"
+    own = f"topic write {request_topic('+', 'dev-a')}"
+    assert own in strict and plain not in strict
+    assert own in transitional and plain in transitional

@@ -492,6 +492,30 @@ def test_a_logged_in_agent_uses_its_own_request_topic_only_where_a_node_takes_it
     assert anonymous._request_topic("m") == request_topic("m")
 
 
+async def test_a_resend_goes_on_the_topic_the_nodes_serving_it_take_now():
+    # A request sent on the user's own topic was resent there after the only node taking
+    # such topics left, while an older node (plain topic only) still served the model.
+    import asyncio
+    import json
+    import time
+
+    from edge.transports.mqtt import MqttTransport, _Pending
+    from shared.mqtt import BrokerAddress, request_topic, status_topic
+
+    mqtt = MqttTransport(BrokerAddress("127.0.0.1", 1, False, "dev-a", "pw"))
+    sent: list[str] = []
+    mqtt._publish = lambda correlation, pending: sent.append(pending.topic)
+    online = {"state": "online", "models": [{"name": "m"}]}
+    mqtt._node_status(status_topic("old"), json.dumps(online).encode())
+    mqtt._node_status(status_topic("new"), json.dumps({**online, "user_topics": True}).encode())
+    future = asyncio.get_running_loop().create_future()
+    first = mqtt._request_topic("m")
+    assert first == request_topic("m", "dev-a")
+    mqtt._pending[b"c"] = _Pending(future, "m", first, b"payload", time.monotonic() + 30)
+    mqtt._node_status(status_topic("new"), json.dumps({"state": "offline"}).encode())
+    assert sent == [request_topic("m")]  # resent, on the plain topic the old node takes
+
+
 def test_a_connect_that_fails_on_every_address_reads_as_not_there_a_reset_does_not():
     import errno
 

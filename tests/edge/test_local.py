@@ -112,3 +112,15 @@ async def test_a_run_queued_on_the_session_thread_past_its_deadline_does_not_sta
     assert all(isinstance(r, DeadlineExceeded) for r in results[1:]), results
     assert len(started) == 1  # the late ones never ran
     local.close()
+
+
+def test_a_load_that_finishes_after_close_is_closed_not_kept(tmp_path):
+    # A reload cut short by a stop kept loading in its thread and left a session open.
+    from shared.errors import ModelNotReady
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx")
+    local = LocalModels(ModelRepository(tmp_path))
+    local.close()
+    with pytest.raises(ModelNotReady, match="stopping"):
+        local.load("lin")
+    assert local.names() == []

@@ -394,3 +394,30 @@ def _echo():
         return InferResponse(model_name=model, outputs=list(request.inputs), id=request.id)
 
     return send, sent
+
+
+async def test_a_batch_with_no_answer_ends_the_flush_instead_of_trying_the_whole_backlog(
+    tmp_path,
+):
+    # Without it, a node failing every request (a 500) took every row's attempt each tick
+    # and a backlog of 1000 failed for good in five seconds.
+    import time
+
+    from edge.deferred import Deferrer
+    from shared.errors import InternalError
+
+    store = DeferredStore(tmp_path / "d.db")
+    for i in range(300):
+        store.put("m", _request_bytes(f"r{i}"), request_id=f"r{i}", created_wall=time.time(),
+                  expires_wall=None)  # fmt: skip
+    deferrer = Deferrer(store, max_attempts=5)
+    tries = []
+
+    async def send(model, request):
+        tries.append(request.id)
+        raise InternalError("the node fails them all")
+
+    assert await deferrer.flush(send, lambda model: True) == 0
+    assert len(tries) == 50  # one batch, then the flush stopped
+    assert store.counts() == {"pending": 300}
+    await deferrer.close()
