@@ -32,6 +32,7 @@ from shared.errors import (
     ModelNotFound,
     ModelNotReady,
     Overloaded,
+    PermissionDenied,
     Unauthenticated,
 )
 from shared.messages import InferRequest, InferResponse
@@ -49,7 +50,14 @@ MAX_UNSAVED_BYTES = 64 << 20
 #: batches of stored requests one flush sends at most
 ROUNDS = 20
 
-_RETRY_LATER = (EndpointUnavailable, ModelNotReady, DeadlineExceeded, Overloaded, Unauthenticated)
+_RETRY_LATER = (
+    EndpointUnavailable,
+    ModelNotReady,
+    DeadlineExceeded,
+    Overloaded,
+    Unauthenticated,
+    PermissionDenied,  # (a broker's ACL or a token's scope: the operator's to fix, then sent)
+)
 
 
 class Deferrer:

@@ -34,6 +34,7 @@ from shared.errors import (
     FerryError,
     InternalError,
     PayloadTooLarge,
+    PermissionDenied,
 )
 from shared.messages import InferRequest, InferResponse
 from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
@@ -44,6 +45,7 @@ from shared.tensors import DEFAULT_LIMITS, Limits
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
 #: times a waiting request is sent again because a node died (not a storm on churn)
 _MAX_RESENDS = 3
+_NOT_AUTHORIZED = 0x87  # a PUBACK's reason: the broker's ACL refused the publish
 #: seconds after subscribing during which no node status yet means "not known": the
 #: broker sends its retained statuses right after the SUBACK
 STATUS_GRACE_S = 1.0
@@ -90,12 +92,13 @@ class MqttTransport:
         self._status_seen = False
         self._subscribed_at: float | None = None  # (monotonic) this session's SUBACK
         self._user_topics: dict[str, bool] = {}  # live node -> takes users' own topics
+        self._plain_only: set[str] = set()  # models whose user topic the broker refused
 
     def _request_topic(self, model: str) -> str:
         """Under its broker user's own request topic when it logs in (see request_topic),
         unless the nodes serving ``model`` all predate those and take the plain one."""
         user = self.broker.username
-        if not user:
+        if not user or model in self._plain_only:
             return request_topic(model)
         hosts = [n for n, models in self.nodes.items() if model in models]
         if hosts and not any(self._user_topics.get(n) for n in hosts):
@@ -226,9 +229,36 @@ class MqttTransport:
             message_expiry=expiry_s(pending.deadline - time.monotonic()),
         )
         try:
-            self._client.publish(pending.topic, pending.payload, properties=props)
+            acked = self._client.publish(pending.topic, pending.payload, properties=props)
         except PacketTooLarge as exc:  # the broker's limit (its CONNACK said so)
             raise PayloadTooLarge(f"MQTT: {exc}") from None
+        if acked is not None:
+            acked.add_done_callback(lambda done: self._puback(done, pending))
+
+    def _puback(self, done: asyncio.Future[Any], pending: _Pending) -> None:
+        """A PUBACK that refuses the request fails it now: it reached no node, and
+        waiting out the deadline said nothing of why.  A refusal of the user's own
+        topic (a broker whose ACL predates them) sends the model's next requests on
+        the plain topic."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        reason = done.result()
+        if not isinstance(reason, int) or reason < 0x80:
+            return
+        user = self.broker.username
+        if (
+            reason == _NOT_AUTHORIZED
+            and user
+            and pending.topic == request_topic(pending.model, user)
+        ):
+            self._plain_only.add(pending.model)
+        if not pending.future.done():
+            pending.future.set_exception(
+                PermissionDenied(
+                    f"MQTT: the broker refused the request on {pending.topic} (reason "
+                    f"0x{reason:02x}{': not authorized by its ACL' if reason == _NOT_AUTHORIZED else ''})"
+                )
+            )
 
     # ---- broker events (on the loop, straight from the socket) ---------------------------
     def _on_connect(self) -> None:

@@ -526,3 +526,33 @@ def test_a_connect_that_fails_on_every_address_reads_as_not_there_a_reset_does_n
     # asyncio's error when every address of a name refused (localhost: ::1 and 127.0.0.1)
     assert _not_there(OSError("Multiple exceptions: [Errno 111] ..., [Errno 111] ..."))
     assert not _not_there(ConnectionResetError(errno.ECONNRESET, "reset mid-request"))
+
+
+async def test_a_publish_the_broker_refuses_fails_the_request_now_and_falls_back_to_plain():
+    # The PUBACK's reason was ignored: a request the broker's ACL refused waited out its
+    # deadline, and an agent on its own topic under an older ACL was never answered.
+    import asyncio
+    import time
+
+    from edge.transports.mqtt import MqttTransport, _Pending
+    from shared.errors import PermissionDenied
+    from shared.mqtt import BrokerAddress, request_topic
+
+    mqtt = MqttTransport(BrokerAddress("127.0.0.1", 1, False, "dev-a", "pw"))
+    loop = asyncio.get_running_loop()
+    pending = _Pending(
+        loop.create_future(), "m", request_topic("m", "dev-a"), b"", time.monotonic() + 9
+    )
+    acked = loop.create_future()
+    acked.set_result(0x87)
+    mqtt._puback(acked, pending)
+    with pytest.raises(PermissionDenied, match="not authorized"):
+        await pending.future
+    assert mqtt._request_topic("m") == request_topic("m")
+    ok = loop.create_future()
+    ok.set_result(0x10)  # accepted, no subscriber yet: nothing to say
+    other = _Pending(
+        loop.create_future(), "n", request_topic("n", "dev-a"), b"", time.monotonic() + 9
+    )
+    mqtt._puback(ok, other)
+    assert not other.future.done() and mqtt._request_topic("n") == request_topic("n", "dev-a")
