@@ -242,7 +242,8 @@ def acl_text(principals: Sequence[Principal], transitional: bool = False) -> str
       its own user's request topic, publishes to the reply topics (a node
       refuses a Response Topic outside the sender's own subtree), publishes its
       own status (also its last will, which the broker checks at CONNECT),
-      reads the placement.
+      reads every node's status (what each hosts: it forwards requests for the
+      models it does not host and describes them) and the placement.
     - controller: reads every node status, publishes (and reads back) the
       retained placement.
 
@@ -288,6 +289,8 @@ def acl_text(principals: Sequence[Principal], transitional: bool = False) -> str
                 f"topic write {request_topic('+', p.name)}",
                 f"topic write {reply_topic('#')}",
                 f"topic write {status_topic(p.name)}",
+                # the fleet's: what each node hosts, to forward requests and describe models
+                f"topic read {status_topic('+')}",
                 f"topic read {PLACEMENT_TOPIC}",
             ]
         else:

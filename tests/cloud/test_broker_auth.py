@@ -379,6 +379,23 @@ def test_a_device_reads_no_requests_not_even_from_the_share_group(locked):
             peer.close()
 
 
+def test_a_node_reads_the_other_nodes_status_to_forward_and_describe(locked):
+    # Without the read rule, on a locked broker no node knew what the others hosted:
+    # every forwarded request was a 503 and /ready false for models hosted elsewhere.
+    reader, other = _peer(locked, NODE), _peer(locked, "dev-a")
+    try:
+        assert reader.subscribe(status_topic("+")) == SUBSCRIBED
+        assert reader.publish(status_topic(NODE), b'{"state": "online"}', retain=True) == ACCEPTED
+        _wait(lambda: reader.payloads(status_topic(NODE)), "a node read no status")
+    finally:
+        reader.close()
+        other.close()
+    assert (
+        "topic read ferry/v1/nodes/+/status"
+        in locked.files.acl.read_text().split(f"user {NODE}")[1].split("user ")[0]
+    )
+
+
 def test_a_node_owns_only_its_own_status(locked):
     node = _peer(locked, NODE)
     try:
