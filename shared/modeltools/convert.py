@@ -45,10 +45,17 @@ def convert_to_openvino(src: Path, dst_dir_or_xml: Path, *, progress: bool = Tru
         raise InvalidInput(f"{xml.parent} is a file: give a folder or a .xml path")
     with tqdm(total=3, desc=f"converting {src.name}", unit="step", disable=not progress) as bar:
         bar.set_postfix_str("convert")
+        root = logging.getLogger()
+        saved = root.level, list(root.filters), list(root.handlers)
         try:
             model = ov.convert_model(str(src))
         except Exception as exc:  # OpenVINO raises OpConversionFailure, RuntimeError, ...
             raise InvalidInput(f"OpenVINO cannot convert {src.name}: {exc}") from exc
+        finally:
+            # Its converter sets the root logger to ERROR (and may leave it so, on a
+            # failure): every warning of the process after it went unsaid.
+            root.setLevel(saved[0])
+            root.filters[:], root.handlers[:] = saved[1], saved[2]
         bar.update(1)
         bar.set_postfix_str("save")
         # Written beside the destination, read back, then moved over it: a failure

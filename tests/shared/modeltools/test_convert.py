@@ -105,3 +105,18 @@ def test_unwritable_or_odd_destinations_are_clear_errors_and_leave_nothing(
         convert_to_openvino(corrupt, xml, progress=False)
     assert xml.read_bytes() == before
     assert sorted(p.name for p in xml.parent.iterdir()) == ["UP.bin", "UP.xml"]
+
+
+def test_a_conversion_leaves_the_processs_logging_as_it_found_it(tmp_path: Path) -> None:
+    # OpenVINO's converter set the root logger to ERROR, failing or not: every warning
+    # the process logged after it went unsaid.
+    import logging
+
+    root = logging.getLogger()
+    before = root.level, list(root.filters), list(root.handlers)
+    write_conv_model(tmp_path / "m.onnx")
+    convert_to_openvino(tmp_path / "m.onnx", tmp_path / "ir", progress=False)
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    with pytest.raises(InvalidInput):
+        convert_to_openvino(tmp_path / "bad.onnx", tmp_path / "ir2", progress=False)
+    assert (root.level, list(root.filters), list(root.handlers)) == before
