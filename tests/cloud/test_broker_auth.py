@@ -560,17 +560,22 @@ def test_principal_repr_hides_the_password():
         broker_auth.make_principals(["ok", "bad name"], [])
 
 
-async def test_the_real_agent_and_node_work_through_the_locked_broker(locked, tmp_path):
-    """The ACL fits what the programs really do: the node's shared subscription,
-    will and status; the agent's random client id, reply topic, status and probe."""
-    w, b = write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
+def _locked_node(locked: AuthBroker, tmp_path: Path) -> tuple[Any, tuple[Any, Any]]:
+    """A real node logged in to the locked broker, serving ``linear``; and its (W, b)."""
+    weights = write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
     cfg = tmp_path / "cloud.toml"
     cfg.write_text(
         f'repository = "{tmp_path / "repo"}"\nnode = "{NODE}"\n[http]\nenabled = false\n'
         f'[mqtt]\nurl = "mqtt://127.0.0.1:{locked.port}"\nusername = "{NODE}"\n'
         f'password_file = "{locked.files.passwords_dir / f"{NODE}.pass"}"\n'
     )
-    node = cloud_server(tmp_path / "repo", "--config", str(cfg)).start()
+    return cloud_server(tmp_path / "repo", "--config", str(cfg)).start(), weights
+
+
+async def test_the_real_agent_and_node_work_through_the_locked_broker(locked, tmp_path):
+    """The ACL fits what the programs really do: the node's shared subscription,
+    will and status; the agent's random client id, reply topic, status and probe."""
+    node, (w, b) = _locked_node(locked, tmp_path)
     address = BrokerAddress("127.0.0.1", locked.port, False, "dev-a", locked.password("dev-a"))
     agent = MqttTransport(address)
     try:
@@ -602,14 +607,7 @@ def test_a_device_cannot_aim_a_nodes_replies_outside_its_own_subtree(locked, tmp
     from shared import envelope
     from shared.envelope import decode_reply
 
-    write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
-    cfg = tmp_path / "cloud.toml"
-    cfg.write_text(
-        f'repository = "{tmp_path / "repo"}"\nnode = "{NODE}"\n[http]\nenabled = false\n'
-        f'[mqtt]\nurl = "mqtt://127.0.0.1:{locked.port}"\nusername = "{NODE}"\n'
-        f'password_file = "{locked.files.passwords_dir / f"{NODE}.pass"}"\n'
-    )
-    node = cloud_server(tmp_path / "repo", "--config", str(cfg)).start()
+    node, _ = _locked_node(locked, tmp_path)
     a, b = _peer(locked, "dev-a"), _peer(locked, "dev-b")
     a_home, b_home = reply_topic("app", "dev-a"), reply_topic("app", "dev-b")
     x = np.ones((1, 4), np.float32)
