@@ -183,10 +183,8 @@ class EdgeDataPlane:
         for a model served by the cloud only; ModelNotFound for neither."""
         self._known(name)
         mp = self.core.policy.model_policy(name)
-        model = None
-        if mp.local_model and self.local.has(mp.local_model):
-            model = self.local.get(mp.local_model)
-        elif mp.cloud_model is None or not self.transports:
+        model = self._local_variant(mp)
+        if model is None and (mp.cloud_model is None or not self.transports):
             raise ModelNotFound(f"unknown model {name!r}")
         if version not in (None, "") and model is not None and version != str(model.version):
             if not self._cloud_version(name, version):
@@ -203,12 +201,14 @@ class EdgeDataPlane:
         mp = self.core.policy.model_policy(name)
         if mp.cloud_model is None or not self.transports or mp.mode == "local":
             return False
-        local = (
-            self.local.get(mp.local_model)
-            if mp.local_model and self.local.has(mp.local_model)
-            else None
-        )
+        local = self._local_variant(mp)
         return local is None or str(local.version) != version
+
+    def _local_variant(self, mp: Any) -> Any:
+        """``mp``'s local variant where it is loaded, else None."""
+        if mp.local_model and self.local.has(mp.local_model):
+            return self.local.get(mp.local_model)
+        return None
 
     async def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
         """V2 metadata: the local variant's, or the cloud's for a cloud-only model."""
