@@ -7,7 +7,11 @@ profile and the loaded traces without pickling them.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,11 +22,13 @@ import numpy as np
 
 from devices.profiles import DeviceProfile, load_device, load_link
 from edge.config import load_policy_file
+from edge.core import NATIVE
 from edge.core.estimators import Estimators
 from edge.core.policy import Context, Policy, PolicyConfig
 from edge.evaluation.evaluate import BASELINES, ComputeProfile, Range, Workload, evaluate, summarize
 from edge.netem.traces import Trace, commute, load_trace, markov_fading, steady
 
+ROOT = Path(__file__).resolve().parent.parent
 MODEL = "orientation"
 LINK = "lte"
 DEVICES = {"pi4b": "raspberry-pi-4b", "orin": "jetson-orin-nano"}  # the example; a faster one
@@ -334,4 +340,26 @@ def time_decision(setup: Setup, iterations: int) -> dict[str, Any]:
     out.update(paths[slow])
     out["paths"] = {k: (v["choice"], round(v["median_us"], 1)) for k, v in paths.items()}
     out["entry"] = f"EdgeCore.begin(...).start(), {slow} radio"
+    out["core"] = NATIVE
     return out
+
+
+def time_decision_python(setup: Setup, iterations: int) -> dict[str, Any] | None:
+    """:func:`time_decision` on the core's Python sources (FERRY_NATIVE=0), in a child
+    process: the compiled core's figure beside the one it replaces.  None where this
+    process runs the Python sources already (the figure is the same)."""
+    if not NATIVE.startswith("compiled"):
+        return None
+    doc = {"local_s": setup.local_s, "cloud_s": setup.cloud_s, "n": iterations}
+    code = (
+        "import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "import _policy_grid as g\n"
+        "d = json.loads(sys.argv[3])\n"
+        "s = g.Setup(tuple(d['local_s']), tuple(d['cloud_s']), (), {}, "
+        "g.example_policy(g.ROOT), 1.0, 1.0, 1, ('mqtt', 'http'))\n"
+        "print(json.dumps(g.time_decision(s, d['n'])))\n"
+    )
+    env = {**os.environ, "FERRY_NATIVE": "0"}
+    argv = [sys.executable, "-c", code, str(ROOT / "bench"), str(ROOT), json.dumps(doc)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             missed.append("(b) decision > 20 us")
         print(
             f"\n(b) cost-mode decision, mqtt+http, context included: {decision['median_us']:.1f} us "
-            f"median ({verdict} <= 20 us; {decision['entry']}; paths {decision['paths']})"
+            f"median ({verdict} <= 20 us; {decision['entry']}; paths {decision['paths']}; "
+            f"core {decision['core']})"
         )
 
         echo_repo = tmp / "echo-repo"

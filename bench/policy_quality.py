@@ -150,6 +150,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def _python_figure(decision: dict[str, Any]) -> str:
+    """The same decision on the core's Python sources, where the compiled core was timed."""
+    python = decision.get("python")
+    if not python:
+        return ""
+    return (
+        f"; on its Python sources (FERRY_NATIVE=0) {python['median_us']:.1f} us, "
+        f"{python['median_us'] / decision['median_us']:.1f}x the compiled core's time"
+    )
+
+
 def targets(rows: list[dict[str, Any]], decision: dict[str, Any]) -> list[tuple[str, bool, str]]:
     """(name, met, detail) per target of the issue."""
     ratios = np.array([r["ours_vs_oracle"] for r in rows])
@@ -195,7 +206,8 @@ def targets(rows: list[dict[str, Any]], decision: dict[str, Any]) -> list[tuple[
         f"median (<= 20 us; best of rounds {rounds}; p99 {decision['p99_us']:.1f} us; "
         f"{decision['entry']}, {decision['iterations']} runs, chose {decision['choice']}; "
         f"paths {decision.get('paths')}; "
-        f"the bare Context + Policy.decide: {decision['bare']['median_us']:.1f} us)"
+        f"the bare Context + Policy.decide: {decision['bare']['median_us']:.1f} us; "
+        f"core {decision['core']}{_python_figure(decision)})"
     )
     return [
         ("target 1", mean <= 1.10, t1),
@@ -311,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timed.append(grid.time_decision(setup, args.decisions))
     decision = min(timed, key=lambda d: d["median_us"])
+    decision["python"] = grid.time_decision_python(setup, args.decisions)
     both = " and ".join(f"{d['median_us']:.1f}" for d in timed)
     options = "; ".join(decision["options"])
     print(f"\ndecision timed before and after the grid: {both} us; options {options}")

@@ -30,6 +30,7 @@ import numpy as np
 from devices.power import RaplReader, read_all, read_battery
 from devices.profiles import LinkProfile, load_device, load_link
 from edge.config import RESTART_KEYS, AgentConfig, load_agent_config
+from edge.core import NATIVE, STALE_BUILD
 from edge.core.breaker import CircuitBreaker
 from edge.core.estimators import Estimators
 from edge.core.policy import LOCAL, Policy
@@ -195,6 +196,11 @@ class Agent:
         self.started_at = time.monotonic()
         self.dataplane.core.serving(self.started_at)
         self.ready = True
+        if STALE_BUILD and "FERRY_NATIVE" not in NATIVE:
+            # A build that no longer matches runs the (slower) Python sources: say so once.
+            log.warning("decision core: %s", NATIVE)
+        else:
+            log.debug("decision core: %s", NATIVE)
 
     async def stop(self, drain_s: float = 10.0) -> None:
         """Stop taking requests, let the ones in flight finish (up to ``drain_s``: an

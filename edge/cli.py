@@ -1,4 +1,4 @@
-"""``ferry-edge``: run the agent, emulate a link, evaluate a policy."""
+"""``ferry-edge``: run the agent, emulate a link, evaluate a policy, build the compiled core."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shared.errors import FerryError
 
-COMMANDS = ("run", "emulate-link", "evaluate", "profile")
+COMMANDS = ("run", "emulate-link", "evaluate", "profile", "build-native")
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -52,6 +52,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     pr.add_argument("--runs", type=int, default=100)
     pr.add_argument("--threads", type=int, default=1, help="intra-op threads for the local model")
     pr.add_argument("--out", type=Path, required=True)
+    bn = sub.add_parser(
+        "build-native", help="compile the decision core with mypyc (needs a C compiler)"
+    )
+    if wanted in (None, "build-native"):
+        from edge.native import add_arguments
+
+        add_arguments(bn)
     return parser
 
 
@@ -60,6 +67,7 @@ async def _run(config_path: Path, api_port: int | None) -> int:
 
     from edge.agent import Agent
     from edge.config import load_agent_config
+    from edge.core import NATIVE
     from edge.http_front import start_local_api
     from shared.aio.threads import favour_the_loop
     from shared.errors import ConfigError
@@ -86,6 +94,7 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     parts = [
         f"local={','.join(agent.local.names()) or '-'}",
         f"transports={','.join(agent.transports) or '-'}",
+        f"core={NATIVE.split()[0].rstrip(':')}",
     ]
     if config.api_port is not None:
         try:
@@ -122,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             from edge.evaluation.cli import run_profile
 
             return run_profile(args)
+        if args.command == "build-native":
+            from edge.native import run
+
+            return run(args)
         if args.command == "emulate-link":
             from edge.netem.linkemu import run_emulate_link
 

@@ -8,6 +8,8 @@ success closes the breaker, its failure re-opens it.
 
 from __future__ import annotations
 
+from typing import Final
+
 
 class CircuitBreaker:
     # Radio links come back within seconds: the agent (and the replay evaluator,
@@ -49,7 +51,7 @@ class CircuitBreaker:
         return True
 
     # A trial that never reported (its request was cancelled) stops blocking after this.
-    TRIAL_LAPSE_S = 30.0
+    TRIAL_LAPSE_S: Final = 30.0
 
     def _lapsed(self, now: float) -> bool:
         return now - self._trial_at > self.TRIAL_LAPSE_S

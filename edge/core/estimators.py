@@ -15,7 +15,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from edge.core.normal import ppf
 from edge.core.quantile import Ewma, P2Quantile
@@ -31,6 +31,7 @@ SMALL_BYTES = 4096
 #: 0.95 s one and the agent offloaded at a loss for good (bench/policy_quality.py:
 #: LOSS cells 6 -> 4 in the fast state's profile over 6 seeds).
 LOCAL_ALPHA = 0.1
+RATE_ALPHA = 0.3  # LogRate's EWMA (a module constant: compiled class bodies read no siblings)
 
 
 class LatencyEstimator:
@@ -43,9 +44,10 @@ class LatencyEstimator:
     how a fallback reserve ends up too short for the local run's tail.
     """
 
-    PRIOR_LOG_SD = 0.2  # a run-to-run spread of ~20% before it is measured
-    PRIOR_WEIGHT = 2.0  # the prior counts as this many samples: five warm-up runs outweigh it
-    TRUST_P2 = 20  # samples after which the P-square estimate stands alone
+    PRIOR_LOG_SD: Final = 0.2  # a run-to-run spread of ~20% before it is measured
+    # the prior counts as this many samples: five warm-up runs outweigh it
+    PRIOR_WEIGHT: Final = 2.0
+    TRUST_P2: Final = 20  # samples after which the P-square estimate stands alone
 
     def __init__(self, q: float = 0.95, alpha: float = 0.2) -> None:
         self._ewma = Ewma(alpha)
@@ -157,17 +159,18 @@ class LogRate:
     level instead of averaging the old regime in.
     """
 
-    ALPHA = 0.3
-    N_EFF = (2 - ALPHA) / ALPHA  # an EWMA's effective sample count
-    PRIOR_SIGMA = 1.0  # a factor of e either way before anything is seen
-    REVERT_S = 60.0  # how fast what was learnt fades back into the long run
-    CUSUM_K, CUSUM_H = 0.5, 4.0
+    ALPHA: Final = RATE_ALPHA
+    N_EFF: Final = (2 - RATE_ALPHA) / RATE_ALPHA  # an EWMA's effective sample count
+    PRIOR_SIGMA: Final = 1.0  # a factor of e either way before anything is seen
+    REVERT_S: Final = 60.0  # how fast what was learnt fades back into the long run
+    CUSUM_K: Final = 0.5
+    CUSUM_H: Final = 4.0
     # The link's own long run (where an unobserved belief relaxes to, see ``at``): the
     # last ~40 observations, trusted over the profile's prior as they gather
     # (half way at ``HOME_PRIOR_N``), their spread never taken below ``HOME_MIN_SIGMA``.
-    HOME_ALPHA = 0.05
-    HOME_PRIOR_N = 8.0
-    HOME_MIN_SIGMA = 0.35
+    HOME_ALPHA: Final = 0.05
+    HOME_PRIOR_N: Final = 8.0
+    HOME_MIN_SIGMA: Final = 0.35
 
     __slots__ = (
         "_far",
@@ -399,11 +402,11 @@ class LinkEstimator:
         getattr(self, tail).add(rate)
         self.bandwidth_update = now
 
-    FAIL_PRIOR = (0.1, 10.0)  # Beta(lost, answered) before any attempt: ~1%
-    FAIL_DECAY = 0.97  # per attempt: the last ~30 attempts tell
-    FAIL_SLOW_DECAY = 0.995  # per attempt, the long memory: the last ~200 attempts
-    FAIL_SLOW_S = 1800.0  # and it fades over half an hour
-    FAIL_SLOW_PRIOR = (0.3, 30.0)  # ~1% again, but one lost reply is not a habit
+    FAIL_PRIOR: Final = (0.1, 10.0)  # Beta(lost, answered) before any attempt: ~1%
+    FAIL_DECAY: Final = 0.97  # per attempt: the last ~30 attempts tell
+    FAIL_SLOW_DECAY: Final = 0.995  # per attempt, the long memory: the last ~200 attempts
+    FAIL_SLOW_S: Final = 1800.0  # and it fades over half an hour
+    FAIL_SLOW_PRIOR: Final = (0.3, 30.0)  # ~1% again, but one lost reply is not a habit
 
     def failure_rate(self, now: float) -> float:
         """P(an offload over this link gets no reply), from the attempts.

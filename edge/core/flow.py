@@ -547,7 +547,8 @@ class RequestFlow:
         core.usage.add(sent + received, now)
         core.out_bytes[self.model] = received
         reason = self.decision.reason if self.decision else ""
-        energy, extra, cancel = choice.energy_j, {}, False
+        energy, cancel = choice.energy_j, False
+        extra: dict[str, Any] = {}
         if self._hedging:
             if self._answered:
                 return None  # the local run answered first: this reply only taught
@@ -794,7 +795,7 @@ class EdgeCore:
                 breaker = self.breakers[name]
                 ok = breaker.state == "closed" or breaker.ready(now)  # (closed: the usual case)
             if ok and missing:
-                ok = missing.get((name, cloud_model), 0.0) <= now
+                ok = missing.get((name, cloud_model or ""), 0.0) <= now
             out[name] = ok
         return out
 

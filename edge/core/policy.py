@@ -429,7 +429,7 @@ class Policy:
         link = self.est.link(transport)
         profile = self.links[transport]
         up, down = ctx.in_bytes, ctx.out_bytes if ctx.out_bytes is not None else mp.output_bytes
-        server, server_q = server or self.server_time(mp)
+        server_s, server_q = server or self.server_time(mp)
         explore = self.config.explore_after_s
         seen, claim = link.bandwidth_update, link.exploring_since
         stale = (
@@ -452,7 +452,7 @@ class Policy:
         # A radio that went idle (past its tail) must be promoted before it sends.
         idle = ctx.radio_idle_s
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
-        latency = promotion + link.rtt_s + t_up + t_down + server
+        latency = promotion + link.rtt_s + t_up + t_down + server_s
         latency_q = promotion + link.rtt_quantile + t_q + server_q  # rtt_quantile >= rtt_s
         # The tail this transfer opens (see transfer_energy_j): until the next request, at
         # the rate requests come, if each used the radio (``tail``); until the next one
@@ -486,7 +486,7 @@ class Policy:
             down,
             up_bps,
             down_bps,
-            server + link.rtt_s,
+            server_s + link.rtt_s,
             self.device,
             ctx.radio_idle_s,
             extra,
@@ -673,7 +673,7 @@ class Policy:
         rate = ctx.rate_per_s
         if not rate:
             return None
-        pick: tuple[float, Option] | None = None
+        pick: tuple[float, Option, float, bool] | None = None
         for o in options:
             if o.transport is None:
                 continue
@@ -741,7 +741,7 @@ class Policy:
         if local is not None and not local.feasible:
             local = None
         horizon = horizon_requests(ctx.rate_per_s)
-        pick: tuple[float, Option, float, float] | None = None
+        pick: tuple[float, Option, float, float, bool] | None = None
         for o in options:
             if o is best or o.transport is None or o.rate_sigma < 0.05:
                 continue
