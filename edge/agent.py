@@ -196,7 +196,7 @@ class Agent:
         self.started_at = time.monotonic()
         self.dataplane.core.serving(self.started_at)
         self.ready = True
-        if STALE_BUILD and "FERRY_NATIVE" not in NATIVE:
+        if STALE_BUILD:
             # A build that no longer matches runs the (slower) Python sources: say so once.
             log.warning("decision core: %s", NATIVE)
         else:

@@ -13,14 +13,33 @@
 # `[api] host = "0.0.0.0"` for the port to be reachable from outside the
 # container, and `repository` to where the local models are mounted.  For
 # LiteRT models build with EXTRAS=edge,litert.
+#
+# The build stage compiles the agent's decision core (ferry-edge build-native:
+# mypyc and gcc, in that stage only; ~3x faster decisions); NATIVE=0 skips it
+# and the agent runs the same core from its Python sources.
 
 FROM python:3.11.11-slim-bookworm AS build
 ARG EXTRAS=edge
+ARG NATIVE=1
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
+# gcc and libc6-dev follow the base image's Debian release (pinning them would break on
+# every base image update), and stay in this stage: the runtime image has neither.
+# hadolint ignore=DL3008
+RUN if [ "$NATIVE" = "1" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN python -m venv /opt/ferry
 COPY . /src
 RUN /opt/ferry/bin/pip install --no-cache-dir "/src[${EXTRAS}]"
+# The compiled core lands in the installed package; mypy was only needed to build it.
+RUN if [ "$NATIVE" = "1" ]; then \
+        /opt/ferry/bin/pip install --no-cache-dir "/src[native]" \
+        && /opt/ferry/bin/ferry-edge build-native \
+        && /opt/ferry/bin/pip uninstall -y mypy; \
+    fi
 
 FROM python:3.11.11-slim-bookworm
 LABEL org.opencontainers.image.title="ferry-edge" \

@@ -12,6 +12,7 @@ why.  ``FERRY_NATIVE=0`` keeps the Python sources regardless.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import zlib
@@ -20,6 +21,12 @@ from importlib.machinery import EXTENSION_SUFFIXES
 #: Where ``ferry-edge build-native`` puts the compiled modules and their manifest.
 COMPILED = os.path.join(os.path.dirname(__file__), "_compiled")
 MANIFEST = "manifest.json"
+#: The modules compiled: everything a request's decision runs through.
+MODULES = ("accounting", "breaker", "energy", "estimators", "flow", "normal", "policy", "quantile")
+#: The library the compiled modules share (a submodule of this package, found along
+#: its path like them).
+GROUP = "native__mypyc"
+_OFF = ("0", "false", "no", "off")
 
 
 def digest(data: bytes) -> str:
@@ -28,12 +35,13 @@ def digest(data: bytes) -> str:
     return f"{zlib.crc32(data):08x}-{len(data)}"
 
 
-def native_status(compiled: str, sources: str) -> tuple[bool, str]:
-    """(usable, why): whether ``compiled`` holds a build of ``sources`` as they are now.
+def native_status(compiled: str, sources: str) -> tuple[str, str]:
+    """(state, why): whether ``compiled`` holds a build of ``sources`` as they are now.
 
-    All or nothing: the compiled modules share one library, so one changed
-    source (or a missing module, or another interpreter's build) rules out
-    every compiled module.
+    ``state`` is "current", "absent" (nothing built) or "stale" (a build is
+    there but may not be used: a source changed, the module list changed,
+    another interpreter built it, it cannot be read).  All or nothing: the
+    compiled modules share one library, so one mismatch rules out every one.
     """
     try:
         with open(os.path.join(compiled, MANIFEST), encoding="utf-8") as f:
@@ -41,37 +49,50 @@ def native_status(compiled: str, sources: str) -> tuple[bool, str]:
         suffix, modules = manifest["suffix"], manifest["sources"]
         libraries = manifest["libraries"]
     except FileNotFoundError:
-        return False, "not built (ferry-edge build-native)"
+        return "absent", "not built (ferry-edge build-native)"
+    except PermissionError as exc:
+        return "stale", f"the build is not readable by this user ({exc}): make it readable"
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return False, f"unreadable build manifest ({exc}): rebuild with ferry-edge build-native"
+        return "stale", f"unreadable build manifest ({exc}): rebuild with ferry-edge build-native"
     if suffix not in EXTENSION_SUFFIXES:
-        return False, f"built for another interpreter ({suffix}): rebuild"
+        return "stale", f"built for another interpreter ({suffix}): rebuild"
+    if sorted(modules) != sorted(f"{m}.py" for m in MODULES):
+        return "stale", "built from another list of modules: rebuild"
     for library in libraries:
-        if not os.path.exists(os.path.join(compiled, library)):
-            return False, f"{library} is missing from the build: rebuild"
+        if not os.access(os.path.join(compiled, library), os.R_OK):
+            return "stale", f"{library} is missing from the build or unreadable: rebuild"
     for name, built in modules.items():
         try:
             with open(os.path.join(sources, name), "rb") as f:
                 now = digest(f.read())
         except OSError:
-            return False, f"{name} is gone since the build: rebuild"
+            return "stale", f"{name} is gone since the build: rebuild"
         if now != built:
-            return False, f"{name} changed since the build: rebuild with ferry-edge build-native"
-    return True, f"compiled ({len(modules)} modules)"
+            return "stale", f"{name} changed since the build: rebuild with ferry-edge build-native"
+    return "current", f"compiled ({len(modules)} modules)"
 
 
-def _choose() -> tuple[bool, str]:
-    if os.environ.get("FERRY_NATIVE", "").strip() == "0":
-        return False, "off (FERRY_NATIVE=0)"
-    return native_status(COMPILED, os.path.dirname(__file__))
-
-
-_native, _why = _choose()
-#: "compiled (N modules)" or "python: <why the compiled build is not used>".
-NATIVE: str = _why if _native else f"python: {_why}"
-#: A build is there but does not match these sources (or this interpreter): the agent
-#: says so at start, since it then decides at a fraction of the compiled speed.
-STALE_BUILD: bool = not _native and os.path.exists(os.path.join(COMPILED, MANIFEST))
-if _native:
+def _choose() -> tuple[str, str]:
+    if os.environ.get("FERRY_NATIVE", "").strip().lower() in _OFF:
+        return "off", "off (FERRY_NATIVE=0)"
+    state, why = native_status(COMPILED, os.path.dirname(__file__))
+    if state != "current":
+        return state, why
     # Submodules are looked up along the package's __path__: the compiled ones first.
+    # The shared library is loaded now, so a build that matches its manifest but cannot
+    # load here (truncated, another libc or architecture, a noexec mount) is not used.
     __path__.insert(0, COMPILED)
+    try:
+        importlib.import_module(f"{__name__}.{GROUP}")
+    except (ImportError, OSError) as exc:
+        __path__.remove(COMPILED)
+        return "stale", f"the build does not load ({exc}): rebuild with --force"
+    return state, why
+
+
+_state, _why = _choose()
+#: "compiled (N modules)" or "python: <why the compiled build is not used>".
+NATIVE: str = _why if _state == "current" else f"python: {_why}"
+#: A build is there but is not used (see native_status): the agent says so at start,
+#: since it then decides at a fraction of the compiled speed.
+STALE_BUILD: bool = _state == "stale"

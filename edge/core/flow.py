@@ -44,6 +44,7 @@ from edge.core.policy import (
     fallback_reserve_s,
     late_only_for_promotion,
     race_start_s,
+    reduce_by_init,
 )
 from edge.core.quantile import Ewma
 from shared.errors import (
@@ -114,6 +115,9 @@ class RunLocal:
     reason: str
     fallback: bool = False
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
+
 
 @dataclass(frozen=True, slots=True)
 class Offload:
@@ -123,6 +127,9 @@ class Offload:
     cloud_model: str
     give_up_at: float
     reason: str
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +147,9 @@ class Hedge:
     # then), or when the offload fails first; None runs it at once.
     local_at: float | None = None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
+
 
 @dataclass(frozen=True, slots=True)
 class Defer:
@@ -147,6 +157,9 @@ class Defer:
 
     reason: str
     deadline_ms: float | None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +178,18 @@ class Answer:
     # (its runtime takes a cancel; the energy above is what it ran until now).
     cancel_local: bool = False
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
+
 
 @dataclass(frozen=True, slots=True)
 class Fail:
     """The request is answered with ``error``."""
 
     error: FerryError
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
 
 
 Action = RunLocal | Offload | Hedge | Defer | Answer | Fail
@@ -185,6 +204,9 @@ class DecisionRecord:
     where: str
     reason: str
     predicted_s: float | None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
 
 
 def _cost(o: Option) -> float:

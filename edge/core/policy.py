@@ -17,7 +17,8 @@ cap; local-only and cloud-only models; no usable link -> local.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from devices.profiles import DeviceProfile, LinkProfile
 from edge.core.energy import (
@@ -34,6 +35,13 @@ MODES = ("cost", "cascade", "local", "cloud")
 TRANSPORTS = ("mqtt", "http")
 
 
+def reduce_by_init(obj: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``__reduce__`` of a frozen dataclass: rebuilt through ``__init__``.  Compiled
+    (mypyc), a frozen class refuses the field-by-field restore that pickle and
+    ``copy`` do otherwise."""
+    return type(obj), tuple(getattr(obj, f.name) for f in fields(obj))
+
+
 @dataclass(frozen=True)
 class Weights:
     """Cost per unit: a second of latency, a joule, a megabyte, a unit of money."""
@@ -42,6 +50,9 @@ class Weights:
     energy_j: float = 0.0
     data_mb: float = 0.0
     money: float = 0.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,9 @@ class ModelPolicy:
     cascade_output: str | None = None
     transports: tuple[str, ...] = TRANSPORTS
     output_bytes: int = 4096  # reply size prior until one is observed
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,9 @@ class PolicyConfig:
     # fewer seeds mean the first races run their local half to the end to learn it.
     warm_up_runs: int = 5
     models: dict[str, ModelPolicy] = field(default_factory=dict)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_by_init(self)
 
 
 @dataclass(slots=True)
