@@ -384,6 +384,39 @@ def load_agent_config(path: Path) -> AgentConfig:
     return AgentConfig(**{**config.__dict__, "source": Path(path)})
 
 
+@dataclass(frozen=True)
+class FileSettings:
+    """What a replay takes from an agent.toml beside its policy (None: the file is silent)."""
+
+    transports: tuple[str, ...] | None = None  # those with an endpoint in [cloud]
+    probe_interval_s: float | None = None
+    links: dict[str, str] = field(default_factory=dict)  # transport -> profile (resolved)
+    device: str | None = None
+
+
+def agent_file_settings(path: Path) -> FileSettings:
+    """The endpoints, probe interval, ``[links]`` and ``device`` of an agent.toml, checked
+    and resolved (paths against the file's folder) as the agent would; a policy-only
+    file gives none.  ``ferry-edge evaluate`` replays what the agent would do."""
+    data = read_toml(path)
+    source, base = str(path), Path(path).resolve().parent
+    cloud = data.get("cloud")
+    transports = tuple(t for t in TRANSPORTS if cloud.get(t)) if isinstance(cloud, dict) else None
+    interval = data.get("probe_interval_s")
+    if interval is not None:
+        interval = float(_range(source, "probe_interval_s", interval, 0, low_open=True))
+    links = data.get("links", {})
+    named = {
+        t: _profile("link", v, f"links.{t}", source, base)
+        for t, v in links.items()
+        if isinstance(v, str)
+    }
+    device = data.get("device")
+    if device is not None:
+        device = _profile("device", device, "device", source, base)
+    return FileSettings(transports, interval, named, device)
+
+
 def load_policy_file(path: Path) -> PolicyConfig:
     """The ``[policy]`` and ``[models.*]`` of an agent.toml, or of a policy-only file."""
     data = read_toml(path)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 from devices.profiles import load_device, load_link
-from edge.config import load_policy_file
+from edge.config import agent_file_settings, load_policy_file
 from edge.core.policy import TRANSPORTS
 from edge.evaluation.evaluate import evaluate
 from edge.evaluation.ours import PROBE_INTERVAL_S
@@ -32,7 +31,10 @@ DOWN_HELP = (
 def add_evaluate_arguments(ev: argparse.ArgumentParser) -> None:
     """The options of ``ferry-edge evaluate`` (edge/cli.py builds the parser)."""
     ev.add_argument("--policy", type=Path, required=True, help="agent.toml or a policy-only TOML")
-    ev.add_argument("--device", default="raspberry-pi-4b", help="device profile name or TOML")
+    ev.add_argument(
+        "--device",
+        help="device profile name or TOML (default: the agent.toml's device, else raspberry-pi-4b)",
+    )
     ev.add_argument(
         "--link",
         help="link profile name or TOML (energy, RTT) of the one radio the replay has "
@@ -67,27 +69,6 @@ def add_evaluate_arguments(ev: argparse.ArgumentParser) -> None:
         help=f"the agent's probe interval (default: the agent.toml's, else {PROBE_INTERVAL_S:g})",
     )
     ev.add_argument("--out", type=Path, help="folder for report.md and PNG plots")
-
-
-def _agent_file_settings(
-    path: Path,
-) -> tuple[tuple[str, ...] | None, float | None, dict[str, str]]:
-    """Transports with an endpoint, the probe interval and the ``[links]`` the file
-    names, when ``path`` is an agent.toml."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return None, None, {}  # load_policy_file has already reported a broken file
-    cloud = data.get("cloud")
-    transports = None
-    if isinstance(cloud, dict):
-        transports = tuple(t for t in TRANSPORTS if cloud.get(t))
-    interval = data.get("probe_interval_s")
-    links = data.get("links")
-    named = (
-        {t: v for t, v in links.items() if isinstance(v, str)} if isinstance(links, dict) else {}
-    )
-    return transports, float(interval) if isinstance(interval, (int, float)) else None, named
 
 
 def _link_name(
@@ -141,10 +122,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
         if args.seed < 0:
             raise ConfigError(f"--seed: expected an integer >= 0, got {args.seed}")
         workload = replace(workload, seed=args.seed)
-    device = load_device(args.device)
-    file_transports, file_interval, file_links = _agent_file_settings(args.policy)
-    transports = _transports(getattr(args, "transports", None), file_transports)
-    link_name, link_note = _link_name(args.link, file_links, transports)
+    settings = agent_file_settings(args.policy)
+    device = load_device(args.device or settings.device or "raspberry-pi-4b")
+    file_interval = settings.probe_interval_s
+    transports = _transports(getattr(args, "transports", None), settings.transports)
+    link_name, link_note = _link_name(args.link, settings.links, transports)
     link = load_link(link_name)
     if args.profile is None:
         raise ConfigError("--profile is required: measure one with 'ferry-edge profile'")
@@ -158,11 +140,16 @@ def run_evaluate(args: argparse.Namespace) -> int:
         name = f"steady:{link.down_mbps:g} (link profile {link.name!r}, no --down)"
         # over a minute at least: a steady trace's packets are whole per period, and a
         # period as short as a one-line uplink trace's would round the rate to nothing
-        down = steady(link.down_mbps, max(up.period_ms / 1000.0, 60.0), name=name)
+        # (a steady trace loops like any other: an hour of it stands for a longer uplink)
+        down = steady(link.down_mbps, min(max(up.period_ms / 1000.0, 60.0), 3600.0), name=name)
         down_note = name
     if args.out:
         writable_folder(args.out, "--out")  # before the replay, not after it
-    interval = given if given is not None else file_interval or PROBE_INTERVAL_S
+    interval = (
+        given
+        if given is not None
+        else (file_interval if file_interval is not None else PROBE_INTERVAL_S)
+    )
     ev = evaluate(
         up=up,
         down=down,

@@ -23,8 +23,9 @@ from edge.core.policy import LOCAL, ModelPolicy, PolicyConfig
 from edge.evaluation.baselines import run_cascade, run_fixed, run_oracle, run_static
 from edge.evaluation.ours import PROBE_INTERVAL_S, run_ours
 from edge.evaluation.sim import ComputeProfile, Outcome, Result, Simulator
-from edge.evaluation.workload import Range, Workload
+from edge.evaluation.workload import MAX_REPLAY_S, MAX_REQUESTS, Range, Workload
 from edge.netem.traces import Trace
+from shared.errors import ConfigError
 
 __all__ = [
     "BASELINES",
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 BASELINES = ("always-local", "always-cloud", "static (Neurosurgeon)", "cascade (Sedna)")
+
+
+#: Link probes a replay may simulate (each is an event with its own transfer).
+MAX_PROBES = 1_000_000
 
 
 @dataclass
@@ -74,7 +79,20 @@ def evaluate(
     """
     mp = config.models.get(model) or ModelPolicy(local_model=model, cloud_model=model)
     default_ms = mp.deadline_ms or config.default_deadline_ms
+    if workload.count > MAX_REQUESTS:
+        raise ConfigError(f"workload: at most {MAX_REQUESTS:,} requests, got {workload.count}")
     requests = workload.draw(default_ms)
+    span = float(requests.arrivals[-1]) if len(requests.arrivals) else 0.0
+    if not span <= MAX_REPLAY_S:
+        raise ConfigError(
+            f"workload: its requests span {span:.3g} s; a replay spans at most "
+            f"{MAX_REPLAY_S:.0f} s (30 days)"
+        )
+    if probe_interval_s > 0 and span / probe_interval_s > MAX_PROBES:
+        raise ConfigError(
+            f"probe interval {probe_interval_s:g} s over a {span:.6g} s replay makes "
+            f"{span / probe_interval_s:.3g} probes; at most {MAX_PROBES:,}: a longer interval"
+        )
     sim = Simulator(
         up=up,
         down=down,

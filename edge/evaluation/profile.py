@@ -9,7 +9,6 @@ real top-1 confidences (for the cascade baseline).
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -95,9 +94,18 @@ def write_profile(
     )
 
 
+#: The longest run a profile may hold (an hour: a replay's clock counts milliseconds).
+MAX_RUN_S = 3600.0
+
+
 def read_profile(path: Path, speed_factor: float = 1.0) -> ComputeProfile:
     try:
         doc = json.loads(Path(path).read_text())
+        for key in ("local_s", "cloud_s", "confidences"):
+            if not isinstance(doc.get(key, []), list):
+                raise TypeError(f"key {key!r}: expected a list, got {type(doc[key]).__name__}")
+        if not isinstance(doc.get("local_cancellable", False), bool):
+            raise TypeError("key 'local_cancellable': expected true or false")
         profile = ComputeProfile(
             local_s=tuple(float(x) for x in doc["local_s"]),
             cloud_s=tuple(float(x) for x in doc["cloud_s"]),
@@ -109,9 +117,10 @@ def read_profile(path: Path, speed_factor: float = 1.0) -> ComputeProfile:
         raise ConfigError(f"{path}: not a compute profile ({exc})") from None
     for key in ("local_s", "cloud_s"):
         samples = getattr(profile, key)
-        if not samples or not all(0 < x < math.inf for x in samples):  # also NaN
+        if not samples or not all(0 < x <= MAX_RUN_S for x in samples):  # also NaN
             raise ConfigError(
-                f"{path}: key {key!r}: expected one or more finite run times > 0 s, "
+                f"{path}: key {key!r}: expected one or more run times > 0 s and at most "
+                f"{MAX_RUN_S:.0f} s, "
                 f"got {list(samples)[:5]}{' ...' if len(samples) > 5 else ''}"
             )
     if not all(0 <= c <= 1 for c in profile.confidences):

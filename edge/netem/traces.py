@@ -28,6 +28,11 @@ _MAX_MS = 2**63 - 1
 
 #: Packets per millisecond per Mbps: 1e6 / 8 / 1500 / 1000.
 _PKTS_PER_MS_PER_MBPS = 1.0 / 12.0
+#: What one generated trace may hold: it is an array of delivery opportunities (one per
+#: 1500-byte packet) and one of per-millisecond rates, so a rate or a length far past
+#: any radio's must be refused before they are allocated (10 Gbps for a minute fits).
+MAX_TRACE_PACKETS = 60_000_000
+MAX_TRACE_MS = 86_400_000  # a day
 
 
 def _ms(t_s: float) -> float:
@@ -278,6 +283,14 @@ def _from_segments(durations_s: list[float], mbps: list[float], name: str) -> Tr
     capacity total reaches it, so fractional packets carry over and the mean
     rate is exact.
     """
+    total_ms = float(np.sum(durations_s)) * 1000.0
+    packets = float(np.dot(durations_s, mbps)) * 1000.0 * _PKTS_PER_MS_PER_MBPS
+    if not total_ms <= MAX_TRACE_MS or not packets <= MAX_TRACE_PACKETS:  # (also NaN)
+        raise ConfigError(
+            f"trace {name!r}: {total_ms / 1000:.6g} s holding {packets:.6g} packets is past "
+            f"what a trace may hold ({MAX_TRACE_MS / 1000:.0f} s, {MAX_TRACE_PACKETS:,} "
+            "packets: 10 Gbps for a minute)"
+        )
     bounds = np.round(np.cumsum(durations_s) * 1000.0).astype(np.int64)
     period = int(bounds[-1]) if bounds.size else 0
     if period < 1:

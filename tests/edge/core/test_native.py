@@ -262,3 +262,15 @@ def test_the_cores_frozen_values_survive_pickle_and_copy():
     for value in values:
         for twin in (pickle.loads(pickle.dumps(value)), copy.deepcopy(value), copy.copy(value)):
             assert twin == value and type(twin) is type(value)
+
+
+def test_build_native_check_says_which_core_runs_not_only_what_is_on_disk():
+    env = {**os.environ, "FERRY_NATIVE": "0"}
+    out = subprocess.run(
+        [sys.executable, "-m", "edge.cli", "build-native", "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and out.stdout == "edge.core: python: off (FERRY_NATIVE=0)\n", out

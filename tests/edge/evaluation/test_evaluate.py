@@ -357,3 +357,68 @@ def test_an_unanswered_request_counts_its_deadline_in_the_latency_figures():
     ev = _run(steady(8, 30), steady(20, 30), count=5)
     stats = summarize(ev.sim, Result("refuses", [no_answer(0.5), no_answer(0.5, 0.2)]))
     assert stats["p50_ms"] == pytest.approx(500.0) and stats["miss_rate"] == 1.0
+
+
+def test_a_link_profile_beside_the_policy_file_is_read_from_there(tmp_path):
+    """Paths in [links] resolve against the file's folder, as the agent reads them."""
+    args = _inputs(tmp_path)
+    policy = Path(args[args.index("--policy") + 1])
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "mylink.toml").write_text((ROOT / "devices" / "links" / "wifi.toml").read_text())
+    (sub / "policy.toml").write_text('[links]\nhttp = "mylink.toml"\n' + policy.read_text())
+    args[args.index("--policy") + 1] = str(sub / "policy.toml")
+    del args[args.index("--link") : args.index("--link") + 2]
+    proc = _cli(*args, "--up", "steady:5")
+    assert proc.returncode == 0, proc.stderr
+    assert "wifi link" in proc.stdout
+
+
+def test_the_files_device_is_the_default_and_its_probe_interval_is_checked(tmp_path):
+    args = _inputs(tmp_path)
+    policy = Path(args[args.index("--policy") + 1])
+    del args[args.index("--device") : args.index("--device") + 2]
+    text = policy.read_text()
+    policy.write_text('device = "x86-laptop"\n' + text)
+    proc = _cli(*args, "--up", "steady:5")
+    assert proc.returncode == 0 and "# m on x86-laptop" in proc.stdout, proc.stderr
+    policy.write_text("probe_interval_s = -3\n" + text)  # the agent refuses it: so does this
+    proc = _cli(*args, "--up", "steady:5")
+    assert proc.returncode == 2 and "probe_interval_s" in proc.stderr, proc.stderr
+
+
+def test_a_replay_past_its_bounds_is_refused_before_it_runs(tmp_path):
+    args = _inputs(tmp_path)
+    workload = Path(args[args.index("--workload") + 1])
+    for body, said in (
+        ("count = 5\nrate_per_s = 1e-300\n", "30 days"),
+        ("count = 1e30\n", "at most 1,000,000 requests"),
+    ):
+        workload.write_text(body)
+        proc = _cli(*args, "--up", "steady:5", timeout=60)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    workload.write_text("count = 20\nrate_per_s = 0.01\n")
+    proc = _cli(*args, "--up", "steady:5", "--probe-interval-s", "1e-7", timeout=60)
+    assert proc.returncode == 2 and "probes" in proc.stderr, proc.stderr
+    for spec in ("steady:1000000", "steady:1e7"):
+        proc = _cli(*args, "--up", spec, timeout=60)
+        assert proc.returncode == 2 and "past what a trace may hold" in proc.stderr, proc.stderr
+    trace = tmp_path / "long.mm"
+    trace.write_text("0\n1000000000\n")  # a legal 11.6-day trace: its downlink loops
+    workload.write_text("count = 20\nrate_per_s = 1.0\n")
+    proc = _cli(*args, "--up", str(trace), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_profile_with_strings_or_absurd_run_times_is_refused(tmp_path):
+    args = _inputs(tmp_path)
+    profile = Path(args[args.index("--profile") + 1])
+    for doc, said in (
+        ({"local_s": "5", "cloud_s": [0.01]}, "expected a list"),
+        ({"local_s": [0.1], "cloud_s": [0.01], "local_cancellable": "false"}, "true or false"),
+        ({"local_s": [1e308], "cloud_s": [1e308]}, "at most 3600 s"),
+    ):
+        profile.write_text(json.dumps(doc))
+        proc = _cli(*args, "--up", "steady:5", timeout=60)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
