@@ -523,6 +523,7 @@ class MqttFront:
         # broker uses that only when a node serving the model says so, see request_topic)
         doc["user_topics"] = True
         doc["unserved_requests"] = self.bad_reply_topics  # (no Response Topic one may use)
+        doc["interval_s"] = self.config.status_interval_s  # (silent for 3 of these: gone)
         self._client.publish(status_topic(self.node), json.dumps(doc).encode(), retain=True)
 
     async def _status_loop(self) -> None:

@@ -82,8 +82,8 @@ class ControllerCore:
         self.load_failed: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ---- input -------------------------------------------------------------------
-    def on_status(self, node: str, document: Any) -> None:
-        if self.view.on_status(node, document):
+    def on_status(self, node: str, document: Any, now: float | None = None) -> None:
+        if self.view.on_status(node, document, now):
             self._membership_dirty = True
 
     def on_retained_placement(self, document: Any) -> None:
@@ -228,6 +228,8 @@ class ControllerCore:
         return Step(new, changes, reason)
 
     def _observe(self, now: float) -> None:
+        if self.view.expire(now):  # silent nodes are gone: their copies go elsewhere
+            self._membership_dirty = True
         # A copy that fails to load goes elsewhere (at once: the node stays unready
         # while it holds a failed load), and is tried there again after a hold.
         for state in self.view.online():

@@ -266,7 +266,7 @@ class ControllerService(RoutedApp):
             return
         node = node_from_status_topic(topic)
         if node:
-            self.core.on_status(node, document)
+            self.core.on_status(node, document, time.monotonic())
 
     def _on_controller(self, document: object) -> None:
         """A controller's status: stand by behind an earlier one, take over when the one

@@ -101,6 +101,11 @@ class PlacementFollower:
         self._wake.set()
 
     def _on_status(self, topic: str, payload: bytes | None, properties: Any) -> None:
+        now = time.monotonic()
+        # Statuses come every few seconds (this node's own too): each is the moment to
+        # drop nodes that went silent (dead while the broker was down: no last will).
+        for gone in self.view.expire(now):
+            self.forwarder.node_lost(gone)
         node = node_from_status_topic(topic)
         if not node or node == self.node or payload is None:
             return
@@ -109,7 +114,7 @@ class PlacementFollower:
         except ConfigError:
             return
         was_online = node in self.view.nodes and self.view.nodes[node].online
-        self.view.on_status(node, document)
+        self.view.on_status(node, document, now)
         if was_online and not self.view.nodes[node].online:
             self.forwarder.node_lost(node)
         else:

@@ -31,6 +31,15 @@ RATE_ALPHA = 0.5
 
 log = logging.getLogger(__name__)
 
+#: A node publishes its status this often unless its status says otherwise (cloud.toml's
+#: mqtt.status_interval_s); one silent for SILENT_INTERVALS of them, and at least
+#: SILENT_MIN_S, is gone: its last will is lost when it died while the broker was down.
+DEFAULT_STATUS_INTERVAL_S = 5.0
+SILENT_INTERVALS = 3
+SILENT_MIN_S = 15.0
+#: Models whose measured memory is remembered after their hosts are gone.
+REMEMBERED_MODELS = 10_000
+
 
 @dataclass
 class HostedModel:
@@ -56,6 +65,8 @@ class NodeState:
     utilisation: float = 0.0
     queue_depth: int = 0
     following: int | None = None  # placement generation the node has converged to
+    last_seen: float | None = None  # monotonic time of its last status (None: not timed)
+    interval_s: float = DEFAULT_STATUS_INTERVAL_S  # how often it says it publishes one
     received: int | None = None  # the newest placement generation it has seen
     models: dict[str, HostedModel] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)  # requests for models not placed
@@ -86,10 +97,14 @@ class FleetView:
         self.nodes: dict[str, NodeState] = {}
         self.placement: Placement | None = None
         self.membership_changes = 0
+        # A model's memory as last measured by any host: when its hosts die, re-placing it
+        # must not fall back to its file's size (a node was filled to 2.2x its memory).
+        self._measured: dict[str, int] = {}
 
     # ---- input -------------------------------------------------------------------
-    def on_status(self, node: str, status: dict[str, Any] | None) -> bool:
-        """Fold one status; True when the set of online nodes changed."""
+    def on_status(self, node: str, status: dict[str, Any] | None, now: float | None = None) -> bool:
+        """Fold one status; True when the set of online nodes changed.  ``now``
+        (monotonic) times it, for :meth:`expire`."""
         state = self.nodes.get(node)
         was_online = state is not None and state.online
         if not isinstance(status, dict) or status.get("state") in ("offline", "closing"):
@@ -101,10 +116,27 @@ class FleetView:
             if state is None:
                 state = self.nodes[node] = NodeState(node)
             self._fold(state, status)
+            state.last_seen = now
             changed = not was_online
         if changed:
             self.membership_changes += 1
         return changed
+
+    def expire(self, now: float) -> list[str]:
+        """Take offline the nodes whose statuses stopped (timed ones only); their names."""
+        gone = []
+        for state in self.nodes.values():
+            if not state.online or state.last_seen is None:
+                continue
+            silent = now - state.last_seen
+            if silent > max(SILENT_INTERVALS * state.interval_s, SILENT_MIN_S):
+                state.online = False
+                state.models.clear()
+                gone.append(state.name)
+                log.warning("no status from node %s for %.0f s: offline", state.name, silent)
+        if gone:
+            self.membership_changes += 1
+        return gone
 
     def on_placement(self, document: dict[str, Any] | None) -> Placement | None:
         """The placement in force, or None when ``document`` is older than it: generations
@@ -130,6 +162,12 @@ class FleetView:
         restarted = uptime < state.uptime_s
         state.online = True
         state.uptime_s = uptime
+        interval = status.get("interval_s")
+        state.interval_s = (
+            float(interval)
+            if isinstance(interval, int | float) and 0 < interval < 3600
+            else DEFAULT_STATUS_INTERVAL_S
+        )
         state.utilisation = float(status.get("utilisation", 0.0))
         state.queue_depth = int(status.get("queue_depth", 0))
         following = status.get("following")
@@ -187,6 +225,12 @@ class FleetView:
                     hosted.rate = sample
                 hosted.rate_known = True
         state.models = models
+        for name, hosted in models.items():
+            if hosted.memory_bytes > 0:
+                self._measured.pop(name, None)  # (re-inserted last: the oldest go first)
+                self._measured[name] = hosted.memory_bytes
+        while len(self._measured) > REMEMBERED_MODELS:
+            del self._measured[next(iter(self._measured))]
         misses = {str(k): int(v) for k, v in dict(status.get("misses", {})).items()}
         for name, count in misses.items():
             before = state.misses.get(name)
@@ -243,9 +287,10 @@ class FleetView:
         return compute_ns / executions / 1e9, executions
 
     def memory_of(self, model: str) -> int:
+        """The model's measured memory: its hosts' now, else as last measured anywhere."""
         values = [s.models[model].memory_bytes for s in self.online() if model in s.models]
         values = [v for v in values if v > 0]
-        return max(values) if values else 0
+        return max(values) if values else self._measured.get(model, 0)
 
     def metadata(self, model: str) -> dict[str, Any] | None:
         for state in self.online():

@@ -191,3 +191,24 @@ def test_metrics_report_copies_memory_bounds_and_moves() -> None:
     assert "ferry_placement_moves_total 3.0" in text
     assert "ferry_placement_lower_bound_nodes" in text
     assert 'ferry_model_alert{model="a",kind="unplaced"} 0.0' in text
+
+
+def test_a_node_that_falls_silent_is_gone_though_no_last_will_came() -> None:
+    """A node killed while the broker was down never has its will published: the
+    controller counted it online for good and placed models on it."""
+    core = _core([_entry("a"), _entry("b")])
+    core.on_status("n1", _status("n1", 1.0), now=1.0)
+    core.on_status("n2", _status("n2", 1.0), now=1.0)
+    first = core.step(2.0)
+    assert first is not None
+    victim = first.placement.copies[0].node
+    survivor = "n2" if victim == "n1" else "n1"
+    for t in range(6, 40, 5):  # the survivor reports every 5 s; the victim says nothing
+        core.on_status(survivor, _status(survivor, float(t)), now=float(t))
+        step = core.step(float(t) + 0.1)
+        if t + 0.1 - 1.0 <= 15.0:
+            assert step is None  # silent for three intervals (15 s) is not yet gone
+    assert [n.name for n in core.view.online()] == [survivor]
+    assert core.current is not None
+    assert {c.node for c in core.current.copies} == {survivor}
+    assert {c.model for c in core.current.copies} == {"a", "b"}

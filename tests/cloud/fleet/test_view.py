@@ -108,3 +108,28 @@ def test_one_report_shows_the_rate_the_node_measured_itself() -> None:
     status["models"][0]["rate"] = 42.5
     view.on_status("n1", status)
     assert view.rate("m") == 42.5 and not view.rate_known("m")  # the controller waits
+
+
+def test_a_silent_node_expires_after_three_of_its_intervals_and_untimed_ones_never() -> None:
+    view = FleetView()
+    status = _status(1.0, 0)
+    view.on_status("n1", {**status, "interval_s": 10.0}, now=0.0)
+    view.on_status("n2", status)  # not timed (a caller without a clock): never expired
+    assert view.expire(29.0) == [] and view.nodes["n1"].online
+    assert view.expire(31.0) == ["n1"]
+    assert not view.nodes["n1"].online and not view.nodes["n1"].models
+    assert [n.name for n in view.online()] == ["n2"]
+    view.on_status("n1", {**status, "interval_s": 1.0}, now=40.0)  # back: a short interval
+    assert view.expire(54.0) == [] and view.expire(55.5) == ["n1"]  # (15 s at the least)
+
+
+def test_a_models_measured_memory_outlives_its_hosts() -> None:
+    """Re-placing a dead host's models fell back to their file sizes (a node was filled
+    to 2.2x its memory)."""
+    view = FleetView()
+    status = _status(1.0, 0, models=("m",))
+    status["models"][0]["memory_bytes"] = 98_000_000
+    view.on_status("n1", status, now=0.0)
+    assert view.memory_of("m") == 98_000_000
+    view.on_status("n1", {"node": "n1", "state": "offline"})
+    assert view.online() == [] and view.memory_of("m") == 98_000_000
