@@ -423,6 +423,11 @@ class DataPlane:
         except ModelNotFound:
             if self.remote is not None:
                 self.remote.missed(name)
+                why = self.remote.unplaced(name)
+                if why is not None:  # in the repository, on no node: not "unknown"
+                    raise ModelNotReady(
+                        f"model {name!r} is placed on no node at the moment: {why}"
+                    ) from None
             raise
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
@@ -677,6 +682,8 @@ class RemoteModels(Protocol):
     def placed(self, name: str) -> bool: ...
 
     def missed(self, name: str) -> None: ...
+
+    def unplaced(self, name: str) -> str | None: ...
 
     def metadata(self, name: str) -> dict[str, Any]: ...
 

@@ -95,6 +95,11 @@ class Forwarder:
         placement = self.view.placement
         return placement is not None and bool(placement.copies_of(name))
 
+    def unplaced(self, name: str) -> str | None:
+        """Why the placement in force leaves ``name`` (a repository model) on no node."""
+        placement = self.view.placement
+        return placement.unplaced.get(name) if placement is not None else None
+
     def missed(self, name: str) -> None:
         """A request for a model no node hosts: the controller sees it as demand (a
         cache miss, in ModelMesh's words) and may place the model."""

@@ -231,3 +231,32 @@ def test_a_placed_model_that_cannot_load_is_reported_and_forgotten_once_placed_e
     finally:
         node.terminate()
         watch.close()
+
+
+def test_a_repository_model_the_placement_leaves_on_no_node_is_unavailable_not_unknown(
+    tmp_path: Path, broker: Broker, repository: tuple[Path, dict]
+) -> None:
+    """It answered 404 "unknown model" while the controller had it unplaced for lack of
+    room: a client (and an operator) must see it is there but not served, and why."""
+    repo, _ = repository
+    placement = Placement(
+        copies=(_copy("alpha", "n1"),), generation=1, unplaced={"beta": "no room on 1 node"}
+    )
+    _publish_placement(broker, placement)
+    watch = FleetWatch(broker)
+    node = start_node(repo, broker, tmp_path, "n1")
+    try:
+        watch.wait(
+            "n1 follows the placement",
+            lambda: "n1" in watch.view.nodes and watch.view.nodes["n1"].following == 1,
+            30,
+        )
+        x = np.ones((1, 4), dtype=np.float32)
+        status, body = _http(f"{node.http_url}/v2/models/beta/infer", _infer_body(x))
+        assert status == 503 and "placed on no node" in body["error"], (status, body)
+        assert "no room on 1 node" in body["error"]
+        status, body = _http(f"{node.http_url}/v2/models/nosuch/infer", _infer_body(x))
+        assert status == 404 and body["code"] == "not_found", (status, body)
+    finally:
+        node.terminate()
+        watch.close()
