@@ -36,6 +36,10 @@ FAILED_LOAD_HOLD_S = 300.0
 #: a model with no profile and no measurement is planned as this (seconds)
 FALLBACK_A_S = 0.005
 FALLBACK_BETA_S = 0.002
+#: executions (over the fleet) before their mean compute time stands for the model: the
+#: first runs after a load are the slow ones (8 cold runs of a 21 ms model read as one
+#: too slow for its objective, and its serving copy was unplaced for "no room")
+OBSERVED_MIN_EXECUTIONS = 50
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ class ControllerCore:
         if tuned:
             return tuple(tuned)
         observed = self.view.observed_profile(entry.name)
+        if observed is not None and observed[1] < OBSERVED_MIN_EXECUTIONS:
+            observed = None
         per_exec = observed[0] if observed else FALLBACK_A_S + FALLBACK_BETA_S
         a = per_exec * 0.5 if observed else FALLBACK_A_S
         beta = max(per_exec * 0.5, 1e-5) if observed else FALLBACK_BETA_S

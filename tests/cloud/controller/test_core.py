@@ -212,3 +212,19 @@ def test_a_node_that_falls_silent_is_gone_though_no_last_will_came() -> None:
     assert core.current is not None
     assert {c.node for c in core.current.copies} == {survivor}
     assert {c.model for c in core.current.copies} == {"a", "b"}
+
+
+def test_a_few_cold_runs_do_not_stand_for_a_models_speed() -> None:
+    core = ControllerCore(
+        {"a": _entry("a")}, {}, ControllerSettings(settle_s=1.0, interval_s=5.0), started=0.0
+    )
+    status = _status("n1", 1.0, {"a": 8})
+    status["models"][0].update(executions=8, compute_ns=8 * 150_000_000)  # cold: 150 ms each
+    core.on_status("n1", status, now=1.0)
+    (cold,) = core.profiles_for(core.catalogue["a"])
+    assert cold.a_s + cold.beta_s < 0.05  # the default plan, not 150 ms a run
+    status = _status("n1", 60.0, {"a": 400})
+    status["models"][0].update(executions=400, compute_ns=400 * 21_000_000)
+    core.on_status("n1", status, now=60.0)
+    (warm,) = core.profiles_for(core.catalogue["a"])
+    assert abs(warm.a_s + warm.beta_s - 0.021) < 1e-9  # measured: the mean over 400 runs
