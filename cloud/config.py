@@ -261,6 +261,12 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
                     )
         if mqtt_data.get("key_file") and not mqtt_data.get("cert_file"):
             raise ConfigError(f"{source}: key 'mqtt.key_file': needs mqtt.cert_file as well")
+        interval = float(mqtt_data.get("status_interval_s", 5.0))
+        if not 0 < interval <= 3600:  # (also NaN) 0 spun the status loop; peers time it
+            raise ConfigError(
+                f"{source}: key 'mqtt.status_interval_s': expected a value > 0 and <= 3600, "
+                f"got {interval}"
+            )
         mqtt = MqttConfig(
             broker=broker,
             client_id=mqtt_data.get("client_id") or None,
@@ -268,7 +274,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             cert_file=opt_path("cert_file"),
             key_file=opt_path("key_file"),
             tls_insecure=mqtt_data.get("tls_insecure", False),
-            status_interval_s=float(mqtt_data.get("status_interval_s", 5.0)),
+            status_interval_s=interval,
             keepalive_s=mqtt_data.get("keepalive_s", 30),
         )
     limits_data = data.get("limits", {})

@@ -423,7 +423,9 @@ class DataPlane:
         except ModelNotFound:
             if self.remote is not None:
                 self.remote.missed(name)
-                why = self.remote.unplaced(name)
+                why = None
+                if name not in self._models and not self.remote.placed(name):
+                    why = self.remote.unplaced(name)  # (partly placed ones are listed too)
                 if why is not None:  # in the repository, on no node: not "unknown"
                     raise ModelNotReady(
                         f"model {name!r} is placed on no node at the moment: {why}"

@@ -129,6 +129,7 @@ class MqttFront:
         #: topic filter -> callable(topic, payload, properties) run on the loop (fleet
         #: messages: placement, node status, forwarded replies)
         self._handlers: dict[str, Any] = {}
+        self._connect_listeners: list[Any] = []
         #: loaded models whose request topic is withheld (being moved away)
         self._withheld: set[str] = set()
         self._per_model: dict[str, int] = {}  # requests being handled, per model
@@ -346,6 +347,13 @@ class MqttFront:
             self._client.subscribe(*sorted(self._handlers))  # type: ignore[union-attr]
         self._sync_subscriptions()
         self._publish_status()
+        for listener in self._connect_listeners:
+            listener()
+
+    def on_connected(self, listener: Any) -> None:
+        """Call ``listener()`` on the loop after every (re)connect (the fleet view times
+        nodes' silence from then: nothing is heard while the broker is away)."""
+        self._connect_listeners.append(listener)
 
     # ---- fleet hooks (the placement follower and the forwarder) -----------------------
     def add_handler(self, pattern: str, handler: Any) -> None:

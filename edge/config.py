@@ -20,6 +20,10 @@ from shared.configcheck import NUMBER, check_keys, loads_toml, read_config_text,
 from shared.errors import ConfigError
 from shared.mqtt import parse_broker_url
 
+#: What an agent runs on when its agent.toml names no device and no link profiles.
+AGENT_DEFAULT_DEVICE = "x86-laptop"
+AGENT_DEFAULT_LINK = "wifi"
+
 
 @dataclass(frozen=True)
 class CloudEndpoints:
@@ -340,13 +344,13 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
     )
     api = data.get("api", {})
     port = int(_range(source, "api.port", api.get("port", 8080), 0, 65535))
-    links = {"mqtt": "wifi", "http": "wifi", **data.get("links", {})}
+    links = {t: AGENT_DEFAULT_LINK for t in TRANSPORTS} | data.get("links", {})
     links = {t: _profile("link", name, f"links.{t}", source, base) for t, name in links.items()}
     store = data.get("store", {})
     return AgentConfig(
         repository=(base / data["repository"]).resolve(),
         state_dir=(base / data.get("state_dir", ".ferry-edge")).resolve(),
-        device=_profile("device", data.get("device", "x86-laptop"), "device", source, base),
+        device=_profile("device", data.get("device", AGENT_DEFAULT_DEVICE), "device", source, base),
         api_host=api.get("host", "127.0.0.1"),
         api_port=port if api.get("enabled", True) else None,
         api_tokens_file=(base / api["tokens_file"]).resolve() if api.get("tokens_file") else None,
@@ -406,12 +410,15 @@ def agent_file_settings(path: Path) -> FileSettings:
     if interval is not None:
         interval = float(_range(source, "probe_interval_s", interval, 0, low_open=True))
     links = data.get("links", {})
+    agent = "repository" in data  # an agent.toml: what the agent runs when it says nothing
+    if agent:
+        links = {t: AGENT_DEFAULT_LINK for t in TRANSPORTS} | links
     named = {
         t: _profile("link", v, f"links.{t}", source, base)
         for t, v in links.items()
         if isinstance(v, str)
     }
-    device = data.get("device")
+    device = data.get("device", AGENT_DEFAULT_DEVICE if agent else None)
     if device is not None:
         device = _profile("device", device, "device", source, base)
     return FileSettings(transports, interval, named, device)

@@ -36,10 +36,11 @@ FAILED_LOAD_HOLD_S = 300.0
 #: a model with no profile and no measurement is planned as this (seconds)
 FALLBACK_A_S = 0.005
 FALLBACK_BETA_S = 0.002
-#: executions (over the fleet) before their mean compute time stands for the model: the
-#: first runs after a load are the slow ones (8 cold runs of a 21 ms model read as one
-#: too slow for its objective, and its serving copy was unplaced for "no room")
-OBSERVED_MIN_EXECUTIONS = 50
+#: executions (over the fleet, after each host's first report) before their mean compute
+#: time stands for the model: the first runs after a load are the slow ones (8 cold runs
+#: of a 21 ms model read as one too slow for its objective, and its serving copy was
+#: unplaced for "no room"); the view leaves those out (FleetView.observed_profile)
+OBSERVED_MIN_EXECUTIONS = 20
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,10 @@ class ControllerCore:
         per_exec = observed[0] if observed else FALLBACK_A_S + FALLBACK_BETA_S
         a = per_exec * 0.5 if observed else FALLBACK_A_S
         beta = max(per_exec * 0.5, 1e-5) if observed else FALLBACK_BETA_S
+        if not self.view.hosts(entry.name):
+            # As last measured, or as the repository now says if that is more (a new,
+            # bigger version placed while no copy runs)
+            measured = max(measured, entry.memory_bytes)
         memory = measured or entry.memory_bytes
         return tuple(
             LatencyProfile(backend, a, beta, entry.max_batch, memory) for backend in entry.backends

@@ -232,6 +232,7 @@ class ControllerService(RoutedApp):
     def _on_connect(self) -> None:
         assert self._client is not None
         self._client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC, CONTROLLER_TOPIC)
+        self.core.view.connected(time.monotonic())  # (nodes' silence counts from now)
         self._leader_seen = time.monotonic()  # (a grace: its status arrives after this)
         if not self.active:
             return  # standing by: the active one's status and placement stay retained

@@ -78,6 +78,7 @@ class PlacementFollower:
         self.forwarder.start()
         self.front.add_handler(PLACEMENT_TOPIC, self._on_placement)
         self.front.add_handler(STATUS_PATTERN, self._on_status)
+        self.front.on_connected(lambda: self.view.connected(time.monotonic()))
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -102,24 +103,27 @@ class PlacementFollower:
 
     def _on_status(self, topic: str, payload: bytes | None, properties: Any) -> None:
         now = time.monotonic()
-        # Statuses come every few seconds (this node's own too): each is the moment to
-        # drop nodes that went silent (dead while the broker was down: no last will).
-        for gone in self.view.expire(now):
-            self.forwarder.node_lost(gone)
         node = node_from_status_topic(topic)
-        if not node or node == self.node or payload is None:
-            return
-        try:
-            document = decode_document(payload)
-        except ConfigError:
-            return
-        was_online = node in self.view.nodes and self.view.nodes[node].online
-        self.view.on_status(node, document, now)
-        if was_online and not self.view.nodes[node].online:
-            self.forwarder.node_lost(node)
-        else:
-            self.forwarder.hosts_changed()
-        self._wake.set()  # a handover may be waiting for this node
+        if node and node != self.node and payload is not None:
+            try:
+                document = decode_document(payload)
+            except ConfigError:
+                document = None
+            if document is not None:
+                was_online = node in self.view.nodes and self.view.nodes[node].online
+                self.view.on_status(node, document, now)
+                if was_online and not self.view.nodes[node].online:
+                    self.forwarder.node_lost(node)
+                else:
+                    self.forwarder.hosts_changed()
+                self._wake.set()  # a handover may be waiting for this node
+        # Statuses come every few seconds (this node's own too): each, once folded, is the
+        # moment to drop nodes that went silent (dead while the broker was down: no will).
+        gone = self.view.expire(now)
+        for name in gone:
+            self.forwarder.node_lost(name)
+        if gone:
+            self._wake.set()
 
     def _status_extra(self) -> dict[str, Any]:
         metadata, configs = self.dataplane.describe_loaded()

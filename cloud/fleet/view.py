@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 #: mqtt.status_interval_s); one silent for SILENT_INTERVALS of them, and at least
 #: SILENT_MIN_S, is gone: its last will is lost when it died while the broker was down.
 DEFAULT_STATUS_INTERVAL_S = 5.0
+MAX_STATUS_INTERVAL_S = 3600.0
 SILENT_INTERVALS = 3
 SILENT_MIN_S = 15.0
 #: Models whose measured memory is remembered after their hosts are gone.
@@ -54,6 +55,11 @@ class HostedModel:
     backend: str = ""
     rate: float = 0.0  # smoothed requests/s on this node
     rate_known: bool = False  # False until two reports gave a rate
+    # Compute seconds per execution from the executions between reports (smoothed), and
+    # how many executions that rests on: the ones before its first report, the first
+    # after a load and the slowest, are left out.
+    exec_s: float | None = None
+    exec_count: int = 0
 
 
 @dataclass
@@ -100,6 +106,7 @@ class FleetView:
         # A model's memory as last measured by any host: when its hosts die, re-placing it
         # must not fall back to its file's size (a node was filled to 2.2x its memory).
         self._measured: dict[str, int] = {}
+        self._connected_at: float | None = None  # silence counts from here at the earliest
 
     # ---- input -------------------------------------------------------------------
     def on_status(self, node: str, status: dict[str, Any] | None, now: float | None = None) -> bool:
@@ -116,19 +123,31 @@ class FleetView:
             if state is None:
                 state = self.nodes[node] = NodeState(node)
             self._fold(state, status)
-            state.last_seen = now
+            # Timed only when it says how often it reports (a node of an older version,
+            # maybe on a 30 s interval, would flap on a guessed one).
+            state.last_seen = now if "interval_s" in status else None
             changed = not was_online
         if changed:
             self.membership_changes += 1
         return changed
 
+    def connected(self, now: float) -> None:
+        """The watcher (re)connected to the broker: while it was away nothing could be
+        heard, so nodes' silence counts from now (a broker outage longer than the bound
+        took every healthy node offline at the first step after it)."""
+        self._connected_at = now
+
     def expire(self, now: float) -> list[str]:
-        """Take offline the nodes whose statuses stopped (timed ones only); their names."""
+        """Take offline the nodes whose statuses stopped (timed ones only: those whose
+        statuses say their interval); their names."""
         gone = []
         for state in self.nodes.values():
             if not state.online or state.last_seen is None:
                 continue
-            silent = now - state.last_seen
+            since = state.last_seen
+            if self._connected_at is not None and self._connected_at > since:
+                since = self._connected_at
+            silent = now - since
             if silent > max(SILENT_INTERVALS * state.interval_s, SILENT_MIN_S):
                 state.online = False
                 state.models.clear()
@@ -164,8 +183,8 @@ class FleetView:
         state.uptime_s = uptime
         interval = status.get("interval_s")
         state.interval_s = (
-            float(interval)
-            if isinstance(interval, int | float) and 0 < interval < 3600
+            min(float(interval), MAX_STATUS_INTERVAL_S)
+            if isinstance(interval, int | float) and interval > 0
             else DEFAULT_STATUS_INTERVAL_S
         )
         state.utilisation = float(status.get("utilisation", 0.0))
@@ -217,6 +236,18 @@ class FleetView:
             models[name] = hosted
         for name, hosted in models.items():
             old = state.models.get(name)
+            if old is not None and not restarted:
+                runs = hosted.executions - old.executions
+                spent = hosted.compute_ns - old.compute_ns
+                hosted.exec_s, hosted.exec_count = old.exec_s, old.exec_count
+                if runs > 0 and spent >= 0:
+                    sample = spent / runs / 1e9
+                    hosted.exec_s = (
+                        sample
+                        if old.exec_s is None
+                        else old.exec_s + RATE_ALPHA * (sample - old.exec_s)
+                    )
+                    hosted.exec_count = old.exec_count + runs
             if old is not None and elapsed > 0 and not restarted:
                 sample = max(0, hosted.requests - old.requests) / elapsed
                 if old.rate_known:
@@ -279,12 +310,17 @@ class FleetView:
         return sum(s.misses.get(model, 0) for s in self.online())
 
     def observed_profile(self, model: str) -> tuple[float, int] | None:
-        """(mean compute seconds per execution, executions) over the fleet, or None."""
-        executions = sum(s.models[model].executions for s in self.online() if model in s.models)
-        if executions == 0:
+        """(mean compute seconds per execution, executions it rests on) over the fleet,
+        from the executions between reports (see HostedModel.exec_s), or None."""
+        hosts = [
+            s.models[model]
+            for s in self.online()
+            if model in s.models and s.models[model].exec_s is not None
+        ]
+        count = sum(h.exec_count for h in hosts)
+        if count == 0:
             return None
-        compute_ns = sum(s.models[model].compute_ns for s in self.online() if model in s.models)
-        return compute_ns / executions / 1e9, executions
+        return sum(h.exec_s * h.exec_count for h in hosts if h.exec_s) / count, count
 
     def memory_of(self, model: str) -> int:
         """The model's measured memory: its hosts' now, else as last measured anywhere."""

@@ -140,8 +140,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
         name = f"steady:{link.down_mbps:g} (link profile {link.name!r}, no --down)"
         # over a minute at least: a steady trace's packets are whole per period, and a
         # period as short as a one-line uplink trace's would round the rate to nothing
-        # (a steady trace loops like any other: an hour of it stands for a longer uplink)
-        down = steady(link.down_mbps, min(max(up.period_ms / 1000.0, 60.0), 3600.0), name=name)
+        # (a steady trace loops like any other: a minute of it stands for any uplink)
+        down = steady(link.down_mbps, 60.0, name=name)
         down_note = name
     if args.out:
         writable_folder(args.out, "--out")  # before the replay, not after it

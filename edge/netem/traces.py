@@ -283,14 +283,6 @@ def _from_segments(durations_s: list[float], mbps: list[float], name: str) -> Tr
     capacity total reaches it, so fractional packets carry over and the mean
     rate is exact.
     """
-    total_ms = float(np.sum(durations_s)) * 1000.0
-    packets = float(np.dot(durations_s, mbps)) * 1000.0 * _PKTS_PER_MS_PER_MBPS
-    if not total_ms <= MAX_TRACE_MS or not packets <= MAX_TRACE_PACKETS:  # (also NaN)
-        raise ConfigError(
-            f"trace {name!r}: {total_ms / 1000:.6g} s holding {packets:.6g} packets is past "
-            f"what a trace may hold ({MAX_TRACE_MS / 1000:.0f} s, {MAX_TRACE_PACKETS:,} "
-            "packets: 10 Gbps for a minute)"
-        )
     bounds = np.round(np.cumsum(durations_s) * 1000.0).astype(np.int64)
     period = int(bounds[-1]) if bounds.size else 0
     if period < 1:
@@ -303,9 +295,27 @@ def _from_segments(durations_s: list[float], mbps: list[float], name: str) -> Tr
     return Trace(name, opps, period)
 
 
+def _check_size(durations_s: list[float], mbps: list[float], name: str) -> None:
+    """A generated trace within what one may hold (before its arrays are allocated)."""
+    total_ms = float(np.sum(durations_s)) * 1000.0
+    packets = float(np.dot(durations_s, mbps)) * 1000.0 * _PKTS_PER_MS_PER_MBPS
+    if not total_ms <= MAX_TRACE_MS or not packets <= MAX_TRACE_PACKETS:  # (also NaN)
+        raise ConfigError(
+            f"trace {name!r}: {total_ms / 1000:.6g} s holding {packets:.6g} packets is past "
+            f"what a generated trace may hold ({MAX_TRACE_MS / 1000:.0f} s, "
+            f"{MAX_TRACE_PACKETS:,} packets)"
+        )
+
+
 def steady(mbps: float, seconds: float, name: str = "steady") -> Trace:
-    if mbps < 0 or seconds <= 0:
-        raise ConfigError("steady trace needs mbps >= 0 and seconds > 0")
+    """``mbps`` for ``seconds``; a trace loops, so a steady one too long or too dense to
+    hold is kept shorter (the same link): any finite rate is a steady trace."""
+    if not (0 <= mbps < math.inf and 0 < seconds < math.inf):
+        raise ConfigError("steady trace needs a finite mbps >= 0 and seconds > 0")
+    seconds = min(seconds, MAX_TRACE_MS / 1000.0)
+    per_s = mbps * 1000.0 * _PKTS_PER_MS_PER_MBPS
+    if per_s * seconds > MAX_TRACE_PACKETS:
+        seconds = max(MAX_TRACE_PACKETS / per_s, 0.001)
     return _from_segments([seconds], [mbps], name)
 
 
@@ -322,6 +332,7 @@ def from_phases(
     for seconds, mbps in phases:
         if seconds <= 0 or mbps < 0 or not math.isfinite(seconds * mbps):
             raise ConfigError(f"bad phase ({seconds}, {mbps}): seconds > 0 and mbps >= 0 required")
+    _check_size([p[0] for p in phases], [p[1] for p in phases], name)
     if seed is None:
         return _from_segments([p[0] for p in phases], [p[1] for p in phases], name)
     rng = np.random.default_rng(seed)

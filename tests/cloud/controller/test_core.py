@@ -197,14 +197,15 @@ def test_a_node_that_falls_silent_is_gone_though_no_last_will_came() -> None:
     """A node killed while the broker was down never has its will published: the
     controller counted it online for good and placed models on it."""
     core = _core([_entry("a"), _entry("b")])
-    core.on_status("n1", _status("n1", 1.0), now=1.0)
-    core.on_status("n2", _status("n2", 1.0), now=1.0)
+    timed = {"interval_s": 5.0}  # (a node that says its interval is timed)
+    core.on_status("n1", {**_status("n1", 1.0), **timed}, now=1.0)
+    core.on_status("n2", {**_status("n2", 1.0), **timed}, now=1.0)
     first = core.step(2.0)
     assert first is not None
     victim = first.placement.copies[0].node
     survivor = "n2" if victim == "n1" else "n1"
     for t in range(6, 40, 5):  # the survivor reports every 5 s; the victim says nothing
-        core.on_status(survivor, _status(survivor, float(t)), now=float(t))
+        core.on_status(survivor, {**_status(survivor, float(t)), **timed}, now=float(t))
         step = core.step(float(t) + 0.1)
         if t + 0.1 - 1.0 <= 15.0:
             assert step is None  # silent for three intervals (15 s) is not yet gone
@@ -215,16 +216,57 @@ def test_a_node_that_falls_silent_is_gone_though_no_last_will_came() -> None:
 
 
 def test_a_few_cold_runs_do_not_stand_for_a_models_speed() -> None:
+    """The runs before a host's first report (a load's cold ones) are left out, and the
+    mean needs OBSERVED_MIN_EXECUTIONS after them."""
     core = ControllerCore(
         {"a": _entry("a")}, {}, ControllerSettings(settle_s=1.0, interval_s=5.0), started=0.0
     )
-    status = _status("n1", 1.0, {"a": 8})
-    status["models"][0].update(executions=8, compute_ns=8 * 150_000_000)  # cold: 150 ms each
+
+    def report(uptime: float, runs: int, spent_ns: int) -> None:
+        status = _status("n1", uptime, {"a": runs})
+        status["models"][0].update(executions=runs, compute_ns=spent_ns)
+        core.on_status("n1", status, now=uptime)
+
+    cold = 8 * 150_000_000  # 8 cold runs at 150 ms each
+    report(1.0, 8, cold)
+    (profile,) = core.profiles_for(core.catalogue["a"])
+    assert profile.a_s + profile.beta_s < 0.05  # the default plan, not 150 ms a run
+    report(6.0, 8 + 10, cold + 10 * 21_000_000)  # 10 warm runs: too few yet
+    (profile,) = core.profiles_for(core.catalogue["a"])
+    assert profile.a_s + profile.beta_s < 0.01
+    report(11.0, 8 + 60, cold + 60 * 21_000_000)
+    (profile,) = core.profiles_for(core.catalogue["a"])
+    assert abs(profile.a_s + profile.beta_s - 0.021) < 1e-9  # the warm runs' mean alone
+
+
+def test_a_broker_outage_is_not_every_nodes_silence() -> None:
+    """Nothing is heard while the broker is away: after a 20 s outage the first step
+    took every node that had not reported yet offline, and unplaced their models."""
+    core = _core([_entry("a"), _entry("b")])
+    timed = {"interval_s": 5.0}
+    core.on_status("n1", {**_status("n1", 1.0), **timed}, now=1.0)
+    core.on_status("n2", {**_status("n2", 1.0), **timed}, now=1.0)
+    assert core.step(2.0) is not None
+    core.view.connected(25.0)  # the broker was away from 5 s to 25 s
+    core.on_status("n1", {**_status("n1", 25.2), **timed}, now=25.2)
+    assert core.step(25.5) is None and len(core.view.online()) == 2  # n2 not heard yet
+    core.on_status("n2", {**_status("n2", 27.0), **timed}, now=27.0)
+    assert core.step(27.5) is None and len(core.view.online()) == 2
+
+
+def test_an_unhosted_models_memory_is_the_larger_of_its_measure_and_the_repositorys() -> None:
+    core = ControllerCore(  # (no tuned profile: memory comes from measurements)
+        {"a": _entry("a")}, {}, ControllerSettings(settle_s=1.0, interval_s=5.0), started=0.0
+    )
+    status = _status("n1", 1.0, {"a": 1})
+    status["models"][0]["memory_bytes"] = 98_000_000
     core.on_status("n1", status, now=1.0)
-    (cold,) = core.profiles_for(core.catalogue["a"])
-    assert cold.a_s + cold.beta_s < 0.05  # the default plan, not 150 ms a run
-    status = _status("n1", 60.0, {"a": 400})
-    status["models"][0].update(executions=400, compute_ns=400 * 21_000_000)
-    core.on_status("n1", status, now=60.0)
-    (warm,) = core.profiles_for(core.catalogue["a"])
-    assert abs(warm.a_s + warm.beta_s - 0.021) < 1e-9  # measured: the mean over 400 runs
+    (hosted,) = core.profiles_for(core.catalogue["a"])
+    assert hosted.memory_bytes == 98_000_000  # measured where it runs
+    core.on_status("n1", {"node": "n1", "state": "offline"})
+    (kept,) = core.profiles_for(core.catalogue["a"])
+    assert kept.memory_bytes == 98_000_000  # remembered, not the file's 50 MiB
+    bigger = ModelEntry("a", core.catalogue["a"].policy, ("onnxruntime",), 1_200_000_000, 8)
+    core.on_catalogue({"a": bigger})
+    (grown,) = core.profiles_for(core.catalogue["a"])
+    assert grown.memory_bytes == 1_200_000_000  # a new, bigger version: the repository's

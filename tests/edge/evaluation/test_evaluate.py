@@ -400,13 +400,13 @@ def test_a_replay_past_its_bounds_is_refused_before_it_runs(tmp_path):
     workload.write_text("count = 20\nrate_per_s = 0.01\n")
     proc = _cli(*args, "--up", "steady:5", "--probe-interval-s", "1e-7", timeout=60)
     assert proc.returncode == 2 and "probes" in proc.stderr, proc.stderr
-    for spec in ("steady:1000000", "steady:1e7"):
+    workload.write_text("count = 20\nrate_per_s = 1.0\n")
+    for spec in ("steady:1000000", "steady:46000"):  # any finite rate: it loops shorter
         proc = _cli(*args, "--up", spec, timeout=60)
-        assert proc.returncode == 2 and "past what a trace may hold" in proc.stderr, proc.stderr
+        assert proc.returncode == 0, proc.stderr
     trace = tmp_path / "long.mm"
     trace.write_text("0\n1000000000\n")  # a legal 11.6-day trace: its downlink loops
-    workload.write_text("count = 20\nrate_per_s = 1.0\n")
-    proc = _cli(*args, "--up", str(trace), timeout=60)
+    proc = _cli(*args, "--up", str(trace), "--link", "ethernet", timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -422,3 +422,14 @@ def test_a_profile_with_strings_or_absurd_run_times_is_refused(tmp_path):
         proc = _cli(*args, "--up", "steady:5", timeout=60)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_an_agent_toml_that_names_no_device_or_link_replays_what_the_agent_runs(tmp_path):
+    args = _inputs(tmp_path)
+    policy = Path(args[args.index("--policy") + 1])
+    policy.write_text(f'repository = "{tmp_path}"\n' + policy.read_text())
+    for flag in ("--device", "--link"):
+        del args[args.index(flag) : args.index(flag) + 2]
+    proc = _cli(*args, "--up", "steady:5")
+    assert proc.returncode == 0, proc.stderr
+    assert "# m on x86-laptop, wifi link" in proc.stdout  # the agent's own defaults
