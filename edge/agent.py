@@ -422,7 +422,8 @@ class Agent:
             raise InvalidInput(exc.message) from None
         # link_changed compares with the link in use, then puts the new one in place
         # (self.links is the policy's own map).
-        self.dataplane.core.link_changed(transport, profile, time.monotonic(), signal_dbm)
+        signal = float(signal_dbm) if signal_dbm is not None else None  # (numpy scalars too)
+        self.dataplane.core.link_changed(transport, profile, time.monotonic(), signal)
         log.info(
             "transport %s now rides on link %s (signal %s dBm)", transport, profile.name, signal_dbm
         )

@@ -312,9 +312,11 @@ class EdgeDataPlane:
             isinstance(deadline_ms, bool) or not 0 < deadline_ms < math.inf  # NaN too
         ):
             raise InvalidInput(f"deadline_ms must be a positive number, got {deadline_ms!r}")
+        if deadline_ms is not None:
+            deadline_ms = float(deadline_ms)  # (numpy scalars too: the core takes floats)
         self._inflight += 1
         try:
-            return await self._infer(model, request, deadline_ms, priority, deferrable)
+            return await self._infer(model, request, deadline_ms, priority, bool(deferrable))
         finally:
             self._inflight -= 1
             if not self._inflight and self._drained is not None:

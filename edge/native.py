@@ -90,7 +90,19 @@ def _compile(tmp: str, out: io.StringIO) -> Path:
             f"building the compiled core needs mypy and setuptools ({exc}): "
             "pip install 'ferry[native]'"
         ) from None
-    root = core_dir().parent.parent  # mypyc names modules by their path from here
+    # mypyc names modules by their path from the folder it runs in, and mypy takes that
+    # folder for a source root: run where the packages are and, in site-packages, every
+    # installed module is a "user module" (typing_extensions shadowed the stdlib stub and
+    # mypy refused the build). So compile a copy of what the core needs, in a folder of
+    # its own.
+    installed = core_dir().parent.parent
+    root = os.path.join(tmp, "src")
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.pyd", "_compiled*")
+    for package in ("devices", "shared"):
+        shutil.copytree(installed / package, os.path.join(root, package), ignore=skip)
+    os.makedirs(os.path.join(root, "edge"))
+    shutil.copy2(installed / "edge" / "__init__.py", os.path.join(root, "edge"))
+    shutil.copytree(core_dir(), os.path.join(root, "edge", "core"), ignore=skip)
     cwd = os.getcwd()
     os.chdir(root)
     try:
@@ -188,10 +200,31 @@ def build(force: bool = False) -> str:
     return f"built {len(before)} modules into {folder / '_compiled'}{was}"
 
 
+def remove() -> str:
+    """Delete the build, its leftovers and its lock: pip installed none of them, so
+    ``pip uninstall`` leaves them (and a leftover ``edge/`` shadowed a later install)."""
+    from edge.core import COMPILED
+
+    folder = core_dir()
+    gone = [p for p in folder.glob("_compiled*") if p.is_dir()]
+    try:
+        for path in gone:
+            shutil.rmtree(path)
+        (folder / ".native.lock").unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"removing the compiled core failed: {exc}") from None
+    return f"removed {COMPILED}" if gone else "nothing to remove"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rebuild even when up to date")
     p.add_argument(
         "--check", action="store_true", help="only say whether the build is current (exit 1 if not)"
+    )
+    p.add_argument(
+        "--remove",
+        action="store_true",
+        help="delete the build (pip does not know it: run this before pip uninstall)",
     )
 
 
@@ -199,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     """``--check``: which core this process runs (FERRY_NATIVE and a build that does not
     load included), exit 1 unless the compiled one; else build.  ConfigError goes to the
     caller (the CLI prints it with its code)."""
+    if getattr(args, "remove", False):
+        print(f"edge.core: {remove()}")
+        return 0
     if getattr(args, "check", False):
         from edge.core import NATIVE
 

@@ -150,6 +150,15 @@ class DeferredStore:
                 f"most {self.max_bytes} bytes ([store] max_bytes)"
             )
         try:  # disk full, read-only, corrupt: a typed refusal, not a raw sqlite error
+            live = self._db.execute(
+                "SELECT 1 FROM deferred WHERE request_id = ? AND status NOT IN "
+                "('failed', 'expired')",
+                (request_id,),
+            ).fetchone()
+            if live is not None:
+                # An app's retry of a request still stored or answered: it is that one
+                # (the same receipt), whatever room is left (a full store refused it).
+                return
             rows, size = self._waiting()
             if self._full(rows, size, len(payload)) and self.expire(created_wall):
                 rows, size = self._waiting()  # the dead made room

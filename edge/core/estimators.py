@@ -686,6 +686,6 @@ class Estimators:
             return cls.from_dict(json.loads(Path(path).read_text()), now, quantile)
         except FileNotFoundError:
             return cls(quantile)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             log.warning("estimates in %s unreadable (%s); starting fresh", path, exc)
             return cls(quantile)

@@ -26,7 +26,8 @@ class Ewma:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Ewma:
         e = cls(float(d.get("alpha", 0.2)))
-        e.value = d.get("value")
+        value = d.get("value")
+        e.value = float(value) if value is not None else None  # ("x" raises here, not later)
         e.count = int(d.get("count", 0))
         return e
 

@@ -530,3 +530,20 @@ def test_sighup_rereads_the_config_and_the_agent_and_the_cloud_stay_up(tmp_path,
             agent.terminate()
     finally:
         node.terminate()
+
+
+async def test_numpy_scalars_and_ints_are_taken_where_the_python_api_takes_numbers(
+    tmp_path, edge_repos, cloud
+):
+    """The compiled core checks its argument types: a numpy deadline, an int flag or a
+    numpy signal reading raised TypeError there (and left the link unchanged)."""
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN)
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        for deadline in (np.float32(3000), np.int64(3000), 3000):
+            reply = await agent.infer("lin", {"x": x}, deadline_ms=deadline, deferrable=1)
+            assert reply.outputs
+        agent.set_link("http", "lte", np.float32(-90))
+        assert agent.links["http"].name == "lte"
+        agent.set_link("http", "wifi", np.int64(-60))
+        assert agent.links["http"].name == "wifi"

@@ -4,7 +4,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from edge.store import DeferredStore
+from shared.errors import Overloaded
 
 
 def test_puts_survive_kill_9_of_the_writer(tmp_path):
@@ -421,3 +424,18 @@ async def test_a_batch_with_no_answer_ends_the_flush_instead_of_trying_the_whole
     assert len(tries) == 50  # one batch, then the flush stopped
     assert store.counts() == {"pending": 300}
     await deferrer.close()
+
+
+def test_a_retry_of_a_stored_deferral_gets_its_receipt_though_the_store_is_full(tmp_path):
+    """The bound was checked before the same id was looked up: a retry whose first try
+    was stored got 503 overloaded, and no way to learn its receipt."""
+    store = DeferredStore(tmp_path / "d.db", max_rows=2, max_bytes=10)
+    store.put("m", b"aaaaa", request_id="a", created_wall=1.0, expires_wall=50.0)
+    store.put("m", b"bbbbb", request_id="b", created_wall=1.0, expires_wall=50.0)
+    store.put("m", b"aaaaa", request_id="a", created_wall=2.0, expires_wall=50.0)  # a retry
+    with pytest.raises(Overloaded):
+        store.put("m", b"c", request_id="c", created_wall=2.0, expires_wall=50.0)  # new: full
+    store.mark_sending("b")
+    store.put("m", b"bbbbb", request_id="b", created_wall=3.0, expires_wall=50.0)  # in flight
+    assert store.result("a").status == "pending" and store.result("b").status == "sending"
+    assert store.counts() == {"pending": 1, "sending": 1}

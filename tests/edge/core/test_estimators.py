@@ -196,3 +196,38 @@ def test_a_link_whose_outages_come_and_go_keeps_its_long_run_loss_rate():
     assert steady.failure_rate(200.0) < 0.005
     # and the long memory fades too, over half an hour
     assert link.failure_rate(now + 4 * 3600) < 0.02
+
+
+def test_a_corrupt_estimates_file_starts_fresh_on_either_core(tmp_path):
+    """A short "log" pair crashed the agent at start (IndexError); a string where a
+    number belongs was taken by the Python sources and crashed the first warm-up."""
+    import json as _json
+
+    from edge.core.estimators import Estimators
+
+    est = Estimators()
+    est.local("m").add(0.1, 1.0)
+    est.link("http").observe(60_000, 1_000, 0.2, 0.01, 1.0)
+    path = tmp_path / "estimates.json"
+    est.save(path)
+    doc = _json.loads(path.read_text())
+
+    def mangle(node):  # every "log" pair cut short, every EWMA value made a string
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "log" and isinstance(value, list):
+                    node[key] = value[:1]
+                elif key == "value":
+                    node[key] = "x"
+                else:
+                    mangle(value)
+        elif isinstance(node, list):
+            for value in node:
+                mangle(value)
+
+    mangle(doc)
+    path.write_text(_json.dumps(doc))
+    fresh = Estimators.load(path, 2.0)
+    assert fresh.local_known("m", 1) is None  # started fresh, and it works:
+    fresh.local("m").add(0.1, 2.0)
+    assert fresh.local("m").mean is not None

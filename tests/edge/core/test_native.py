@@ -274,3 +274,28 @@ def test_build_native_check_says_which_core_runs_not_only_what_is_on_disk():
         text=True,
     )
     assert out.returncode == 1 and out.stdout == "edge.core: python: off (FERRY_NATIVE=0)\n", out
+
+
+def test_remove_deletes_a_copied_packages_build_and_it_then_runs_its_sources(tmp_path):
+    _needs_build()
+    root = _copied_core(tmp_path)
+    shutil.copy2(ROOT / "edge" / "native.py", root / "edge" / "native.py")
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_NATIVE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(ROOT)])
+    code = (  # (the copy's own module: the checkout's editable finder answers for edge too)
+        "import edge.native as n, sys; assert n.__file__.startswith(sys.argv[1]), n.__file__; "
+        "print(n.remove()); print(n.remove())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.splitlines()[1] == "nothing to remove", out.stdout
+    assert not (root / "edge" / "core" / "_compiled").exists()
+    native, stale, policy, _ = _load_copy(root)
+    assert native == "python: not built (ferry-edge build-native)" and stale == "False"
+    assert policy == str(root / "edge" / "core" / "policy.py")
