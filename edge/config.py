@@ -25,6 +25,11 @@ AGENT_DEFAULT_DEVICE = "x86-laptop"
 AGENT_DEFAULT_LINK = "wifi"
 
 
+def _agent_links(data: dict[str, Any]) -> dict[str, Any]:
+    """An agent.toml's [links], the default profile for each transport it leaves out."""
+    return {t: AGENT_DEFAULT_LINK for t in TRANSPORTS} | data.get("links", {})
+
+
 @dataclass(frozen=True)
 class CloudEndpoints:
     mqtt_url: str | None = None
@@ -344,8 +349,10 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
     )
     api = data.get("api", {})
     port = int(_range(source, "api.port", api.get("port", 8080), 0, 65535))
-    links = {t: AGENT_DEFAULT_LINK for t in TRANSPORTS} | data.get("links", {})
-    links = {t: _profile("link", name, f"links.{t}", source, base) for t, name in links.items()}
+    links = {
+        t: _profile("link", name, f"links.{t}", source, base)
+        for t, name in _agent_links(data).items()
+    }
     store = data.get("store", {})
     return AgentConfig(
         repository=(base / data["repository"]).resolve(),
@@ -409,10 +416,8 @@ def agent_file_settings(path: Path) -> FileSettings:
     interval = data.get("probe_interval_s")
     if interval is not None:
         interval = float(_range(source, "probe_interval_s", interval, 0, low_open=True))
-    links = data.get("links", {})
     agent = "repository" in data  # an agent.toml: what the agent runs when it says nothing
-    if agent:
-        links = {t: AGENT_DEFAULT_LINK for t in TRANSPORTS} | links
+    links = _agent_links(data) if agent else data.get("links", {})
     named = {
         t: _profile("link", v, f"links.{t}", source, base)
         for t, v in links.items()

@@ -25,9 +25,6 @@ from pathlib import Path
 
 from shared.errors import ConfigError
 
-#: The mypyc group: its library is ``edge.core.native__mypyc`` (edge.core.GROUP).
-GROUP_NAME = "edge.core.native"
-
 
 def core_dir() -> Path:
     return Path(__file__).resolve().parent / "core"
@@ -80,7 +77,7 @@ def _locked(folder: Path) -> Iterator[None]:
 
 def _compile(tmp: str, out: io.StringIO) -> Path:
     """mypyc and the C compiler; returns the folder holding the built libraries."""
-    from edge.core import MODULES
+    from edge.core import GROUP, MODULES
 
     try:
         from mypyc.build import mypycify
@@ -113,7 +110,7 @@ def _compile(tmp: str, out: io.StringIO) -> Path:
                 + ["--follow-imports", "silent", "--ignore-missing-imports"]
                 + ["--cache-dir", os.path.join(tmp, "mypy-cache")],
                 opt_level="3",
-                group_name=GROUP_NAME,
+                group_name=f"edge.core.{GROUP}",
                 target_dir=os.path.join(tmp, "c"),
             )
             dist = Distribution({"name": "ferry-native", "ext_modules": extensions})

@@ -23,9 +23,9 @@ COMPILED = os.path.join(os.path.dirname(__file__), "_compiled")
 MANIFEST = "manifest.json"
 #: The modules compiled: everything a request's decision runs through.
 MODULES = ("accounting", "breaker", "energy", "estimators", "flow", "normal", "policy", "quantile")
-#: The library the compiled modules share (a submodule of this package, found along
-#: its path like them).
-GROUP = "native__mypyc"
+#: The mypyc group the modules are compiled as: their shared library is this package's
+#: ``native__mypyc`` submodule, found along its path like them.
+GROUP = "native"
 _OFF = ("0", "false", "no", "off")
 
 
@@ -83,7 +83,7 @@ def _choose() -> tuple[str, str]:
     # load here (truncated, another libc or architecture, a noexec mount) is not used.
     __path__.insert(0, COMPILED)
     try:
-        importlib.import_module(f"{__name__}.{GROUP}")
+        importlib.import_module(f"{__name__}.{GROUP}__mypyc")
     except (ImportError, OSError) as exc:
         __path__.remove(COMPILED)
         return "stale", f"the build does not load ({exc}): rebuild with --force"
