@@ -33,6 +33,7 @@ from shared.errors import (
     EndpointUnavailable,
     FerryError,
     InternalError,
+    ModelNotReady,
     PayloadTooLarge,
     PermissionDenied,
 )
@@ -46,6 +47,9 @@ NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
 #: times a waiting request is sent again because a node died (not a storm on churn)
 _MAX_RESENDS = 3
 _NOT_AUTHORIZED = 0x87  # a PUBACK's reason: the broker's ACL refused the publish
+#: a PUBACK's reason (MQTT v5, not an error): no subscription matched, so the broker
+#: dropped the request and no node will ever answer it
+_NO_MATCHING_SUBSCRIBERS = 0x10
 #: seconds after subscribing during which no node status yet means "not known": the
 #: broker sends its retained statuses right after the SUBACK
 STATUS_GRACE_S = 1.0
@@ -239,10 +243,21 @@ class MqttTransport:
         """A PUBACK that refuses the request fails it now: it reached no node, and
         waiting out the deadline said nothing of why.  A refusal of the user's own
         topic (a broker whose ACL predates them) sends the model's next requests on
-        the plain topic."""
+        the plain topic.  "No matching subscribers" fails it as not ready: no node
+        takes the model's requests (none hosts it, or its nodes are between
+        connections), which says nothing against the link itself."""
         if done.cancelled() or done.exception() is not None:
             return
         reason = done.result()
+        if reason == _NO_MATCHING_SUBSCRIBERS:
+            if not pending.future.done():
+                pending.future.set_exception(
+                    ModelNotReady(
+                        f"MQTT: no cloud node takes requests for model {pending.model!r} "
+                        f"(the broker had no subscriber on {pending.topic})"
+                    )
+                )
+            return
         if not isinstance(reason, int) or reason < 0x80:
             return
         user = self.broker.username

@@ -79,12 +79,11 @@ async def test_mqtt_errors_come_back_typed(broker, mqtt_server):
                 InferRequest(inputs=[Tensor.from_array("z", np.ones((1, 4), np.float32))]),
                 time.monotonic() + 10,
             )
-        # A model this node does not host: nobody subscribes, so the deadline answers.
-        with pytest.raises(Exception) as info:
+        # A model this node does not host: nobody subscribes, and the PUBACK says so.
+        with pytest.raises(ModelNotReady):
             await mq.infer(
-                "echo_fp32", _request(np.ones((1, 3), np.float32)), time.monotonic() + 1.5
+                "echo_fp32", _request(np.ones((1, 3), np.float32)), time.monotonic() + 10
             )
-        assert type(info.value).__name__ in ("DeadlineExceeded", "ModelNotFound")
     finally:
         await mq.close()
 
@@ -140,6 +139,25 @@ async def test_unknown_model_over_http_and_mqtt_share_the_error_code(broker, mqt
             await http.infer("nope", _request(np.ones((1, 4), np.float32)), time.monotonic() + 5)
     finally:
         await http.close()
+
+
+async def test_a_request_no_node_subscribes_to_fails_at_its_puback_not_its_deadline(
+    broker, mqtt_server
+):
+    """The broker drops a request no subscription matches and says so in its PUBACK
+    ("no matching subscribers"): the agent fails it then, as not ready, instead of
+    waiting out a deadline for a reply that cannot come (and blaming the link)."""
+    mq = await _client(broker)
+    try:
+        with pytest.raises(ModelNotReady, match="no cloud node takes requests for model 'nope'"):
+            await mq.infer("nope", _request(np.ones((1, 4), np.float32)), time.monotonic() + 30)
+        # a hosted model on the same connection is answered as before
+        done = await mq.infer(
+            "linear", _request(np.ones((1, 4), np.float32)), time.monotonic() + 10
+        )
+        assert done.response.parameters["node"] == "n1"
+    finally:
+        await mq.close()
 
 
 # ---- a bare paho client: every reply it counts is one the node really sent ------------------

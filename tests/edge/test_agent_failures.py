@@ -535,7 +535,7 @@ async def test_a_publish_the_broker_refuses_fails_the_request_now_and_falls_back
     import time
 
     from edge.transports.mqtt import MqttTransport, _Pending
-    from shared.errors import PermissionDenied
+    from shared.errors import ModelNotReady, PermissionDenied
     from shared.mqtt import BrokerAddress, request_topic
 
     mqtt = MqttTransport(BrokerAddress("127.0.0.1", 1, False, "dev-a", "pw"))
@@ -550,9 +550,16 @@ async def test_a_publish_the_broker_refuses_fails_the_request_now_and_falls_back
         await pending.future
     assert mqtt._request_topic("m") == request_topic("m")
     ok = loop.create_future()
-    ok.set_result(0x10)  # accepted, no subscriber yet: nothing to say
+    ok.set_result(0x00)  # accepted and delivered: the reply will say the rest
     other = _Pending(
         loop.create_future(), "n", request_topic("n", "dev-a"), b"", time.monotonic() + 9
     )
     mqtt._puback(ok, other)
     assert not other.future.done() and mqtt._request_topic("n") == request_topic("n", "dev-a")
+    dropped = loop.create_future()
+    dropped.set_result(0x10)  # no matching subscribers: the broker dropped it, no reply comes
+    mqtt._puback(dropped, other)
+    with pytest.raises(ModelNotReady, match="no cloud node takes requests for model 'n'"):
+        await other.future
+    # not the ACL: the model keeps its own topic
+    assert mqtt._request_topic("n") == request_topic("n", "dev-a")
