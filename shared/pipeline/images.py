@@ -351,7 +351,11 @@ def _opencv(
     data: bytes, fmt: str, target: Target, size: tuple[int, int], need: tuple[int, int]
 ) -> np.ndarray | None:
     cv2 = _module("opencv")
-    flags = cv2.IMREAD_GRAYSCALE if target.color == "gray" else cv2.IMREAD_COLOR
+    # A JPEG's grey is its decoder's luma plane, as with libjpeg-turbo and Pillow; any
+    # other format's is its colours weighed as Pillow weighs them (_luma): libpng's
+    # grey (IMREAD_GRAYSCALE) truncates, and cvtColor rounds otherwise 1 time in 800.
+    luma = target.color == "gray" and fmt != "jpeg"
+    flags = cv2.IMREAD_GRAYSCALE if target.color == "gray" and not luma else cv2.IMREAD_COLOR
     if fmt == "jpeg":
         reduced = {
             8: (cv2.IMREAD_REDUCED_GRAYSCALE_8, cv2.IMREAD_REDUCED_COLOR_8),
@@ -369,9 +373,20 @@ def _opencv(
         return None
     if pixels.ndim == 2:
         return pixels[:, :, None]
+    if luma:
+        return _luma(pixels[:, :, 2], pixels[:, :, 1], pixels[:, :, 0])[:, :, None]
     if target.color == "rgb":
         pixels = pixels[:, :, ::-1]
     return pixels
+
+
+def _luma(red: np.ndarray, green: np.ndarray, blue: np.ndarray) -> np.ndarray:
+    """ITU-R 601 luma in Pillow's fixed point (its ``convert("L")``), to the same byte."""
+    total = red.astype(np.uint32) * 19595
+    total += green.astype(np.uint32) * 38470
+    total += blue.astype(np.uint32) * 7471
+    total += 0x8000
+    return (total >> 16).astype(np.uint8)
 
 
 def _reduction(size: tuple[int, int], need: tuple[int, int]) -> int:

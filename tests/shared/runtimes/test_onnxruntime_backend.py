@@ -276,3 +276,33 @@ def test_a_cancel_stops_a_run_halfway_and_the_session_runs_on(tmp_path: Path) ->
     from tests.support import check_cancel_stops_a_run_halfway
 
     check_cancel_stops_a_run_halfway(lambda path: load(path, ONE_THREAD), tmp_path)
+
+
+def test_a_tensor_anywhere_in_a_body_gives_the_answer_an_aligned_array_gives(tmp_path) -> None:
+    """A binary tensor's bytes start wherever the JSON header before them ends; ONNX
+    Runtime's ReduceSum summed a view at 4, 8 or 12 bytes past a 16-byte boundary in
+    another order (1 ulp apart from the same values in a numpy array)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=1)],
+        "sum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 3])],
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 8
+    path = tmp_path / "sum.onnx"
+    onnx.save(model, str(path))
+    session = load(path, RuntimeOptions(threads=1))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        x = rng.random((int(rng.integers(2, 40)), 3), np.float32)
+        want = session.run({"x": x.copy()})["s"].tobytes()
+        for offset in (4, 8, 12, 20):
+            body = bytearray(offset + x.nbytes + 64)
+            start = (-np.frombuffer(body, np.uint8).ctypes.data) % 64 + offset
+            body[start : start + x.nbytes] = x.tobytes()
+            view = np.frombuffer(body, np.float32, x.size, start).reshape(x.shape)
+            assert session.run({"x": view})["s"].tobytes() == want, offset
