@@ -110,6 +110,13 @@ NOTES = """\
   to 1 after loading. Models that refuse such a tiny input (nudenet needs
   multiples of 32, the mel front-end needs a few hundred samples) log a
   warning and load anyway; the first request then pays the first-run costs.
+- **Initializers listed as graph inputs** (ONNX IR 4 and later: "overridable
+  initializers"; older PyTorch exports list every weight so) keep the values
+  in the file and are not inputs of the served model, as in Triton's ONNX
+  Runtime backend: the metadata lists only the inputs a request must send,
+  and a request that sends such a tensor gets a 400 naming the inputs there
+  are. A value a client must be able to set belongs in a graph input without
+  an initializer.
 """
 
 
