@@ -19,6 +19,7 @@ are an error rather than silently ignored.
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -27,7 +28,12 @@ from typing import Any
 from shared.configcheck import NUMBER, check_keys, read_toml
 from shared.errors import ConfigError
 from shared.mqtt import BrokerAddress, parse_broker_url
+from shared.mqtt.codec import topic_name_problem
 from shared.tensors import Limits
+
+#: a node's name, in UTF-8 bytes (a topic level and a Prometheus label: a host name's
+#: length is plenty)
+MAX_NODE_NAME_BYTES = 255
 
 
 @dataclass(frozen=True)
@@ -174,10 +180,21 @@ def _non_negative(value: int, source: str, key: str) -> int:
     return value
 
 
-def _grace(value: float, source: str) -> float:
+def _grace(value: float, source: str, key: str = "shutdown_grace_s") -> float:
     value = float(value)
-    if not value >= 0:  # also NaN
-        raise ConfigError(f"{source}: key 'shutdown_grace_s': expected a number >= 0, got {value}")
+    if not 0 <= value < math.inf:  # also NaN
+        raise ConfigError(f"{source}: key '{key}': expected a number >= 0, got {value}")
+    return value
+
+
+def _keepalive(value: int, source: str) -> int:
+    # (CONNECT carries it in two bytes: out of range, every connection attempt failed
+    # with a struct error and the node never joined the broker)
+    if not 0 <= value <= 65535:
+        raise ConfigError(
+            f"{source}: key 'mqtt.keepalive_s': expected seconds from 0 (none) to 65535, "
+            f"got {value}"
+        )
     return value
 
 
@@ -187,10 +204,29 @@ def _port(value: int, source: str, key: str) -> int:
     return value
 
 
-def _positive(table: dict[str, Any], key: str, default: float, source: str) -> float:
+def _positive(
+    table: dict[str, Any], key: str, default: float, source: str, section: str = "http"
+) -> float:
     value = float(table.get(key, default))
     if not value > 0:
-        raise ConfigError(f"{source}: key 'http.{key}': expected a number > 0, got {value}")
+        raise ConfigError(f"{source}: key '{section}.{key}': expected a number > 0, got {value}")
+    return value
+
+
+def _node_name(value: object, source: str) -> str:
+    """The node's name is one level of its status topic and part of its MQTT client id:
+    a wildcard or a '/' there made the broker refuse every connection, and the node
+    retried for good without saying why."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{source}: key 'node': expected a string, got {value!r}")
+    problem = topic_name_problem(value) or ("it holds a '/'" if "/" in value else None)
+    if problem is None and len(value.encode("utf-8")) > MAX_NODE_NAME_BYTES:
+        problem = f"it is longer than {MAX_NODE_NAME_BYTES} bytes"
+    if problem is not None:
+        raise ConfigError(
+            f"{source}: key 'node': {value!r} cannot name a node ({problem}; it becomes a "
+            "level of the MQTT topic ferry/v1/nodes/<node>/status)"
+        )
     return value
 
 
@@ -232,7 +268,9 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             header_timeout_s=_positive(http_data, "header_timeout_s", 10.0, source),
             body_timeout_s=_positive(http_data, "body_timeout_s", 60.0, source),
             idle_timeout_s=_positive(http_data, "idle_timeout_s", 75.0, source),
-            shutdown_linger_s=float(http_data.get("shutdown_linger_s", 2.0)),
+            shutdown_linger_s=_grace(
+                http_data.get("shutdown_linger_s", 2.0), source, "http.shutdown_linger_s"
+            ),
             max_connections=_non_negative(
                 http_data.get("max_connections", 0), source, "http.max_connections"
             ),
@@ -275,7 +313,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             key_file=opt_path("key_file"),
             tls_insecure=mqtt_data.get("tls_insecure", False),
             status_interval_s=interval,
-            keepalive_s=mqtt_data.get("keepalive_s", 30),
+            keepalive_s=_keepalive(mqtt_data.get("keepalive_s", 30), source),
         )
     limits_data = data.get("limits", {})
     node_limits = {}
@@ -307,7 +345,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         models = None
     config = CloudConfig(
         repository=repository,
-        node=data.get("node") or socket.gethostname(),
+        node=_node_name(data.get("node") or socket.gethostname(), source),
         models=tuple(models) if models is not None else None,
         http=http,
         mqtt=mqtt,
@@ -344,8 +382,10 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
                 memory_bytes=_non_negative(
                     fleet_data.get("memory_bytes", 0), source, "fleet.memory_bytes"
                 ),
-                speed=_positive(fleet_data, "speed", 1.0, source),
-                handover_timeout_s=_positive(fleet_data, "handover_timeout_s", 30.0, source),
+                speed=_positive(fleet_data, "speed", 1.0, source, "fleet"),
+                handover_timeout_s=_positive(
+                    fleet_data, "handover_timeout_s", 30.0, source, "fleet"
+                ),
                 turns=bool(fleet_data.get("turns", True)),
             ),
         )

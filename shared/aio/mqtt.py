@@ -342,6 +342,7 @@ class MqttClient:
             ),
             self.connect_timeout_s,
         )
+        _raise_if_cancelled()
         self._conn = conn
         pinger: asyncio.Task[None] | None = None
         up = False
@@ -359,6 +360,7 @@ class MqttClient:
             )
             conn.flush()
             connack = await asyncio.wait_for(asyncio.shield(conn.connack), self.connect_timeout_s)
+            _raise_if_cancelled()
             if connack.reason >= 0x80:
                 raise RefusedError(connack.reason)
             keepalive = connack.properties.get(codec.SERVER_KEEP_ALIVE, self.keepalive_s)
@@ -415,3 +417,13 @@ class RefusedError(Exception):
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()  # nobody has to await a publish: no "never retrieved" noise
+
+
+def _raise_if_cancelled() -> None:
+    """Python 3.11's wait_for returns the result when its awaitable finishes in the tick
+    its task is cancelled, and the cancel is lost: the connection loop then waited on a
+    live connection for good, and asyncio.run's shutdown (a controller whose HTTP port
+    could not be bound) hung, deaf to signals."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

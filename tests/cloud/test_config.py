@@ -34,6 +34,24 @@ def test_command_line_overrides_the_file(tmp_path: Path):
         ('repository = "r"\n[limits]\nmax_elements = 0\n', "'limits.max_elements'"),
         ('repository = "r"\n[http]\nport = 70000\n', "'http.port': expected a port"),
         ('repository = "r"\nshutdown_grace_s = -1\n', "'shutdown_grace_s'"),
+        # each of these was taken, and the node never joined its broker (or said why)
+        ('repository = "r"\n[mqtt]\nurl = "mqtt://h"\nkeepalive_s = -1\n', "'mqtt.keepalive_s'"),
+        ('repository = "r"\n[mqtt]\nurl = "mqtt://h"\nkeepalive_s = 70000\n', "to 65535"),
+        ('repository = "r"\nnode = "n/#"\n', r"'node': 'n/#' cannot name a node \(it holds a wild"),
+        ('repository = "r"\nnode = "n+1"\n', "'node': 'n\\+1' cannot name a node"),
+        ('repository = "r"\nnode = "a/b"\n', r"cannot name a node \(it holds a '/'"),
+        ('repository = "r"\n[http]\nshutdown_linger_s = -5\n', "'http.shutdown_linger_s'"),
+        ('repository = "r"\n[http]\nshutdown_linger_s = nan\n', "'http.shutdown_linger_s'"),
+        # (the [fleet] keys were named as [http] ones)
+        (
+            'repository = "r"\n[mqtt]\nurl = "mqtt://h"\n[fleet]\nfollow = true\nspeed = 0\n',
+            "key 'fleet.speed': expected a number > 0",
+        ),
+        (
+            'repository = "r"\n[mqtt]\nurl = "mqtt://h"\n[fleet]\nfollow = true\n'
+            "handover_timeout_s = -1\n",
+            "key 'fleet.handover_timeout_s'",
+        ),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str):

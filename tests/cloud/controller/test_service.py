@@ -194,3 +194,35 @@ async def test_a_controller_back_from_a_broker_restart_never_puts_back_an_older_
         assert (await _retained_status(broker, PLACEMENT_TOPIC))["generation"] == 7
     finally:
         await running.close()
+
+
+def test_a_controller_whose_http_port_is_taken_exits_with_the_error(broker, tmp_path) -> None:
+    # It printed nothing and hung for good, deaf to SIGTERM: the bind failed just as its
+    # MQTT connection came up, and Python 3.11's wait_for lost asyncio.run's cancel.
+    import socket
+    import subprocess
+    import sys
+
+    from tests.support import ROOT, write_linear_model
+
+    write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for bad in (str(port), "70000"):
+            done = subprocess.run(
+                [
+                    *(sys.executable, "-m", "cloud.cli", "controller", "--broker", broker.url),
+                    *("--repository", str(tmp_path / "repo"), "--http-port", bad),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 2, done.stderr
+            assert "error [invalid_config]: cannot listen on 127.0.0.1" in done.stderr
+    finally:
+        taken.close()
