@@ -107,6 +107,10 @@ class FleetView:
         # must not fall back to its file's size (a node was filled to 2.2x its memory).
         self._measured: dict[str, int] = {}
         self._connected_at: float | None = None  # silence counts from here at the earliest
+        # Every miss any node reported, summed from each report's increase: a counter that
+        # keeps what nodes since gone counted (the online nodes' own sums went down when
+        # one left, and Prometheus read the drop as a reset)
+        self._missed: dict[str, int] = {}
 
     # ---- input -------------------------------------------------------------------
     def on_status(self, node: str, status: dict[str, Any] | None, now: float | None = None) -> bool:
@@ -265,6 +269,9 @@ class FleetView:
         misses = {str(k): int(v) for k, v in dict(status.get("misses", {})).items()}
         for name, count in misses.items():
             before = state.misses.get(name)
+            counted = before if before is not None and not restarted else 0
+            if count > counted:
+                self._missed[name] = self._missed.pop(name, 0) + count - counted
             if before is not None and elapsed > 0 and not restarted:
                 sample = max(0, count - before) / elapsed
                 old_rate = state.miss_rate.get(name)
@@ -272,6 +279,8 @@ class FleetView:
                     sample if old_rate is None else old_rate + RATE_ALPHA * (sample - old_rate)
                 )
         state.misses = misses
+        while len(self._missed) > REMEMBERED_MODELS:
+            del self._missed[next(iter(self._missed))]
         state.metadata = dict(status.get("metadata", {}))
         state.configs = dict(status.get("configs", {}))
         failures = status.get("load_failures")
@@ -307,7 +316,9 @@ class FleetView:
         return bool(hosting) and all(h.rate_known for h in hosting)
 
     def misses(self, model: str) -> int:
-        return sum(s.misses.get(model, 0) for s in self.online())
+        """Requests for ``model`` any node got while no node hosted it, since this view
+        began (a counter: it never goes down)."""
+        return self._missed.get(model, 0)
 
     def observed_profile(self, model: str) -> tuple[float, int] | None:
         """(mean compute seconds per execution, executions it rests on) over the fleet,

@@ -76,6 +76,21 @@ def test_misses_count_as_demand_for_a_model_no_node_hosts() -> None:
     assert view.misses("cold") == 10
 
 
+def test_the_misses_counter_never_goes_down_as_nodes_leave_come_back_or_restart() -> None:
+    # It summed the online nodes' counts: a node that left took its misses with it, and
+    # Prometheus read ferry_model_misses_total going 3 -> 0 as a reset
+    view = FleetView()
+    view.on_status("n1", _status(1.0, 0, models=(), misses={"cold": 3}))
+    view.on_status("n2", {**_status(1.0, 0, models=(), misses={"cold": 2}), "node": "n2"})
+    assert view.misses("cold") == 5
+    view.on_status("n1", {"state": "offline"})
+    assert view.misses("cold") == 5
+    view.on_status("n1", _status(9.0, 0, models=(), misses={"cold": 4}))  # back, same run
+    assert view.misses("cold") == 6
+    view.on_status("n2", {**_status(0.5, 0, models=(), misses={"cold": 1}), "node": "n2"})
+    assert view.misses("cold") == 7  # n2 restarted: its count began again at 0
+
+
 def test_documents_decode_from_json_or_messagepack_and_garbage_is_a_config_error() -> None:
     doc = {"generation": 3, "copies": []}
     assert decode_document(json.dumps(doc).encode()) == doc
