@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cloud.placement.bins import FAST, FULLEST, MARGINAL, SMALL, Packer
 from cloud.placement.bounds import lower_bounds
@@ -122,21 +122,36 @@ def place(
     items: list[Item] = []
     notes: dict[str, str] = {}
     alike = kinds(fleet)
+    where: dict[str, list[tuple[NodeSpec, int]]] = {}  # the nodes each model may go to
+    # Models asking more than every node they can run on serves: their copies go in
+    # last, into the room the others leave (first, their whole-node copies took every
+    # node, and the models that fit went unserved)
+    over: set[str] = set()
     for demand in demands:
         if demand.avoid:  # the nodes it failed to load on are not where it can go
             usable = [n for n in fleet if n.name not in demand.avoid]
-            copies, why = split(demand, kinds(usable), headroom)
+            where[demand.name] = kinds(usable)
+            copies, why = split(demand, where[demand.name], headroom)
             if not copies or why is not None:
                 failed = f"failed to load on {', '.join(sorted(demand.avoid))}"
                 why = failed if why is None or not usable else f"{failed}; {why}"
         else:
+            where[demand.name] = alike
             copies, why = split(demand, alike, headroom)
+        if sum(c.rate for c in copies) < demand.rate * (1 - 1e-9):
+            over.add(demand.name)
         items.extend(copies)
         if why is not None:
             notes[demand.name] = why
     bounds = lower_bounds(demands, fleet, headroom)
-    packer, short = _fresh(items, fleet, bounds.nodes)
+    first = [item for item in items if item.name not in over]
+    last = [item for item in items if item.name in over]
+    packer, short = _fresh(first, fleet, bounds.nodes)
+    if last:  # (ending as the incremental packing ends: a fixed point)
+        short = _make_room(packer, short + last, fleet)
     if previous is not None and previous.copies:
+        # (the copies of every model stay where they fit, those past the fleet's reach
+        # too: where that leaves more out than the fresh packing, the fresh one is kept)
         kept, kept_short, held = _incremental(items, fleet, previous)
         if held == 0:  # nothing of the old placement survives: nothing to keep stable
             kept, kept_short = packer, short
@@ -146,11 +161,13 @@ def place(
             if used > best + max(1, math.ceil(0.1 * best)):
                 kept.empty_nodes(tries=len(fleet))
             packer, short = kept, kept_short
-    copies = _copies(packer)
-    unplaced = dict(notes)
     wanted: dict[str, int] = {}
     for item in items:
         wanted[item.name] = wanted.get(item.name, 0) + 1
+    squeezed = _squeeze(packer, short, wanted, demands, where, headroom)
+    short = [item for item in short if item.name not in squeezed]
+    copies = _copies(packer)
+    unplaced = dict(notes)
     missing: dict[str, int] = {}
     for item in short:
         missing[item.name] = missing.get(item.name, 0) + 1
@@ -162,12 +179,53 @@ def place(
             else f"{got} of {wanted[name]} copies placed: no room for the rest"
         )
         unplaced[name] = f"{notes[name]}; {room}" if name in notes else room
+    for name, (asked, planned) in squeezed.items():
+        room = (
+            f"no room on the {len(fleet)} nodes for {asked:.1f} req/s: one copy planned "
+            f"for {planned:.1f} req/s"
+        )
+        unplaced[name] = f"{notes[name]}; {room}" if name in notes else room
     result = Placement(copies, dict(sorted(unplaced.items())), 1, bounds)
     if previous is None:
         return result
     same = result.copies == previous.copies and result.unplaced == previous.unplaced
     generation = previous.generation if same else previous.generation + 1
     return Placement(result.copies, result.unplaced, generation, bounds)
+
+
+#: halvings of a model's rate tried for the one copy the fleet has room for
+SQUEEZE_HALVINGS = 30
+
+
+def _squeeze(
+    packer: Packer,
+    short: list[Item],
+    wanted: dict[str, int],
+    demands: Sequence[ModelDemand],
+    where: dict[str, list[tuple[NodeSpec, int]]],
+    headroom: Headroom,
+) -> dict[str, tuple[float, float]]:
+    """Models none of whose copies found room keep one copy, planned for the highest
+    rate (halving the model's) that fits beside the rest: a rate declared above what the
+    fleet can serve unloaded the model's only copy, and every request got 503 where the
+    node's queue bound would have answered what it could and refused the rest.
+    Returns each such model's (rate asked, rate planned)."""
+    lost: dict[str, int] = {}
+    for item in short:
+        lost[item.name] = lost.get(item.name, 0) + 1
+    out: dict[str, tuple[float, float]] = {}
+    for demand in demands:
+        if lost.get(demand.name, 0) < wanted.get(demand.name, 0) or demand.rate <= 0:
+            continue  # some copy is placed, or none was wanted
+        rate = demand.rate
+        for _ in range(SQUEEZE_HALVINGS):
+            rate /= 2
+            one = replace(demand, rate=rate, min_copies=1, max_copies=1)
+            items, _why = split(one, where[demand.name], headroom)
+            if items and packer.place(items[0]) is not None:
+                out[demand.name] = (demand.rate, rate)
+                break
+    return out
 
 
 def _fresh(items: list[Item], fleet: list[NodeSpec], bound: int) -> tuple[Packer, list[Item]]:

@@ -243,12 +243,43 @@ def test_infeasible_models_are_reported_with_a_reason_never_dropped() -> None:
     assert check(placement, models, nodes) == []
 
 
-def test_a_full_fleet_says_which_copies_found_no_room() -> None:
+def test_a_full_fleet_keeps_a_copy_of_each_model_and_says_what_found_no_room() -> None:
+    # min_copies holds while there is room at all: a model left with no copy answered
+    # every request 503, where one planned below its rate serves what the room allows
     models = [_model(f"m{i}", 700.0) for i in range(4)]  # over half a node each
-    placement = place(models, _nodes(1))
-    assert len(placement.copies) == 1
+    nodes = _nodes(1)
+    placement = place(models, nodes)
+    assert sorted(c.model for c in placement.copies) == ["m0", "m1", "m2", "m3"]
+    assert placement.copies_of("m0")[0].rate == 700.0
     assert sorted(placement.unplaced) == ["m1", "m2", "m3"]
-    assert all("no room" in why for why in placement.unplaced.values())
+    for name in ("m1", "m2", "m3"):
+        planned = placement.copies_of(name)[0].rate
+        assert 0 < planned < 700.0
+        assert placement.unplaced[name] == (
+            f"no room on the 1 nodes for 700.0 req/s: one copy planned for {planned:.1f} req/s"
+        )
+    assert check(placement, models, nodes) == []
+
+
+def test_a_rate_past_the_fleet_neither_unplaces_that_model_nor_crowds_out_the_rest() -> None:
+    # [placement] rate = 50000 on a 3-node fleet: first its whole-node copies took every
+    # node and the models that fit went unserved; then, packed last, it found no room and
+    # its only copy was unloaded
+    models = [_model("hot", 50_000.0), *(_model(n, 300.0) for n in ("a", "b", "c"))]
+    nodes = _nodes(3)
+    placement = place(models, nodes)
+    assert {c.model for c in placement.copies} == {"hot", "a", "b", "c"}
+    assert all(placement.copies_of(n)[0].rate == 300.0 for n in ("a", "b", "c"))
+    assert sorted(placement.unplaced) == ["hot"]
+    assert "plans" in placement.unplaced["hot"] and "of 50000.0 req/s" in placement.unplaced["hot"]
+    again = place(models, nodes, placement)
+    assert again.copies == placement.copies and again.generation == placement.generation
+    # the model alone past what the room left holds: one copy, planned for what fits
+    crowded = [_model("hot", 50_000.0), *(_model(f"f{i}", 900.0) for i in range(3))]
+    squeezed = place(crowded, nodes)
+    assert len(squeezed.copies_of("hot")) == 1
+    assert "one copy planned for" in squeezed.unplaced["hot"]
+    assert check(squeezed, crowded, nodes) == []
 
 
 def test_a_placement_recomputed_from_the_same_input_is_equal_and_moves_nothing() -> None:
