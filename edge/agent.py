@@ -479,8 +479,12 @@ class Agent:
     def repository_index(self) -> list[dict[str, str]]:
         return self.dataplane.repository_index()
 
-    async def deferred_result(self, request_id: str) -> dict[str, Any]:
-        return await self.deferrer.result(request_id)
+    async def deferred_result(
+        self, request_id: str, principal: str = "", allows: Callable[[str], bool] | None = None
+    ) -> dict[str, Any]:
+        """A deferral's status and answer, for the app that deferred it (``principal``,
+        as :meth:`DataPlane.infer` was given it) with a token covering its model."""
+        return await self.deferrer.result(request_id, principal, allows)
 
     async def status(self) -> dict[str, Any]:
         now = time.monotonic()

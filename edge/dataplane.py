@@ -50,7 +50,7 @@ from shared.errors import (
     ModelNotReady,
     ShuttingDown,
 )
-from shared.idempotency import idempotency_key, receipt_id
+from shared.idempotency import idempotency_key, receipt_id, scoped_key
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import triton_model_config, v2_model_metadata
@@ -305,7 +305,10 @@ class EdgeDataPlane:
         deadline_ms: float | None = None,
         priority: int | None = None,
         deferrable: bool = False,
+        principal: str = "",
     ) -> InferResponse:
+        """Answer one app's request.  ``principal`` names the app (its token's, over the
+        local API; "" without tokens): its idempotency keys and deferrals are its own."""
         if self._closing:
             raise ShuttingDown("the agent is stopping: not taking new requests")
         if deadline_ms is not None and (
@@ -316,7 +319,9 @@ class EdgeDataPlane:
             deadline_ms = float(deadline_ms)  # (numpy scalars too: the core takes floats)
         self._inflight += 1
         try:
-            return await self._infer(model, request, deadline_ms, priority, bool(deferrable))
+            return await self._infer(
+                model, request, deadline_ms, priority, bool(deferrable), principal
+            )
         finally:
             self._inflight -= 1
             if not self._inflight and self._drained is not None:
@@ -342,6 +347,7 @@ class EdgeDataPlane:
         deadline_ms: float | None,
         priority: int | None,
         deferrable: bool,
+        principal: str,
     ) -> InferResponse:
         start = time.monotonic()
         self._known(model)
@@ -355,6 +361,10 @@ class EdgeDataPlane:
             # key goes instead (checked as the cloud checks it), so the app's retry is
             # answered from the cloud's cache too, and a deferral is named after it.
             app_key = idempotency_key(request.parameters)
+            if app_key is not None and principal:
+                # the cloud knows only the agent's own token: two apps' equal keys were
+                # one key there (one app got the other's answer, or its 409)
+                app_key = scoped_key(principal, app_key)
             request.parameters = {**request.parameters, "idempotency_key": app_key or request.id}
             if priority is not None:
                 request.parameters = {**request.parameters, "priority": priority}
@@ -377,7 +387,7 @@ class EdgeDataPlane:
                     f"model {model!r} cascades on output {output!r}: request it too, "
                     "or leave the outputs unset"
                 )
-            response = await self._drive(flow, request, start)
+            response = await self._drive(flow, request, start, principal)
         except FerryError as exc:
             self.stats.failure(model, time.monotonic() - start, exc.code.value)
             raise
@@ -385,7 +395,9 @@ class EdgeDataPlane:
         response.id = client_id
         return response
 
-    async def _drive(self, flow: RequestFlow, request: InferRequest, start: float) -> InferResponse:
+    async def _drive(
+        self, flow: RequestFlow, request: InferRequest, start: float, principal: str = ""
+    ) -> InferResponse:
         """Carry out the flow's actions until it answers."""
         action = flow.start()
         local_answer: InferResponse | None = None
@@ -437,7 +449,11 @@ class EdgeDataPlane:
                     # an app's key: its retry finds this deferral, not a second one
                     request.id = receipt_id(flow.model, key, request)
                 return await self.deferrer.defer(
-                    flow.model, request, deadline_ms=action.deadline_ms, reason=action.reason
+                    flow.model,
+                    request,
+                    deadline_ms=action.deadline_ms,
+                    reason=action.reason,
+                    owner=principal,
                 )
             else:
                 assert isinstance(action, Fail)

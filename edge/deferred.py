@@ -88,8 +88,16 @@ class Deferrer:
         return await loop.run_in_executor(self._io, partial(fn, *args, **kwargs))
 
     async def defer(
-        self, model: str, request: InferRequest, *, deadline_ms: float | None, reason: str
+        self,
+        model: str,
+        request: InferRequest,
+        *,
+        deadline_ms: float | None,
+        reason: str,
+        owner: str = "",
     ) -> InferResponse:
+        """Store ``request``; ``owner`` (the app's principal, "" where the agent has no
+        tokens) is the only one :meth:`result` answers about it."""
         assert request.id is not None
         now = time.time()
         await self._call(
@@ -100,6 +108,7 @@ class Deferrer:
             created_wall=now,
             expires_wall=now + self.ttl_s,
             priority=int(request.parameters.get("priority", 0) or 0),
+            owner=owner,
         )
         return InferResponse(
             model_name=model,
@@ -246,16 +255,30 @@ class Deferrer:
         await self._call(self.store.mark_pending, item.request_id, attempt=True)
         return 0
 
-    async def result(self, request_id: str) -> dict[str, Any]:
-        """Status of a deferred request and, once answered, its response or error."""
+    async def result(
+        self, request_id: str, owner: str = "", allows: Callable[[str], bool] | None = None
+    ) -> dict[str, Any]:
+        """Status of a deferred request and, once answered, its response or error.
+
+        Only for the app that deferred it (``owner``), and a token that covers its
+        model (``allows``): any token read any app's answers, a model-scoped one too.
+        Another's receipt is a 404, as an unknown one (its existence is no one's
+        business)."""
+        found = await self._call(self.store.result, request_id)
         unsaved = self._unsaved.get(request_id)
+        missing = ModelNotFound(f"no deferred request {request_id!r}")
+        if found is None and (unsaved is None or owner):
+            raise missing  # (whose an answer the store lost the row of is, none can say)
+        if found is not None and (
+            (found.owner and found.owner != owner)
+            or (allows is not None and not allows(found.model))
+        ):
+            raise missing
         if unsaved is not None:
             reply, error = unsaved
-            found = DeferredResult("delivered" if error is None else "failed", reply, error)
-        else:
-            found = await self._call(self.store.result, request_id)
-        if found is None:
-            raise ModelNotFound(f"no deferred request {request_id!r}")
+            model = found.model if found is not None else ""
+            found = DeferredResult("delivered" if error is None else "failed", reply, error, model)
+        assert found is not None
         out: dict[str, Any] = {"request_id": request_id, "status": found.status}
         if found.error:
             out["error"] = found.error

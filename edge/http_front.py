@@ -42,6 +42,9 @@ from shared.tokens import Tokens, bearer
 
 log = logging.getLogger(__name__)
 
+#: the request's token grant (set by _authorize): whose idempotency keys and deferrals
+GRANT = "grant"
+
 EXTENSIONS = [
     "classification",
     "binary_tensor_data",
@@ -112,6 +115,7 @@ class LocalApi(RoutedApp):
         if not grant.allows(scope, model):
             what = f"model {model!r}" if model and scope == "infer" else f"{scope} operations"
             raise PermissionDenied(f"this token does not cover {what}")
+        request.state[GRANT] = grant
 
     # ---- handlers --------------------------------------------------------------
     async def server_metadata(self, request: Request) -> Response:
@@ -170,7 +174,12 @@ class LocalApi(RoutedApp):
         return _json(self.agent.dataplane.model_stats(name, version))
 
     async def deferred(self, request: Request) -> Response:
-        found = await self.agent.deferred_result(request.params["request_id"])
+        grant = request.state.get(GRANT)
+        found = await self.agent.deferred_result(
+            request.params["request_id"],
+            grant.principal if grant is not None else "",
+            (lambda model: grant.allows("infer", model)) if grant is not None else None,
+        )
         response = found.pop("response", None)
         if response is not None:
             chunks, _ = v2.encode_response(response)
@@ -190,6 +199,7 @@ class LocalApi(RoutedApp):
             deadline_ms=deadline_ms,
             priority=priority,
             deferrable=deferrable,
+            principal=grant.principal if (grant := request.state.get(GRANT)) else "",
         )
         return await encode_infer(response, decoded)
 

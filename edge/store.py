@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS deferred (
     attempts     INTEGER NOT NULL DEFAULT 0,
     result       BLOB,
     error        TEXT,
-    answered_wall REAL
+    answered_wall REAL,
+    owner        TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, created_wall);
 """
@@ -79,6 +80,8 @@ class DeferredResult:
     status: str
     result: bytes | None
     error: str | None
+    model: str = ""
+    owner: str = ""  # who deferred it ("" : any app; see Deferrer.result)
 
 
 class DeferredStore:
@@ -108,6 +111,8 @@ class DeferredStore:
         columns = {row[1] for row in db.execute("PRAGMA table_info(deferred)")}
         if "answered_wall" not in columns:  # a store an earlier version wrote
             db.execute("ALTER TABLE deferred ADD COLUMN answered_wall REAL")
+        if "owner" not in columns:  # (its rows: anyone's, as they were)
+            db.execute("ALTER TABLE deferred ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
         # a crash while sending counts as an attempt: a request that crashes the agent
         # every time must not loop forever
         db.execute(
@@ -141,6 +146,7 @@ class DeferredStore:
         created_wall: float,
         expires_wall: float | None,
         priority: int = 0,
+        owner: str = "",
     ) -> None:
         import sqlite3
 
@@ -177,12 +183,13 @@ class DeferredStore:
             # is stored afresh (its receipt would otherwise name a dead request).
             self._db.execute(
                 "INSERT INTO deferred (request_id, model, payload, created_wall, expires_wall,"
-                " priority) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO UPDATE SET"
-                " status = 'pending', model = excluded.model, payload = excluded.payload,"
-                " created_wall = excluded.created_wall, expires_wall = excluded.expires_wall,"
-                " priority = excluded.priority, attempts = 0, result = NULL, error = NULL,"
+                " priority, owner) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO"
+                " UPDATE SET status = 'pending', model = excluded.model,"
+                " payload = excluded.payload, created_wall = excluded.created_wall,"
+                " expires_wall = excluded.expires_wall, priority = excluded.priority,"
+                " owner = excluded.owner, attempts = 0, result = NULL, error = NULL,"
                 " answered_wall = NULL WHERE status IN ('failed', 'expired')",
-                (request_id, model, payload, created_wall, expires_wall, priority),
+                (request_id, model, payload, created_wall, expires_wall, priority, owner),
             )
             if old is not None:
                 self._count_held()
@@ -293,11 +300,13 @@ class DeferredStore:
         if not self.opened:
             return None
         row = self._db.execute(
-            "SELECT status, result, error FROM deferred WHERE request_id = ?", (request_id,)
+            "SELECT status, result, error, model, owner FROM deferred WHERE request_id = ?",
+            (request_id,),
         ).fetchone()
         if row is None:
             return None
-        return DeferredResult(row[0], bytes(row[1]) if row[1] is not None else None, row[2])
+        result = bytes(row[1]) if row[1] is not None else None
+        return DeferredResult(row[0], result, row[2], row[3], row[4])
 
     def expire(self, now_wall: float) -> list[str]:
         if not self.opened:

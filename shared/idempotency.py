@@ -57,3 +57,11 @@ def receipt_id(model: str, key: str, request: InferRequest) -> str:
     digest = xxhash.xxh3_128(model.encode() + b"\0" + key.encode() + b"\0")
     digest.update(fingerprint(request, 0))
     return digest.hexdigest()
+
+
+def scoped_key(principal: str, key: str) -> str:
+    """An app's key as the agent sends it on: one per (app, key), so two apps behind one
+    agent (one token at the cloud) never share a key, and the same length for any key
+    (the cloud takes at most MAX_KEY_LENGTH characters)."""
+    digest = xxhash.xxh3_128(principal.encode() + b"\0" + key.encode())
+    return "app-" + digest.hexdigest()

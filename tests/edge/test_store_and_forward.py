@@ -225,3 +225,93 @@ async def test_an_apps_idempotency_key_runs_a_retry_once_and_defers_it_once(tmp_
         assert receipts[0]["request_id"] == receipts[1]["request_id"]  # one stored request
         assert other.parameters["request_id"] != receipts[0]["request_id"]
         assert agent.store.counts() == {"pending": 2}
+
+
+async def test_apps_keys_and_deferrals_are_their_own_behind_one_agent(tmp_path, edge_repos):
+    # The cloud sees one token, the agent's: two apps' equal keys were one key there (B
+    # got A's answer, or a 409 for a key it never used), and any app could read another's
+    # deferred answer by its receipt, a token scoped to other models too.
+    import pytest
+
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+    from shared.errors import ModelNotFound
+
+    def request(x: np.ndarray, key: str) -> InferRequest:
+        r = InferRequest(inputs=[Tensor.from_array("x", x)])
+        r.parameters["idempotency_key"] = key
+        return r
+
+    server = cloud_server(edge_repos[0], "--node", "apps").start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=server.http_url,
+        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
+    )
+    x = np.full((1, 4), 2.0, np.float32)
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            infer = agent.dataplane.infer
+            await infer("c", request(x, "k"), principal="tok-a")
+            same = await infer("c", request(x, "k"), principal="tok-b")
+            assert not same.parameters.get("duplicate")  # not A's cached answer
+            other = await infer("c", request(x + 1, "k"), principal="tok-c")  # no 409
+            assert other.outputs[0].data.tolist() != []
+            stats = _get(server.http_url + "/v2/models/cloudonly/stats")["model_stats"][0]
+            assert stats["inference_stats"]["success"]["count"] == 3
+    finally:
+        server.kill()
+    async with Agent(load_agent_config(cfg)) as agent:  # the cloud is gone: deferrals
+        infer = agent.dataplane.infer
+        a = await infer("c", request(x, "d"), deferrable=True, principal="tok-a")
+        b = await infer("c", request(x, "d"), deferrable=True, principal="tok-b")
+        receipt = a.parameters["request_id"]
+        assert b.parameters["request_id"] != receipt
+        assert (await agent.deferred_result(receipt, "tok-a"))["status"] == "pending"
+        with pytest.raises(ModelNotFound):
+            await agent.deferred_result(receipt, "tok-b")
+        with pytest.raises(ModelNotFound):  # A's token, no longer covering model "c"
+            await agent.deferred_result(receipt, "tok-a", lambda model: model != "c")
+
+
+async def test_over_the_local_api_a_receipt_answers_only_its_app(tmp_path, edge_repos):
+    import aiohttp
+
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+    from edge.http_front import start_local_api
+    from shared.tokens import parse_tokens
+
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=f"http://127.0.0.1:{free_port()}",  # nothing there: the request is deferred
+        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
+    )
+    tokens = parse_tokens("a infer\nb infer\nnarrow infer lin\n", "tokens.txt")
+    body = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
+        "parameters": {"deferrable": True, "idempotency_key": "same"},
+    }
+    async with Agent(load_agent_config(cfg)) as agent:
+        server = await start_local_api(agent, "127.0.0.1", 0, tokens=tokens)
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as client:
+                receipts = []
+                for token in ("a", "b"):
+                    sent = await client.post(
+                        "/v2/models/c/infer",
+                        json=body,
+                        headers={"Authorization": f"Bearer {token}"},
+                    )
+                    assert sent.status == 200, await sent.text()
+                    receipts.append((await sent.json())["parameters"]["request_id"])
+                assert receipts[0] != receipts[1]  # one key, two apps: two deferrals
+                for token, status in (("a", 200), ("b", 404), ("narrow", 404)):
+                    got = await client.get(
+                        f"/v2/deferred/{receipts[0]}", headers={"Authorization": f"Bearer {token}"}
+                    )
+                    assert got.status == status, (token, await got.text())
+        finally:
+            await server.close()
