@@ -335,6 +335,27 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
     )
 
 
+def _check_reachable(policy: PolicyConfig, cloud: CloudEndpoints, source: str) -> None:
+    """A model that needs the cloud must name a transport with an endpoint in [cloud]:
+    one without was taken, reported ready, and every request got 503 (or, with a
+    local variant beside ``mode = "cloud"``, ran locally as a fallback, every time)."""
+    endpoints = {name for name, url in (("http", cloud.http_url), ("mqtt", cloud.mqtt_url)) if url}
+    for name, mp in policy.models.items():
+        if (
+            mp.cloud_model is None
+            or mp.mode == "local"
+            or (mp.local_model is not None and mp.mode == "cost")
+        ):
+            continue  # no cloud model, or one the policy may do without
+        if not endpoints.intersection(mp.transports):
+            have = f"[cloud] names {sorted(endpoints)}" if endpoints else "[cloud] names none"
+            raise ConfigError(
+                f"{source}: key 'models.{name}.transports': {list(mp.transports)} has no "
+                f"endpoint ({have}): model {name!r} needs the cloud (mode {mp.mode!r}"
+                f"{'' if mp.local_model else ', no local model'})"
+            )
+
+
 def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
     data = loads_toml(text, source)
     check_keys(data, _SCHEMA, source)
@@ -354,6 +375,9 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         for t, name in _agent_links(data).items()
     }
     store = data.get("store", {})
+    cloud = _cloud(data, source, base)
+    policy = _policy(data, source)
+    _check_reachable(policy, cloud, source)
     return AgentConfig(
         repository=(base / data["repository"]).resolve(),
         state_dir=(base / data.get("state_dir", ".ferry-edge")).resolve(),
@@ -361,9 +385,9 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         api_host=api.get("host", "127.0.0.1"),
         api_port=port if api.get("enabled", True) else None,
         api_tokens_file=(base / api["tokens_file"]).resolve() if api.get("tokens_file") else None,
-        cloud=_cloud(data, source, base),
+        cloud=cloud,
         links=links,
-        policy=_policy(data, source),
+        policy=policy,
         local_threads=int(_range(source, "local_threads", data.get("local_threads", 0), 0, 1024)),
         local_inline_us=float(
             _range(source, "local_inline_us", data.get("local_inline_us", 100.0), 0, 10_000)

@@ -250,8 +250,9 @@ class EdgeDataPlane:
             return False
         if model is not None:
             return True
-        cloud_model = self.core.policy.model_policy(name).cloud_model
-        return any(self.usable(time.monotonic(), cloud_model).values())
+        mp = self.core.policy.model_policy(name)
+        usable = self.usable(time.monotonic(), mp.cloud_model)
+        return any(usable.get(t, False) for t in mp.transports)  # (those it may take)
 
     def repository_index(self) -> list[dict[str, str]]:
         entries = []

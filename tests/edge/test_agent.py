@@ -13,9 +13,15 @@ import tritonclient.http as triton
 
 from edge.agent import Agent
 from edge.config import load_agent_config
-from shared.errors import InvalidInput, ModelNotFound, ModelNotReady
+from shared.errors import ConfigError, InvalidInput, ModelNotFound
 from tests.edge.conftest import PRICED_ENERGY, agent_toml
-from tests.support import cloud_server, edge_agent, linear_reference, write_linear_model
+from tests.support import (
+    cloud_server,
+    edge_agent,
+    free_port,
+    linear_reference,
+    write_linear_model,
+)
 
 LIN = '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n'
 LIN_CLOUD = LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"')
@@ -105,13 +111,36 @@ async def test_cascade_offloads_exactly_the_low_confidence_requests(tmp_path, ed
     assert all(g.parameters["confidence"] < 0.6 for g in got if g.parameters["where"] != "local")
 
 
-async def test_cloud_only_model_without_link_is_a_clear_error(tmp_path, edge_repos):
-    cfg = agent_toml(
-        tmp_path, edge_repos[1], models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n'
+@pytest.mark.parametrize(
+    "cloud, models",
+    [
+        (None, '[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n'),
+        # a transport [cloud] does not name, or none: taken, "ready", and 503 every time
+        ("http", '[models.c]\ncloud = "cloudonly"\nmode = "cloud"\ntransports = ["mqtt"]\n'),
+        ("http", '[models.c]\ncloud = "cloudonly"\ntransports = []\n'),
+        # mode "cloud" beside a local variant ran locally, as a fallback, every time
+        (
+            "http",
+            '[models.c]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n'
+            'transports = ["mqtt"]\n',
+        ),
+    ],
+)
+def test_a_model_that_needs_a_transport_without_an_endpoint_is_refused_at_load(
+    tmp_path, edge_repos, cloud, models
+):
+    http = f"http://127.0.0.1:{free_port()}" if cloud else None
+    cfg = agent_toml(tmp_path, edge_repos[1], http=http, models=models)
+    with pytest.raises(ConfigError, match=r"key 'models.c.transports': .* has no endpoint"):
+        load_agent_config(cfg)
+    # a model that may do without the cloud (a local variant, mode cost) is taken
+    ok = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=http,
+        models='[models.c]\nlocal = "lin-local"\ncloud = "lin"\ntransports = ["mqtt"]\n',
     )
-    async with Agent(load_agent_config(cfg)) as agent:
-        with pytest.raises(ModelNotReady, match="cannot run now"):
-            await agent.infer("c", {"x": np.ones((1, 4), np.float32)})
+    load_agent_config(ok)
 
 
 def test_tritonclient_against_the_local_api(tmp_path, edge_repos, cloud):
@@ -547,3 +576,22 @@ async def test_numpy_scalars_and_ints_are_taken_where_the_python_api_takes_numbe
         assert agent.links["http"].name == "lte"
         agent.set_link("http", "wifi", np.int64(-60))
         assert agent.links["http"].name == "wifi"
+
+
+async def test_a_cloud_model_is_ready_only_while_a_transport_it_may_take_is_up(
+    tmp_path, edge_repos, cloud
+):
+    # readiness asked every transport: a model allowed MQTT only read ready through HTTP,
+    # and each of its requests got 503
+    models = (
+        '[models.viamqtt]\ncloud = "lin"\nmode = "cloud"\ntransports = ["mqtt"]\n'
+        '[models.viahttp]\ncloud = "lin"\nmode = "cloud"\ntransports = ["http"]\n'
+    )
+    broker = f"mqtt://127.0.0.1:{free_port()}"  # no broker there
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, mqtt=broker, models=models)
+    async with Agent(load_agent_config(cfg)) as agent:
+        deadline = time.monotonic() + 10
+        while not await agent.model_ready("viahttp") and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await agent.model_ready("viahttp")
+        assert not await agent.model_ready("viamqtt")
