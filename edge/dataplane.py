@@ -413,6 +413,13 @@ class EdgeDataPlane:
             elif isinstance(action, Hedge):
                 action, local_answer, cloud = await self._hedge(flow, request, action)
             elif isinstance(action, Offload):
+                if not flow.deferrable and time.monotonic() >= flow.deadline:
+                    # (as a local run still queued at its deadline is not run: where a
+                    # request runs must not change whether it is refused)
+                    raise DeadlineExceeded(
+                        f"the request's deadline passed before it was sent to the cloud "
+                        f"(model {flow.model!r})"
+                    )
                 transport = self.transports[action.option.transport or ""]
                 try:
                     result = await transport.infer(action.cloud_model, request, action.give_up_at)

@@ -595,3 +595,23 @@ async def test_a_cloud_model_is_ready_only_while_a_transport_it_may_take_is_up(
             await asyncio.sleep(0.1)
         assert await agent.model_ready("viahttp")
         assert not await agent.model_ready("viamqtt")
+
+
+async def test_a_request_past_its_deadline_is_refused_wherever_it_would_run(
+    tmp_path, edge_repos, cloud
+):
+    # Run locally it was a 504; offloaded (no option meets the deadline: the fastest) the
+    # same request went out anyway and came back a late 200
+    from shared.errors import DeadlineExceeded
+
+    models = LIN.replace("[models.lin]", '[models.lin]\nmode = "local"') + (
+        '[models.c]\ncloud = "lin"\nmode = "cloud"\n'
+    )
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=models)
+    x = {"x": np.ones((1, 4), np.float32)}
+    async with Agent(load_agent_config(cfg)) as agent:
+        for model in ("lin", "c"):
+            with pytest.raises(DeadlineExceeded):
+                await agent.infer(model, x, deadline_ms=1e-6)
+        answered = await agent.infer("c", x, deadline_ms=5000)  # the cloud is there
+        assert answered.parameters["where"] == "cloud-http"
