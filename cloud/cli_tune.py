@@ -131,6 +131,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
             bar.update(done)
 
     results = []
+    interrupted = False
     try:
         for name in names:
             if name in failed:
@@ -146,6 +147,10 @@ def run_tune_command(args: argparse.Namespace) -> int:
                     progress=progress,
                 )
             )
+    except KeyboardInterrupt:
+        # Ctrl-C: the models measured so far are written (an hour's sweep was lost to a
+        # traceback); the one under way is left out, and nothing is applied
+        interrupted = True
     finally:
         if bar is not None:
             bar.close()
@@ -163,6 +168,13 @@ def run_tune_command(args: argparse.Namespace) -> int:
         written = write_report(args.report, doc)
         print(f"report: {len(written)} files in {args.report}")
     print(f"profiles: {args.out}")
+    if interrupted:
+        print(
+            f"ferry-cloud: interrupted: {len(results)} of {len(names)} models measured "
+            f"and written to {args.out}" + ("; --apply skipped" if args.apply else ""),
+            file=sys.stderr,
+        )
+        return 130
     status = 1 if failed or any(r.error for r in results) else 0
     if args.apply:
         status = max(status, _apply(repository, doc, args.latency_ms, cores))

@@ -50,7 +50,9 @@ class LatencyProfile:
                 threads=int(data.get("threads", 0)),
                 spread_s=float(data.get("spread_s", 0.0)),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:  # (its text alone was "'beta_s'")
+            raise ConfigError(f"latency profile {data!r}: key {exc} is missing") from None
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"latency profile {data!r}: {exc}") from None
         if profile.a_s < 0 or profile.beta_s <= 0 or profile.max_batch < 1:
             raise ConfigError(

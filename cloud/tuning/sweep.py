@@ -315,6 +315,11 @@ def _model_path(target: Target, tmp: Path) -> Path:
     return convert_to_openvino(target.path, tmp, progress=False)
 
 
+#: runs per point at most (docs/tuning.md): a microsecond model's 10 s point held
+#: millions of timings
+MAX_RUNS = 10_000
+
+
 def _time(
     session: Session, inputs: dict[str, np.ndarray], batch: int, duration_s: float, min_runs: int
 ) -> Point:
@@ -325,7 +330,7 @@ def _time(
         start = time.perf_counter()
         session.run(inputs)
         times.append(time.perf_counter() - start)
-        if len(times) >= 10_000:
+        if len(times) >= MAX_RUNS:
             break
     arr = np.array(times)
     return Point(

@@ -136,6 +136,35 @@ def test_a_broken_model_is_reported_and_the_others_still_tuned(repo: Path, tmp_p
     assert doc["models"]["lin"]["skipped"]["openvino"] == "not asked for (--backends)"
 
 
+def test_ctrl_c_writes_the_models_measured_so_far_and_applies_nothing(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It ended in a KeyboardInterrupt traceback, and every model already measured was lost
+    import cloud.tuning.sweep as sweep
+
+    write_linear_model(repo / "lin2" / "1" / "model.onnx")
+    real, calls = sweep.measure_model, []
+
+    def interrupted_on_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as SIGINT raises it, mid-sweep
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "measure_model", interrupted_on_the_second)
+    before = (repo / "lin" / "config.toml").read_text()
+    out = tmp_path / "p.json"
+    assert _tune(repo, out, "--models", "lin,lin2", "--backends", "onnxruntime", "--apply") == 130
+    doc = json.loads(out.read_text())
+    assert list(doc["models"]) == ["lin"] and doc["models"]["lin"]["chosen"] is not None
+    assert (repo / "lin" / "config.toml").read_text() == before  # nothing applied
+
+
+def test_a_profile_missing_a_key_names_it() -> None:
+    with pytest.raises(ConfigError, match="key 'beta_s' is missing"):
+        LatencyProfile.from_dict({"backend": "onnxruntime", "a_s": 0.001, "max_batch": 4})
+
+
 def test_a_broken_profiles_file_names_file_and_key(tmp_path: Path) -> None:
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"version": 1, "models": {"m": {"profiles": [{"backend": "x"}]}}}))
