@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from cloud.batcher import DynamicBatcher
-from cloud.idempotency import IdempotencyCache, response_bytes
 from cloud.loading import (
     LONE_MIN_RUN_S,
     MemoryProbe,
@@ -40,6 +39,7 @@ from cloud.loading import (
 )
 from cloud.stats import OTHER, ModelStats
 from cloud.workers import NodeActivity
+from shared.aio.idempotency import IdempotencyCache, response_bytes
 from shared.errors import (
     DeadlineExceeded,
     FerryError,

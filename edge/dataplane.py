@@ -42,6 +42,7 @@ from edge.core.scores import confidence
 from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
+from shared.aio.idempotency import IdempotencyCache, response_bytes
 from shared.errors import (
     DeadlineExceeded,
     FerryError,
@@ -50,7 +51,7 @@ from shared.errors import (
     ModelNotReady,
     ShuttingDown,
 )
-from shared.idempotency import idempotency_key, receipt_id, scoped_key
+from shared.idempotency import fingerprint, idempotency_key, receipt_id, scoped_key
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline.classification import requested_classes, top_k
 from shared.repository import triton_model_config, v2_model_metadata
@@ -59,6 +60,12 @@ from shared.runtimes.base import Cancel
 from shared.tensors import Tensor
 
 log = logging.getLogger(__name__)
+
+#: apps' keyed answers kept for their retries: as long as the cloud keeps them by default,
+#: and few (an agent's memory is counted in MiB)
+ANSWERS_TTL_S = 600.0
+ANSWERS_MAX_ENTRIES = 1024
+ANSWERS_MAX_BYTES = 8 << 20
 
 
 class EdgeDataPlane:
@@ -85,6 +92,11 @@ class EdgeDataPlane:
         self._inflight = 0  # requests taken and not yet answered (drain waits on them)
         self._drained: asyncio.Event | None = None
         self._closing = False
+        # Answers to apps' keyed requests, for their retries (bounded: an evicted key
+        # only means a late retry runs again, as at the cloud)
+        self._answers: IdempotencyCache[InferResponse] = IdempotencyCache(
+            ANSWERS_TTL_S, ANSWERS_MAX_ENTRIES, ANSWERS_MAX_BYTES, response_bytes
+        )
 
     # ---- the core's state, as the agent and its fronts read it ------------------
     @property
@@ -374,21 +386,40 @@ class EdgeDataPlane:
             cloud_version = self._cloud_version(model, request.model_version)
             if not cloud_version:
                 request.model_version = None
-            flow = self._begin(
-                model,
-                request,
-                start,
-                deadline_ms=deadline_ms,
-                deferrable=deferrable,
-                cloud_only=cloud_version,
-            )
-            wanted, output = request.output_names(), flow.mp.cascade_output
-            if flow.wants_confidence and wanted is not None and output and output not in wanted:
-                raise InvalidInput(
-                    f"model {model!r} cascades on output {output!r}: request it too, "
-                    "or leave the outputs unset"
+
+            async def run() -> InferResponse:
+                flow = self._begin(
+                    model,
+                    request,
+                    start,
+                    deadline_ms=deadline_ms,
+                    deferrable=deferrable,
+                    cloud_only=cloud_version,
                 )
-            response = await self._drive(flow, request, start, principal)
+                wanted, output = request.output_names(), flow.mp.cascade_output
+                if flow.wants_confidence and wanted is not None and output:
+                    if output not in wanted:
+                        raise InvalidInput(
+                            f"model {model!r} cascades on output {output!r}: request it too, "
+                            "or leave the outputs unset"
+                        )
+                return await self._drive(flow, request, start, principal)
+
+            if app_key is None:
+                response = await run()
+            else:
+                # the app's retry is answered once wherever it runs, and its key reused
+                # with other inputs is a 409 here as at the cloud
+                response, duplicate = await self._answers.run(
+                    (model, request.model_version, app_key), run, fingerprint(request, 0)
+                )
+                if duplicate:
+                    response = InferResponse(
+                        model_name=response.model_name,
+                        model_version=response.model_version,
+                        outputs=response.outputs,
+                        parameters={**response.parameters, "duplicate": True},
+                    )
         except FerryError as exc:
             self.stats.failure(model, time.monotonic() - start, exc.code.value)
             raise

@@ -1,6 +1,6 @@
 """An ``idempotency_key`` and what it is bound to: both tiers check a key the same way.
 
-The cloud runs a keyed request once per sender (cloud/idempotency.py); the
+Each tier runs a keyed request once per sender (shared/aio/idempotency.py); the
 edge agent passes an app's key on to the cloud and names a deferral after it,
 so an app's retry through the agent is neither run twice nor stored twice.
 """

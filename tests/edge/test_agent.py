@@ -615,3 +615,23 @@ async def test_a_request_past_its_deadline_is_refused_wherever_it_would_run(
                 await agent.infer(model, x, deadline_ms=1e-6)
         answered = await agent.infer("c", x, deadline_ms=5000)  # the cloud is there
         assert answered.parameters["where"] == "cloud-http"
+
+
+async def test_a_key_reused_with_other_inputs_is_a_409_and_a_retry_one_answer_where_it_runs(
+    tmp_path, edge_repos
+):
+    # A local run took no notice of the key: the same key with other inputs was answered
+    # (200) where an offload got the cloud's 409, and a retry ran the model again
+    from shared.errors import IdempotencyConflict
+
+    models = LIN.replace("[models.lin]", '[models.lin]\nmode = "local"')
+    cfg = agent_toml(tmp_path, edge_repos[1], models=models)
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        first = await agent.infer("lin", {"x": x}, idempotency_key="k")
+        assert first.parameters["where"] == "local" and "duplicate" not in first.parameters
+        with pytest.raises(IdempotencyConflict):
+            await agent.infer("lin", {"x": x + 1}, idempotency_key="k")
+        again = await agent.infer("lin", {"x": x}, idempotency_key="k")
+        assert again.parameters["duplicate"] is True
+        np.testing.assert_array_equal(again.outputs[0].data, first.outputs[0].data)

@@ -1,4 +1,7 @@
-"""Exactly-once answers for retried requests (``parameters.idempotency_key``).
+"""Exactly-once answers for retried requests (``parameters.idempotency_key``), on both
+tiers: a cloud node's requests, and an app's at its edge agent, wherever the agent
+answers them (a local run took no notice of the key, so whether a reused key was a
+409 hung on where the policy sent it).
 
 The edge agent's store-and-forward may send a request again after a crash
 between the cloud's answer and its own bookkeeping.  Per model, the first

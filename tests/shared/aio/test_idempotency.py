@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from cloud.idempotency import IdempotencyCache
+from shared.aio.idempotency import IdempotencyCache
 from shared.errors import InternalError, InvalidInput
 from shared.idempotency import idempotency_key
 
