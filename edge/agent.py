@@ -39,7 +39,7 @@ from edge.deferred import Deferrer
 from edge.local import LocalModels
 from edge.store import DeferredStore
 from edge.transports.base import Transport
-from shared.errors import ConfigError, FerryError, InvalidInput
+from shared.errors import ConfigError, FerryError, InvalidInput, ModelNotFound
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.pipeline import sample_inputs
@@ -251,7 +251,16 @@ class Agent:
         for name in self._wanted_local(config):
             if self.local.has(name):
                 continue
-            model = await asyncio.to_thread(self.local.load, name)
+            try:
+                model = await asyncio.to_thread(self.local.load, name)
+            except ModelNotFound as exc:  # a typo in the file: say where
+                keys = [
+                    f"models.{m}.local"
+                    for m, mp in config.policy.models.items()
+                    if mp.local_model == name
+                ]
+                where = f"{config.source or 'agent config'}: key {keys[0]!r}: " if keys else ""
+                raise ConfigError(f"{where}{exc.message}") from None
             await self._warm_up(model.name)
         for name, mp in config.policy.models.items():
             # (a name the model lacks failed every request with a 500 at run time)

@@ -80,7 +80,12 @@ async def _run(config_path: Path, api_port: int | None) -> int:
         if not 0 <= api_port <= 65535:
             raise ConfigError(f"--api-port: expected a port from 0 to 65535, got {api_port}")
         config = replace(config, api_port=api_port)
-    tokens = load_tokens(config.api_tokens_file) if config.api_tokens_file else None
+    tokens = None
+    if config.api_tokens_file:
+        try:
+            tokens = load_tokens(config.api_tokens_file)
+        except ConfigError as exc:
+            raise ConfigError(f"{config_path}: key 'api.tokens_file': {exc.message}") from None
     agent = Agent(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -635,3 +635,32 @@ async def test_a_key_reused_with_other_inputs_is_a_409_and_a_retry_one_answer_wh
         again = await agent.infer("lin", {"x": x}, idempotency_key="k")
         assert again.parameters["duplicate"] is True
         np.testing.assert_array_equal(again.outputs[0].data, first.outputs[0].data)
+
+
+async def test_a_local_model_missing_from_the_repository_names_the_file_and_key(
+    tmp_path, edge_repos
+):
+    cfg = agent_toml(tmp_path, edge_repos[1], models='[models.m]\nlocal = "nosuch"\n')
+    with pytest.raises(ConfigError, match=r"agent.toml: key 'models.m.local': .*'nosuch'"):
+        async with Agent(load_agent_config(cfg)):
+            pass
+
+
+def test_an_unreadable_tokens_file_names_the_key(tmp_path, edge_repos):
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    cfg = agent_toml(
+        tmp_path, edge_repos[1], models=LIN, extra=f'[api]\ntokens_file = "{tmp_path / "no"}"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "edge.cli", "run", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "agent.toml: key 'api.tokens_file':" in done.stderr and "cannot read" in done.stderr
