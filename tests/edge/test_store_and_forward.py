@@ -14,6 +14,14 @@ from shared.tensors import Tensor
 from tests.edge.conftest import agent_toml
 from tests.support import cloud_server, edge_agent, free_port
 
+#: the model these tests defer: cloud-only, so no link means no answer now
+CLOUD_ONLY = '[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n'
+
+
+def cloud_only_agent(folder, repo, http: str):
+    """An agent.toml whose model ``c`` runs on the cloud at ``http`` only."""
+    return agent_toml(folder, repo, http=http, models=CLOUD_ONLY)
+
 
 def _post(url: str, body: bytes, headers: dict) -> dict:
     req = urllib.request.Request(url, data=body, headers=headers, method="POST")
@@ -31,12 +39,7 @@ def _get(url: str) -> dict:
 def test_deferred_requests_survive_kill_9_and_are_delivered_once(tmp_path, edge_repos):
     cloud_port = free_port()
     cloud_url = f"http://127.0.0.1:{cloud_port}"
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=cloud_url,
-        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
-    )
+    cfg = cloud_only_agent(tmp_path, edge_repos[1], cloud_url)
     agent = edge_agent(cfg).start()
     ids = []
     try:
@@ -147,12 +150,7 @@ async def test_a_crash_between_the_clouds_answer_and_the_bookkeeping_does_not_ru
     from edge.config import load_agent_config
 
     server = cloud_server(edge_repos[0], "--node", "once").start()
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=server.http_url,
-        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
-    )
+    cfg = cloud_only_agent(tmp_path, edge_repos[1], server.http_url)
     try:
         x = np.full((1, 4), 2.0, np.float32)
         async with Agent(load_agent_config(cfg)) as agent:
@@ -243,12 +241,7 @@ async def test_apps_keys_and_deferrals_are_their_own_behind_one_agent(tmp_path, 
         return r
 
     server = cloud_server(edge_repos[0], "--node", "apps").start()
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=server.http_url,
-        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
-    )
+    cfg = cloud_only_agent(tmp_path, edge_repos[1], server.http_url)
     x = np.full((1, 4), 2.0, np.float32)
     try:
         async with Agent(load_agent_config(cfg)) as agent:
@@ -287,7 +280,7 @@ async def test_over_the_local_api_a_receipt_answers_only_its_app(tmp_path, edge_
         tmp_path,
         edge_repos[1],
         http=f"http://127.0.0.1:{free_port()}",  # nothing there: the request is deferred
-        models='[models.c]\ncloud = "cloudonly"\nmode = "cloud"\n',
+        models=CLOUD_ONLY,
     )
     tokens = parse_tokens("a infer\nb infer\nnarrow infer lin\n", "tokens.txt")
     body = {
