@@ -105,19 +105,23 @@ def run_tune_command(args: argparse.Namespace) -> int:
     gpu.close()
     cores = available_cpus()
     plans, failed = {}, {}
-    for name in names:
-        try:
-            plans[name] = plan_model(
-                repository,
-                name,
-                cores=cores,
-                gpu=has_gpu,
-                gpu_reason=gpu_reason,
-                backends=backends,
-                max_threads=args.max_threads,
-            )
-        except FerryError as exc:
-            failed[name] = exc.message
+    try:
+        for name in names:
+            try:
+                plans[name] = plan_model(
+                    repository,
+                    name,
+                    cores=cores,
+                    gpu=has_gpu,
+                    gpu_reason=gpu_reason,
+                    backends=backends,
+                    max_threads=args.max_threads,
+                )
+            except FerryError as exc:
+                failed[name] = exc.message
+    except KeyboardInterrupt:
+        print("ferry-cloud: interrupted before any model was measured", file=sys.stderr)
+        return 130
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -161,6 +165,21 @@ def run_tune_command(args: argparse.Namespace) -> int:
         "gpu": gpu_name,
     }
     doc = document(results, args.latency_ms, machine, args.duration_s)
+    if interrupted:
+        # --out may be the profiles a controller reads live: a sweep cut short does not
+        # replace them; what it measured goes beside them
+        measured = sum(1 for r in results if not r.error)
+        partial = args.out.with_name(args.out.name + ".partial")
+        if measured:
+            write_profiles(partial, doc)
+        print(
+            f"ferry-cloud: interrupted: {measured} of {len(names)} models measured"
+            + (f", written to {partial}" if measured else "")
+            + f"; {args.out} left as it was"
+            + ("; --apply skipped" if args.apply else ""),
+            file=sys.stderr,
+        )
+        return 130
     write_profiles(args.out, doc)
     for name, entry in doc["models"].items():
         print(table(name, entry, args.latency_ms))
@@ -168,13 +187,6 @@ def run_tune_command(args: argparse.Namespace) -> int:
         written = write_report(args.report, doc)
         print(f"report: {len(written)} files in {args.report}")
     print(f"profiles: {args.out}")
-    if interrupted:
-        print(
-            f"ferry-cloud: interrupted: {len(results)} of {len(names)} models measured "
-            f"and written to {args.out}" + ("; --apply skipped" if args.apply else ""),
-            file=sys.stderr,
-        )
-        return 130
     status = 1 if failed or any(r.error for r in results) else 0
     if args.apply:
         status = max(status, _apply(repository, doc, args.latency_ms, cores))

@@ -19,7 +19,6 @@ are an error rather than silently ignored.
 
 from __future__ import annotations
 
-import math
 import socket
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -182,7 +181,7 @@ def _non_negative(value: int, source: str, key: str) -> int:
 
 def _grace(value: float, source: str, key: str = "shutdown_grace_s") -> float:
     value = float(value)
-    if not 0 <= value < math.inf:  # also NaN
+    if not value >= 0:  # also NaN (inf: wait as long as it takes)
         raise ConfigError(f"{source}: key '{key}': expected a number >= 0, got {value}")
     return value
 
@@ -345,7 +344,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
         models = None
     config = CloudConfig(
         repository=repository,
-        node=_node_name(data.get("node") or socket.gethostname(), source),
+        node=data.get("node") or socket.gethostname(),
         models=tuple(models) if models is not None else None,
         http=http,
         mqtt=mqtt,
@@ -367,6 +366,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
             ),
         ),
     )
+    if config.mqtt is not None:  # (a topic level only where there is a broker)
+        _node_name(config.node, source)
     if config.http is None and config.mqtt is None:
         raise ConfigError(f"{source}: neither HTTP nor MQTT is enabled; nothing would serve")
     fleet_data = data.get("fleet", {})

@@ -39,7 +39,7 @@ from cloud.loading import (
 )
 from cloud.stats import OTHER, ModelStats
 from cloud.workers import NodeActivity
-from shared.aio.idempotency import IdempotencyCache, response_bytes
+from shared.aio.idempotency import IdempotencyCache, as_duplicate, response_bytes
 from shared.errors import (
     DeadlineExceeded,
     FerryError,
@@ -624,13 +624,9 @@ class DataPlane:
         if not duplicate:
             return response
         model.stats.record_duplicate()
-        return InferResponse(
-            model_name=response.model_name,
-            model_version=response.model_version,
-            id=request.id,
-            outputs=response.outputs,
-            parameters={**response.parameters, "duplicate": True},
-        )
+        answer = as_duplicate(response)
+        answer.id = request.id
+        return answer
 
     async def _execute(self, run: _Run) -> InferResponse:
         model = run.model

@@ -42,7 +42,7 @@ from edge.core.scores import confidence
 from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
-from shared.aio.idempotency import IdempotencyCache, response_bytes
+from shared.aio.idempotency import IdempotencyCache, as_duplicate, response_bytes
 from shared.errors import (
     DeadlineExceeded,
     FerryError,
@@ -336,9 +336,13 @@ class EdgeDataPlane:
                 model, request, deadline_ms, priority, bool(deferrable), principal
             )
         finally:
-            self._inflight -= 1
-            if not self._inflight and self._drained is not None:
-                self._drained.set()
+            self._left()
+
+    def _left(self) -> None:
+        """One request (or a keyed run that outlives its caller) is done: drain may end."""
+        self._inflight -= 1
+        if not self._inflight and self._drained is not None:
+            self._drained.set()
 
     async def drain(self, timeout_s: float) -> bool:
         """Take no new request; wait up to ``timeout_s`` for those in flight (True: none left)."""
@@ -388,6 +392,15 @@ class EdgeDataPlane:
                 request.model_version = None
 
             async def run() -> InferResponse:
+                # (a keyed run goes on when its caller leaves, to answer the retry:
+                # drain waits for it as for a request)
+                self._inflight += 1
+                try:
+                    return await answer()
+                finally:
+                    self._left()
+
+            async def answer() -> InferResponse:
                 flow = self._begin(
                     model,
                     request,
@@ -405,25 +418,28 @@ class EdgeDataPlane:
                         )
                 return await self._drive(flow, request, start, principal)
 
+            duplicate = False
             if app_key is None:
-                response = await run()
+                response = await answer()
             else:
                 # the app's retry is answered once wherever it runs, and its key reused
-                # with other inputs is a 409 here as at the cloud
+                # with other inputs is a 409 here as at the cloud; a deferral's receipt
+                # is not kept (the store knows the deferral by the key: a retry after it
+                # failed or expired is stored afresh)
                 response, duplicate = await self._answers.run(
-                    (model, request.model_version, app_key), run, fingerprint(request, 0)
+                    (model, request.model_version, app_key),
+                    run,
+                    fingerprint(request, 0),
+                    keep=lambda answered: answered.parameters.get("where") != "deferred",
                 )
                 if duplicate:
-                    response = InferResponse(
-                        model_name=response.model_name,
-                        model_version=response.model_version,
-                        outputs=response.outputs,
-                        parameters={**response.parameters, "duplicate": True},
-                    )
+                    response = as_duplicate(response)
         except FerryError as exc:
             self.stats.failure(model, time.monotonic() - start, exc.code.value)
             raise
-        self.stats.success(model, response.parameters, time.monotonic() - start)
+        # (a shared answer ran nothing: counted apart, no queue or compute time again)
+        shown = {"where": "duplicate"} if duplicate else response.parameters
+        self.stats.success(model, shown, time.monotonic() - start)
         response.id = client_id
         return response
 
@@ -431,6 +447,13 @@ class EdgeDataPlane:
         self, flow: RequestFlow, request: InferRequest, start: float, principal: str = ""
     ) -> InferResponse:
         """Carry out the flow's actions until it answers."""
+        if not flow.deferrable and time.monotonic() >= flow.deadline:
+            # Nothing starts past its deadline (a local run queued past it is not run):
+            # the fastest option sent anyway came back a late 200 where a local run got
+            # a 504.  Checked before the flow takes a breaker trial or a data reservation.
+            raise DeadlineExceeded(
+                f"the request's deadline passed before it could start (model {flow.model!r})"
+            )
         action = flow.start()
         local_answer: InferResponse | None = None
         cloud: InferResponse | None = None
@@ -444,13 +467,6 @@ class EdgeDataPlane:
             elif isinstance(action, Hedge):
                 action, local_answer, cloud = await self._hedge(flow, request, action)
             elif isinstance(action, Offload):
-                if not flow.deferrable and time.monotonic() >= flow.deadline:
-                    # (as a local run still queued at its deadline is not run: where a
-                    # request runs must not change whether it is refused)
-                    raise DeadlineExceeded(
-                        f"the request's deadline passed before it was sent to the cloud "
-                        f"(model {flow.model!r})"
-                    )
                 transport = self.transports[action.option.transport or ""]
                 try:
                     result = await transport.infer(action.cloud_model, request, action.give_up_at)

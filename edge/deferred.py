@@ -264,8 +264,13 @@ class Deferrer:
         model (``allows``): any token read any app's answers, a model-scoped one too.
         Another's receipt is a 404, as an unknown one (its existence is no one's
         business)."""
-        found = await self._call(self.store.result, request_id)
         unsaved = self._unsaved.get(request_id)
+        try:
+            found = await self._call(self.store.result, request_id)
+        except db_error():
+            if unsaved is None:
+                raise
+            found = None  # (the store that could not take the answer cannot be read)
         missing = ModelNotFound(f"no deferred request {request_id!r}")
         if found is None and (unsaved is None or owner):
             raise missing  # (whose an answer the store lost the row of is, none can say)

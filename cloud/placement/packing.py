@@ -138,7 +138,7 @@ def place(
         else:
             where[demand.name] = alike
             copies, why = split(demand, alike, headroom)
-        if sum(c.rate for c in copies) < demand.rate * (1 - 1e-9):
+        if _past_reach(demand, copies, where[demand.name], headroom):
             over.add(demand.name)
         items.extend(copies)
         if why is not None:
@@ -164,6 +164,9 @@ def place(
     wanted: dict[str, int] = {}
     for item in items:
         wanted[item.name] = wanted.get(item.name, 0) + 1
+    planned: dict[str, float] = {}
+    for item in items:
+        planned[item.name] = planned.get(item.name, 0.0) + item.rate
     squeezed = _squeeze(packer, short, wanted, demands, where, headroom)
     short = [item for item in short if item.name not in squeezed]
     copies = _copies(packer)
@@ -179,10 +182,10 @@ def place(
             else f"{got} of {wanted[name]} copies placed: no room for the rest"
         )
         unplaced[name] = f"{notes[name]}; {room}" if name in notes else room
-    for name, (asked, planned) in squeezed.items():
+    for name, rate in squeezed.items():
         room = (
-            f"no room on the {len(fleet)} nodes for {asked:.1f} req/s: one copy planned "
-            f"for {planned:.1f} req/s"
+            f"no room on the {len(fleet)} nodes for {planned[name]:.1f} req/s: one copy "
+            f"planned for {rate:.1f} req/s"
         )
         unplaced[name] = f"{notes[name]}; {room}" if name in notes else room
     result = Placement(copies, dict(sorted(unplaced.items())), 1, bounds)
@@ -204,16 +207,16 @@ def _squeeze(
     demands: Sequence[ModelDemand],
     where: dict[str, list[tuple[NodeSpec, int]]],
     headroom: Headroom,
-) -> dict[str, tuple[float, float]]:
+) -> dict[str, float]:
     """Models none of whose copies found room keep one copy, planned for the highest
     rate (halving the model's) that fits beside the rest: a rate declared above what the
     fleet can serve unloaded the model's only copy, and every request got 503 where the
     node's queue bound would have answered what it could and refused the rest.
-    Returns each such model's (rate asked, rate planned)."""
+    Returns each such model's rate planned."""
     lost: dict[str, int] = {}
     for item in short:
         lost[item.name] = lost.get(item.name, 0) + 1
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, float] = {}
     for demand in demands:
         if lost.get(demand.name, 0) < wanted.get(demand.name, 0) or demand.rate <= 0:
             continue  # some copy is placed, or none was wanted
@@ -223,9 +226,26 @@ def _squeeze(
             one = replace(demand, rate=rate, min_copies=1, max_copies=1)
             items, _why = split(one, where[demand.name], headroom)
             if items and packer.place(items[0]) is not None:
-                out[demand.name] = (demand.rate, rate)
+                out[demand.name] = rate
                 break
     return out
+
+
+def _past_reach(
+    demand: ModelDemand,
+    copies: list[Item],
+    where: list[tuple[NodeSpec, int]],
+    headroom: Headroom,
+) -> bool:
+    """Whether ``demand`` asks more than every node it may run on could serve (its
+    copies then go in last); not one its own ``max_copies`` caps, which the fleet
+    could serve and which packs as any other."""
+    if sum(c.rate for c in copies) >= demand.rate * (1 - 1e-9):
+        return False
+    if not demand.max_copies:
+        return True
+    uncapped, _why = split(replace(demand, max_copies=0), where, headroom)
+    return sum(c.rate for c in uncapped) < demand.rate * (1 - 1e-9)
 
 
 def _fresh(items: list[Item], fleet: list[NodeSpec], bound: int) -> tuple[Packer, list[Item]]:

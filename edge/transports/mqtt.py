@@ -243,14 +243,15 @@ class MqttTransport:
         """A PUBACK that refuses the request fails it now: it reached no node, and
         waiting out the deadline said nothing of why.  A refusal of the user's own
         topic (a broker whose ACL predates them) sends the model's next requests on
-        the plain topic.  "No matching subscribers" fails it as not ready: no node
-        takes the model's requests (none hosts it, or its nodes are between
-        connections), which says nothing against the link itself."""
+        the plain topic.  "No matching subscribers" fails it as not ready where no
+        live node hosts the model (which says nothing against the link itself); where
+        one does, it is between connections (a broker or node restart) and its return
+        republishes the request (_node_status), so the request waits for it."""
         if done.cancelled() or done.exception() is not None:
             return
         reason = done.result()
         if reason == _NO_MATCHING_SUBSCRIBERS:
-            if not pending.future.done():
+            if self.serves(pending.model) is False and not pending.future.done():
                 pending.future.set_exception(
                     ModelNotReady(
                         f"MQTT: no cloud node takes requests for model {pending.model!r} "

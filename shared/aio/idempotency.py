@@ -45,6 +45,7 @@ class _Entry(Generic[T]):
     fingerprint: bytes
     expires: float | None = None  # set once the run succeeded
     size: int = 0
+    keep: Callable[[T], bool] | None = None  # which results a later duplicate may share
 
 
 class IdempotencyCache(Generic[T]):
@@ -66,9 +67,18 @@ class IdempotencyCache(Generic[T]):
         return len(self._entries)
 
     async def run(
-        self, key: Key, factory: Callable[[], Coroutine[Any, Any, T]], fingerprint: bytes = b""
+        self,
+        key: Key,
+        factory: Callable[[], Coroutine[Any, Any, T]],
+        fingerprint: bytes = b"",
+        keep: Callable[[T], bool] | None = None,
     ) -> tuple[T, bool]:
-        """``(result, duplicate)``: run ``factory`` once per key, or share its result."""
+        """``(result, duplicate)``: run ``factory`` once per key, or share its result.
+
+        A result ``keep`` rejects is shared with the duplicates already waiting and
+        then forgotten, as an error is (the agent's deferral receipts: the store
+        knows a deferral by its key, and a retry after it failed must store it
+        afresh, not be handed the dead receipt)."""
         entry = self._entries.get(key)
         if entry is not None:
             if entry.expires is None or entry.expires > time.monotonic():
@@ -82,7 +92,7 @@ class IdempotencyCache(Generic[T]):
         # Started in place: a request that runs without waiting (a lone one on an
         # idle model) is answered without a task, a shield or a loop turn.
         task = eager_future(asyncio.get_running_loop(), factory())
-        entry = _Entry(task, fingerprint)
+        entry = _Entry(task, fingerprint, keep=keep)
         self._entries[key] = entry
         if task.done():
             self._settle(key, entry, task)
@@ -112,7 +122,7 @@ class IdempotencyCache(Generic[T]):
         failed = task.cancelled() or task.exception() is not None  # also marks it retrieved
         if self._entries.get(key) is not entry:
             return  # evicted meanwhile
-        if failed:
+        if failed or (entry.keep is not None and not entry.keep(task.result())):
             self._drop(key)
             return
         entry.expires = time.monotonic() + self.ttl_s
@@ -121,6 +131,17 @@ class IdempotencyCache(Generic[T]):
         if entry.size > self.max_bytes:
             self._drop(key)  # bigger than the whole cache: a late duplicate runs again
         self._trim()
+
+
+def as_duplicate(response: InferResponse) -> InferResponse:
+    """A shared answer as a retry gets it: the same outputs, marked ``duplicate``."""
+    return InferResponse(
+        model_name=response.model_name,
+        model_version=response.model_version,
+        id=response.id,
+        outputs=response.outputs,
+        parameters={**response.parameters, "duplicate": True},
+    )
 
 
 def response_bytes(response: InferResponse) -> int:

@@ -342,12 +342,12 @@ class MqttClient:
             ),
             self.connect_timeout_s,
         )
-        _raise_if_cancelled()
         self._conn = conn
         pinger: asyncio.Task[None] | None = None
         up = False
         error: Exception | None = None
         try:
+            _raise_if_cancelled()  # (in here: the finally closes the new connection)
             conn.session.outbox.append(
                 codec.encode_connect(
                     self.client_id,

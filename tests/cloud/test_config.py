@@ -18,6 +18,9 @@ def test_command_line_overrides_the_file(tmp_path: Path):
     assert config.mqtt.broker.username == "u" and config.mqtt.broker.password == "p"
 
 
+MQTT = 'repository = "r"\n[mqtt]\nurl = "mqtt://h"\n[http]\nport = 0\n'
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -37,9 +40,9 @@ def test_command_line_overrides_the_file(tmp_path: Path):
         # each of these was taken, and the node never joined its broker (or said why)
         ('repository = "r"\n[mqtt]\nurl = "mqtt://h"\nkeepalive_s = -1\n', "'mqtt.keepalive_s'"),
         ('repository = "r"\n[mqtt]\nurl = "mqtt://h"\nkeepalive_s = 70000\n', "to 65535"),
-        ('repository = "r"\nnode = "n/#"\n', r"'node': 'n/#' cannot name a node \(it holds a wild"),
-        ('repository = "r"\nnode = "n+1"\n', "'node': 'n\\+1' cannot name a node"),
-        ('repository = "r"\nnode = "a/b"\n', r"cannot name a node \(it holds a '/'"),
+        (f'node = "n/#"\n{MQTT}', r"'node': 'n/#' cannot name a node \(it holds a wild"),
+        (f'node = "n+1"\n{MQTT}', "'node': 'n\\+1' cannot name a node"),
+        (f'node = "a/b"\n{MQTT}', r"cannot name a node \(it holds a '/'"),
         ('repository = "r"\n[http]\nshutdown_linger_s = -5\n', "'http.shutdown_linger_s'"),
         ('repository = "r"\n[http]\nshutdown_linger_s = nan\n', "'http.shutdown_linger_s'"),
         # (the [fleet] keys were named as [http] ones)
@@ -122,3 +125,11 @@ def test_relative_secret_and_token_paths_are_read_from_the_config_files_folder(
     config = load_config(cfg, {})
     assert config.http is not None and config.http.tokens_file == folder / "tok.txt"
     assert config.mqtt is not None and config.mqtt.broker.password == "secret"
+
+
+def test_a_node_name_is_a_topic_level_only_where_there_is_a_broker(tmp_path: Path):
+    cfg = tmp_path / "cloud.toml"
+    cfg.write_text('node = "rack/3"\nrepository = "r"\n[http]\nport = 0\n')
+    assert load_config(cfg, {}).node == "rack/3"  # an HTTP-only node never names a topic
+    cfg.write_text('repository = "r"\nshutdown_grace_s = inf\n')
+    assert load_config(cfg, {}).shutdown_grace_s == float("inf")  # wait as long as it takes

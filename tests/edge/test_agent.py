@@ -664,3 +664,27 @@ def test_an_unreadable_tokens_file_names_the_key(tmp_path, edge_repos):
     )
     assert done.returncode == 2
     assert "agent.toml: key 'api.tokens_file':" in done.stderr and "cannot read" in done.stderr
+
+
+async def test_drain_waits_for_a_keyed_run_its_caller_left(tmp_path, edge_repos, monkeypatch):
+    # The keyed run goes on for the app's retry when its caller leaves; drain counted
+    # only callers and reported nothing in flight while the model still ran
+    models = LIN.replace("[models.lin]", '[models.lin]\nmode = "local"')
+    cfg = agent_toml(tmp_path, edge_repos[1], models=models)
+    async with Agent(load_agent_config(cfg)) as agent:
+        dataplane, ran = agent.dataplane, []
+        real = dataplane._run_local
+
+        async def slow(*args, **kwargs):
+            await asyncio.sleep(0.5)
+            ran.append(1)
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(dataplane, "_run_local", slow)
+        x = {"x": np.ones((1, 4), np.float32)}
+        caller = asyncio.create_task(agent.infer("lin", x, idempotency_key="k"))
+        await asyncio.sleep(0.1)
+        caller.cancel()
+        assert not await dataplane.drain(0.05)  # the run is still going
+        assert await dataplane.drain(5.0)
+        assert ran == [1]

@@ -556,8 +556,15 @@ async def test_a_publish_the_broker_refuses_fails_the_request_now_and_falls_back
     )
     mqtt._puback(ok, other)
     assert not other.future.done() and mqtt._request_topic("n") == request_topic("n", "dev-a")
+    # no matching subscribers: the broker dropped it.  A model a live node hosts is
+    # between connections (its return republishes the request): it waits ...
+    mqtt._status_seen, mqtt.nodes = True, {"node-1": {"n"}}
     dropped = loop.create_future()
-    dropped.set_result(0x10)  # no matching subscribers: the broker dropped it, no reply comes
+    dropped.set_result(0x10)
+    mqtt._puback(dropped, other)
+    assert not other.future.done()
+    # ... and one no node hosts fails now, as not ready
+    mqtt.nodes = {"node-1": {"m"}}
     mqtt._puback(dropped, other)
     with pytest.raises(ModelNotReady, match="no cloud node takes requests for model 'n'"):
         await other.future

@@ -220,9 +220,9 @@ async def test_an_apps_idempotency_key_runs_a_retry_once_and_defers_it_once(tmp_
         ]
         assert receipts[0]["where"] == "deferred"
         assert receipts[0]["request_id"] == receipts[1]["request_id"]  # one stored request
-        with pytest.raises(IdempotencyConflict):  # the key with other inputs, as the cloud
-            await agent.infer("c", {"x": x + 1}, deferrable=True, idempotency_key="app-2")
-        assert agent.store.counts() == {"pending": 1}
+        other = await agent.infer("c", {"x": x + 1}, deferrable=True, idempotency_key="app-2")
+        assert other.parameters["request_id"] != receipts[0]["request_id"]  # its own
+        assert agent.store.counts() == {"pending": 2}
 
 
 async def test_apps_keys_and_deferrals_are_their_own_behind_one_agent(tmp_path, edge_repos):
@@ -308,3 +308,22 @@ async def test_over_the_local_api_a_receipt_answers_only_its_app(tmp_path, edge_
                     assert got.status == status, (token, await got.text())
         finally:
             await server.close()
+
+
+async def test_a_retry_after_its_deferral_failed_is_stored_again_not_handed_the_dead_receipt(
+    tmp_path, edge_repos
+):
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+
+    cfg = cloud_only_agent(tmp_path, edge_repos[1], f"http://127.0.0.1:{free_port()}")
+    x = {"x": np.ones((1, 4), np.float32)}
+    async with Agent(load_agent_config(cfg)) as agent:
+        first = await agent.infer("c", x, deferrable=True, idempotency_key="k")
+        receipt = first.parameters["request_id"]
+        agent.store._db.execute("UPDATE deferred SET status = 'failed', error = 'x'")
+        assert (await agent.deferred_result(receipt))["status"] == "failed"
+        again = await agent.infer("c", x, deferrable=True, idempotency_key="k")
+        assert again.parameters["request_id"] == receipt
+        assert not again.parameters.get("duplicate")
+        assert agent.store.counts() == {"pending": 1}  # stored afresh

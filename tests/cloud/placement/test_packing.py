@@ -282,6 +282,15 @@ def test_a_rate_past_the_fleet_neither_unplaces_that_model_nor_crowds_out_the_re
     assert check(squeezed, crowded, nodes) == []
 
 
+def test_a_model_its_own_max_copies_caps_packs_as_any_other() -> None:
+    # max_copies is the operator's cap, not the fleet's reach: such a model went in last
+    # and lost the room its copies had (2 whole-node copies became 1)
+    models = [_model("hot", 2500.0, max_copies=2), _model("s0", 700.0), _model("s1", 700.0)]
+    placement = place(models, _nodes(3))
+    assert len(placement.copies_of("hot")) == 2
+    assert placement.unplaced["hot"].startswith("capped at max_copies 2: plans")
+
+
 def test_a_placement_recomputed_from_the_same_input_is_equal_and_moves_nothing() -> None:
     models = [_model(f"m{i}", rate=float(i * 40), min_copies=i % 3) for i in range(15)]
     nodes = _nodes(8)

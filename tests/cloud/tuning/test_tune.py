@@ -136,7 +136,7 @@ def test_a_broken_model_is_reported_and_the_others_still_tuned(repo: Path, tmp_p
     assert doc["models"]["lin"]["skipped"]["openvino"] == "not asked for (--backends)"
 
 
-def test_ctrl_c_writes_the_models_measured_so_far_and_applies_nothing(
+def test_ctrl_c_keeps_the_models_measured_so_far_beside_the_profiles_and_applies_nothing(
     repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # It ended in a KeyboardInterrupt traceback, and every model already measured was lost
@@ -154,8 +154,10 @@ def test_ctrl_c_writes_the_models_measured_so_far_and_applies_nothing(
     monkeypatch.setattr(sweep, "measure_model", interrupted_on_the_second)
     before = (repo / "lin" / "config.toml").read_text()
     out = tmp_path / "p.json"
+    out.write_text('{"the profiles": "a controller reads"}')
     assert _tune(repo, out, "--models", "lin,lin2", "--backends", "onnxruntime", "--apply") == 130
-    doc = json.loads(out.read_text())
+    assert out.read_text() == '{"the profiles": "a controller reads"}'  # not replaced
+    doc = json.loads((tmp_path / "p.json.partial").read_text())
     assert list(doc["models"]) == ["lin"] and doc["models"]["lin"]["chosen"] is not None
     assert (repo / "lin" / "config.toml").read_text() == before  # nothing applied
 
