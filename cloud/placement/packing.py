@@ -162,18 +162,18 @@ def place(
                 kept.empty_nodes(tries=len(fleet))
             packer, short = kept, kept_short
     wanted: dict[str, int] = {}
-    for item in items:
-        wanted[item.name] = wanted.get(item.name, 0) + 1
     planned: dict[str, float] = {}
     for item in items:
+        wanted[item.name] = wanted.get(item.name, 0) + 1
         planned[item.name] = planned.get(item.name, 0.0) + item.rate
-    squeezed = _squeeze(packer, short, wanted, demands, where, headroom)
-    short = [item for item in short if item.name not in squeezed]
-    copies = _copies(packer)
-    unplaced = dict(notes)
     missing: dict[str, int] = {}
     for item in short:
         missing[item.name] = missing.get(item.name, 0) + 1
+    squeezed = _squeeze(packer, missing, wanted, demands, where, headroom)
+    for name in squeezed:
+        del missing[name]
+    copies = _copies(packer)
+    unplaced = dict(notes)
     for name, lost in sorted(missing.items()):
         got = wanted[name] - lost
         room = (
@@ -202,7 +202,7 @@ SQUEEZE_HALVINGS = 30
 
 def _squeeze(
     packer: Packer,
-    short: list[Item],
+    missing: dict[str, int],
     wanted: dict[str, int],
     demands: Sequence[ModelDemand],
     where: dict[str, list[tuple[NodeSpec, int]]],
@@ -212,13 +212,10 @@ def _squeeze(
     rate (halving the model's) that fits beside the rest: a rate declared above what the
     fleet can serve unloaded the model's only copy, and every request got 503 where the
     node's queue bound would have answered what it could and refused the rest.
-    Returns each such model's rate planned."""
-    lost: dict[str, int] = {}
-    for item in short:
-        lost[item.name] = lost.get(item.name, 0) + 1
+    ``missing``: copies left out per model.  Returns each such model's rate planned."""
     out: dict[str, float] = {}
     for demand in demands:
-        if lost.get(demand.name, 0) < wanted.get(demand.name, 0) or demand.rate <= 0:
+        if missing.get(demand.name, 0) < wanted.get(demand.name, 0) or demand.rate <= 0:
             continue  # some copy is placed, or none was wanted
         rate = demand.rate
         for _ in range(SQUEEZE_HALVINGS):
