@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from devices.power import RaplReader, read_all, read_battery
-from devices.profiles import LinkProfile, load_device, load_link
+from devices.profiles import LinkProfile, list_links, load_device, load_link
 from edge.config import RESTART_KEYS, AgentConfig, load_agent_config
 from edge.core import NATIVE, STALE_BUILD
 from edge.core.breaker import CircuitBreaker
@@ -424,6 +424,10 @@ class Agent:
             # a profile name (devices/links/*.toml), never a path a caller picks
             raise InvalidInput(
                 f"link must be a link profile name such as 'wifi' or 'lte', got {link!r}"
+            )
+        if link not in list_links():  # (a file path's advice is not for this caller)
+            raise InvalidInput(
+                f"unknown link profile {link!r}: built-in ones are {', '.join(list_links())}"
             )
         try:
             profile = load_link(link)

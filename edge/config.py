@@ -9,6 +9,7 @@ profile, a bad broker URL, an unreadable credentials file).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,17 +153,20 @@ def _range(
     high: float | None = None,
     *,
     low_open: bool = False,
+    finite: bool = False,
 ) -> float:
     bad = (
         value != value  # NaN compares false with everything: refuse it outright
+        or (finite and not math.isfinite(value))
         or (low is not None and (value <= low if low_open else value < low))
         or (high is not None and value > high)
     )
     if bad:
         lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
         hi = "" if high is None else f"<= {high}"
+        what = "a finite value" if finite else "a value"
         raise ConfigError(
-            f"{source}: key {key!r}: expected a value {' and '.join(x for x in (lo, hi) if x)}, got {value}"
+            f"{source}: key {key!r}: expected {what} {' and '.join(x for x in (lo, hi) if x)}, got {value}"
         )
     return value
 
@@ -196,7 +200,7 @@ def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
     threshold = _range(source, f"{key}.cascade_threshold", data.get("cascade_threshold", 0.8), 0, 1)
     deadline = data.get("deadline_ms")
     if deadline is not None:
-        _range(source, f"{key}.deadline_ms", deadline, 0, low_open=True)
+        _range(source, f"{key}.deadline_ms", deadline, 0, low_open=True, finite=True)
     output_bytes = int(_range(source, f"{key}.output_bytes", data.get("output_bytes", 4096), 0))
     return ModelPolicy(
         mode=mode,
@@ -233,7 +237,8 @@ def _policy(data: dict[str, Any], source: str) -> PolicyConfig:
     quantile = float(pol.get("deadline_quantile", 0.95))
     if not 0.5 <= quantile < 1:
         raise ConfigError(
-            f"{source}: key 'policy.deadline_quantile': expected 0.5..0.999, got {quantile}"
+            f"{source}: key 'policy.deadline_quantile': expected at least 0.5 and below 1, "
+            f"got {quantile}"
         )
     cap = pol.get("data_cap_mb_per_day")
     if cap is not None:
@@ -251,7 +256,12 @@ def _policy(data: dict[str, Any], source: str) -> PolicyConfig:
         ),
         data_cap_mb_per_day=cap,
         default_deadline_ms=_range(
-            source, "policy.deadline_ms", float(pol.get("deadline_ms", 1000.0)), 0, low_open=True
+            source,
+            "policy.deadline_ms",
+            float(pol.get("deadline_ms", 1000.0)),
+            0,
+            low_open=True,
+            finite=True,
         ),
         explore_after_s=_range(
             source, "policy.explore_after_s", float(pol.get("explore_after_s", 10.0)), 0

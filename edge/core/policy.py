@@ -306,6 +306,8 @@ def _late(bottleneck_s: float, sigma: float, window_s: float) -> float:
     (log-normal, spread ``sigma``): P(rate < the rate that is in by then)."""
     if window_s <= 0.0:
         return 1.0
+    if window_s == math.inf:
+        return 0.0
     if bottleneck_s <= 0.0 or sigma <= 0.0:
         return 0.0 if bottleneck_s <= window_s else 1.0
     return _phi(math.log(bottleneck_s / window_s) / sigma)
@@ -740,10 +742,17 @@ class Policy:
         if pick is None:
             return None
         gain, o, price, hedge = pick
+        # (a hedged wake-up may cost less than the best option itself: say so plainly)
+        if price > 1e-9:
+            now = f"it costs {price:.4g} now"
+        elif price < -1e-9:
+            now = f"it is {-price:.4g} cheaper than the best option now"
+        else:
+            now = "it costs nothing now"
         why = (
             f"{'keep the radio up' if o.promotion_s == 0.0 else 'wake the radio'}"
             f"{' (hedged)' if hedge else ''}: the warm run after it saves "
-            f"{gain + price:.4g} > {price:.4g} now"
+            f"{gain + price:.4g}; {now}"
         )
         return Decision(o, options, why, hedge)
 

@@ -33,12 +33,14 @@ def add_evaluate_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--policy", type=Path, required=True, help="agent.toml or a policy-only TOML")
     ev.add_argument(
         "--device",
-        help="device profile name or TOML (default: the agent.toml's device, else raspberry-pi-4b)",
+        help="device profile name or TOML (default: the agent.toml's device, which is the "
+        "agent's own default where the file names none; raspberry-pi-4b for a policy-only file)",
     )
     ev.add_argument(
         "--link",
         help="link profile name or TOML (energy, RTT) of the one radio the replay has "
-        "(default: the one the file's [links] names, else lte)",
+        "(default: the one the agent.toml's [links] names, which is the agent's own default "
+        "where it names none; lte for a policy-only file)",
     )
     ev.add_argument(
         "--up",

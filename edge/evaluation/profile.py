@@ -101,11 +101,16 @@ MAX_RUN_S = 3600.0
 def read_profile(path: Path, speed_factor: float = 1.0) -> ComputeProfile:
     try:
         doc = json.loads(Path(path).read_text())
+        if not isinstance(doc, dict):
+            raise TypeError(f"expected a JSON object, got {type(doc).__name__}")
         for key in ("local_s", "cloud_s", "confidences"):
             if not isinstance(doc.get(key, []), list):
                 raise TypeError(f"key {key!r}: expected a list, got {type(doc[key]).__name__}")
         if not isinstance(doc.get("local_cancellable", False), bool):
             raise TypeError("key 'local_cancellable': expected true or false")
+        for key in ("local_s", "cloud_s", "confidences"):
+            if any(type(x) not in (int, float) for x in doc.get(key, [])):  # (true is 1.0)
+                raise TypeError(f"key {key!r}: expected numbers")
         profile = ComputeProfile(
             local_s=tuple(float(x) for x in doc["local_s"]),
             cloud_s=tuple(float(x) for x in doc["cloud_s"]),

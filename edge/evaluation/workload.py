@@ -111,6 +111,12 @@ class Workload:
 
 _NUMBERS = ("count", "rate_per_s", "output_bytes", "seed", "battery_percent", "data_used_mb")
 _SPREADS = ("input_bytes", "deadline_ms")
+#: Bounds past which a replay's arithmetic breaks (bytes are int64 counters, and every
+#: request is an array element): a clear error beats negative costs or a MemoryError.
+_LIMITS = {
+    "input_bytes": (1, 2**40),  # at least a byte once rounded: 0.4 would send nothing
+    "output_bytes": (0, 2**40),
+}
 
 
 def _number(path: Path, key: str, value: Any) -> float:
@@ -118,6 +124,11 @@ def _number(path: Path, key: str, value: Any) -> float:
         raise ConfigError(f"{path}: key {key!r}: expected a number, got {value!r}")
     if value < 0:
         raise ConfigError(f"{path}: key {key!r}: expected a non-negative number, got {value!r}")
+    lo, hi = _LIMITS.get(key, (0, math.inf))
+    if not lo <= value <= hi:
+        raise ConfigError(
+            f"{path}: key {key!r}: expected a number from {lo:g} to {hi:g}, got {value!r}"
+        )
     return value
 
 

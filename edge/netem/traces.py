@@ -315,7 +315,13 @@ def steady(mbps: float, seconds: float, name: str = "steady") -> Trace:
     seconds = min(seconds, MAX_TRACE_MS / 1000.0)
     per_s = mbps * 1000.0 * _PKTS_PER_MS_PER_MBPS
     if per_s * seconds > MAX_TRACE_PACKETS:
-        seconds = max(MAX_TRACE_PACKETS / per_s, 0.001)
+        seconds = MAX_TRACE_PACKETS / per_s
+        if seconds < 0.001:  # a trace's shortest step is a millisecond
+            fastest = MAX_TRACE_PACKETS / 0.001 / (1000.0 * _PKTS_PER_MS_PER_MBPS)
+            raise ConfigError(
+                f"steady trace: {mbps:g} Mbps is past the fastest a trace may hold "
+                f"({fastest:g} Mbps)"
+            )
     return _from_segments([seconds], [mbps], name)
 
 

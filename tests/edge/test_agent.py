@@ -267,8 +267,10 @@ async def test_a_network_change_swaps_the_link_profile_and_its_energy_model(
         assert agent.estimators.link("http").prior_up_bps == agent.links["http"].up_mbps * 1e6
         lte = agent.dataplane.decide("lin", _request(x), 2.0, mode="cloud").choice
         assert lte.energy_j > wifi.energy_j  # LTE's promotion and tail
-        with pytest.raises(InvalidInput):
+        with pytest.raises(InvalidInput) as info:
             agent.set_link("http", "smoke-signals")
+        # the endpoint takes names only: no advice to give it a file's path
+        assert "path" not in info.value.message and "lte" in info.value.message
         with pytest.raises(InvalidInput):
             agent.set_link("carrier", "lte")
 

@@ -62,6 +62,11 @@ def test_the_shipped_example_agent_config_parses():
         ('repository = "r"\n[policy]\ndata_cap_mb_per_day = -5\n', "data_cap_mb_per_day"),
         ('repository = "r"\n[policy]\nbattery_floor_percent = 400\n', "battery_floor_percent"),
         ('repository = "r"\n[policy]\ndeadline_ms = -1\n', "key 'policy.deadline_ms'"),
+        ('repository = "r"\n[policy]\ndeadline_ms = inf\n', "'policy.deadline_ms': .*finite"),
+        (
+            'repository = "r"\n[models.m]\nlocal = "a"\ndeadline_ms = inf\n',
+            "'models.m.deadline_ms': .*finite",
+        ),
         ('repository = "r"\n[models.m]\nlocal = "a"\noutput_bytes = -7\n', "output_bytes"),
         ('repository = "r"\n[models.m]\nmode = "cost"\n', "needs a local model, a cloud model"),
         ('repository = "r"\n[store]\nmax_attempts = 0\n', "key 'store.max_attempts'"),

@@ -461,3 +461,12 @@ def test_a_typical_requests_run_price_counts_the_bytes_own_price():
     assert priced.run_per_byte - cloud(0.0, 20_000).run_per_byte == pytest.approx(2.0 / 1e6)
     slope = (cloud(2.0, 120_000).cost - priced.cost) / 100_000
     assert 0.7 * slope < priced.run_per_byte <= slope  # (races add a little more per byte)
+
+
+def test_an_unbounded_window_never_makes_a_transfer_late() -> None:
+    import math
+
+    from edge.core.policy import _late
+
+    assert _late(2.0, 0.5, math.inf) == 0.0  # (log(b / inf) had raised a math domain error)
+    assert _late(2.0, 0.5, 1.0) > 0.5

@@ -433,3 +433,22 @@ def test_an_agent_toml_that_names_no_device_or_link_replays_what_the_agent_runs(
     proc = _cli(*args, "--up", "steady:5")
     assert proc.returncode == 0, proc.stderr
     assert "# m on x86-laptop, wifi link" in proc.stdout  # the agent's own defaults
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("input_bytes = 1e300\n", "input_bytes"),  # int64 bytes had wrapped to negative costs
+        ("input_bytes = 0.4\n", "input_bytes"),  # rounds to nothing sent
+        ("input_bytes = [1000, 1e300]\n", "input_bytes"),
+        ("output_bytes = 1e300\n", "output_bytes"),
+    ],
+)
+def test_a_workload_past_what_a_replay_can_count_names_the_key(tmp_path, text, key):
+    from edge.evaluation.workload import load_workload
+    from shared.errors import ConfigError
+
+    path = tmp_path / "w.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"key '{key}': expected a number from"):
+        load_workload(path)

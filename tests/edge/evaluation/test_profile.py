@@ -52,3 +52,18 @@ def test_a_profile_without_usable_run_times_is_refused_naming_the_key(tmp_path) 
         path.write_text(json.dumps({"local_s": local, "cloud_s": [0.1]}))
         with pytest.raises(ConfigError, match=key):
             read_profile(path)
+
+
+def test_a_profile_that_is_not_a_json_object_is_refused_not_a_traceback(tmp_path) -> None:
+    import pytest
+
+    from shared.errors import ConfigError
+
+    for doc in ("[]", '"x"', "3"):
+        path = tmp_path / "p.json"
+        path.write_text(doc)
+        with pytest.raises(ConfigError, match="expected a JSON object"):
+            read_profile(path)
+    path.write_text('{"local_s": [true], "cloud_s": [0.1]}')  # not a run of 1 s
+    with pytest.raises(ConfigError, match="'local_s': expected numbers"):
+        read_profile(path)

@@ -155,6 +155,11 @@ def test_steady_trace_has_the_exact_rate_in_every_window() -> None:
     assert np.all(np.abs(mbps - 8) <= 0.05)  # +-2 packets of quantisation
 
 
+def test_a_steady_rate_past_what_a_trace_may_hold_is_refused_before_allocating() -> None:
+    with pytest.raises(ConfigError, match="1e\\+12 Mbps is past the fastest"):
+        steady(1e12, 60)
+
+
 def test_from_phases_follows_each_phase_and_zero_is_an_outage() -> None:
     trace = from_phases([(3, 4), (2, 0), (3, 12)])
     assert trace.period_ms == 8000
