@@ -2,7 +2,9 @@
 
 :class:`ByteBudget` bounds the bytes of every request received but not yet
 answered, HTTP and MQTT together.  A request past it is refused before its
-body is read (HTTP, from Content-Length) or decoded (MQTT), with
+body is read (HTTP, from Content-Length, counting the bytes that did come in
+for other bodies), as its body comes (past the budget halfway), once a
+compressed body is inflated, or before it is decoded (MQTT), with
 "overloaded" + Retry-After, so forty clients sending 60 MB each cannot take
 the node's memory.  The HTTP server (:mod:`shared.aio.http_server`) caps
 open connections and reaps those that dawdle over a head, a body or between
@@ -17,6 +19,10 @@ from shared.errors import Overloaded
 
 #: Retry-After for a request refused by the byte budget (bodies drain in about this long)
 BUDGET_RETRY_S = 1.0
+#: What an HTTP body takes from the budget at its head; the rest as its bytes come.  A
+#: client that declares 16 MB and trickles holds this much, so stalled uploads fill
+#: the budget no sooner than they fill the server's connection cap.
+FIRST_TAKE = 64 * 1024
 
 
 class ByteBudget:
@@ -39,6 +45,13 @@ class ByteBudget:
                 return False
             self._used += n
             return True
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` more bytes would fit now (a look: nothing is taken)."""
+        if self.limit and self._used + n > self.limit and self._used > 0:
+            self.refused += 1
+            return False
+        return True
 
     def give(self, n: int) -> None:
         with self._lock:

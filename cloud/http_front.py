@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cloud.admission import ByteBudget
+from cloud.admission import FIRST_TAKE, ByteBudget
 from cloud.dataplane import DataPlane
 from shared.aio.http_server import (
     Request,
@@ -84,11 +84,38 @@ class HttpFront(RoutedApp):
             self.dataplane.check_servable(request.params["model"], request.params.get("version"))
         if request.has_body:
             declared = request.content_length
-            taken = declared if declared is not None else self.limits.max_body_bytes
+            whole = declared if declared is not None else self.limits.max_body_bytes
+            # Refused from the head where the bytes that did come leave no room for it;
+            # charged only as its body arrives (see receiving).
+            if not self.budget.fits(whole):
+                return ferry_error_response(self.budget.overloaded(whole))
+            taken = min(whole, FIRST_TAKE)
             if not self.budget.try_take(taken):
                 return ferry_error_response(self.budget.overloaded(taken))
             request.state["taken"] = taken
+            if taken < whole:
+                request.state["whole"] = whole
+                request.allowance = taken
         return None
+
+    def receiving(self, request: Request, received: int) -> Response | None:
+        """Takes the budget ahead of the body, a few times per body (x4 each time)."""
+        state = request.state
+        whole, taken = state["whole"], state["taken"]
+        more = min(whole, max(4 * taken, 2 * received)) - taken
+        if not self.budget.try_take(more):
+            return ferry_error_response(self.budget.overloaded(more))
+        state["taken"] = taken = taken + more
+        request.allowance = taken if taken < whole else None
+        return None
+
+    def _inflated(self, request: Request, size: int) -> None:
+        """A compressed body's inflated bytes are charged too (they are what memory holds)."""
+        more = size - request.state.get("taken", 0)
+        if more > 0:
+            if not self.budget.try_take(more):
+                raise self.budget.overloaded(more)
+            request.state["taken"] += more
 
     def finished(self, request: Request) -> None:
         taken = request.state.pop("taken", 0)
@@ -182,7 +209,7 @@ class HttpFront(RoutedApp):
 
     async def infer(self, request: Request) -> Response:
         m = request.params
-        decoded = await decode_infer(request, self.limits)
+        decoded = await decode_infer(request, self.limits, self._inflated)
         response = await self.dataplane.infer(
             m["model"],
             decoded,

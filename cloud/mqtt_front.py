@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,12 @@ class MqttFront:
         #: loaded models whose request topic is withheld (being moved away)
         self._withheld: set[str] = set()
         self._per_model: dict[str, int] = {}  # requests being handled, per model
+        #: models placed on no node whose requests this node takes too (the placement
+        #: follower sets it): answered "not ready" and counted as misses, which get the
+        #: model placed.  Every node takes them in the one share group, so each request
+        #: reaches one node; with no subscriber the broker had dropped them unseen.
+        self.catching: Callable[[], Iterable[str]] = tuple
+        self._caught: set[str] = set()
         self.inflight = 0  # requests received and not yet answered
         self.received = 0  # requests the broker delivered
         self.replies_sent = 0
@@ -382,8 +389,9 @@ class MqttFront:
         return self.config.broker.username
 
     def serves(self, name: str) -> bool:
-        """Whether this node takes ``name``'s requests from the broker now."""
-        return shared_request_topic(name) in self._subscribed
+        """Whether this node takes ``name``'s requests from the broker now to serve them
+        (not only to count them: see :attr:`catching`)."""
+        return name not in self._caught and shared_request_topic(name) in self._subscribed
 
     def publish_status(self) -> None:
         """Publish the node's status now (after a placement step, say)."""
@@ -416,6 +424,10 @@ class MqttFront:
         if self.connected:
             self._sync_subscriptions()
 
+    def resync(self) -> None:
+        """What this node takes changed (see :attr:`catching`): subscribe and say so."""
+        self._models_changed()
+
     def _models_changed(self) -> None:
         if self.connected:
             self._sync_subscriptions()
@@ -425,9 +437,11 @@ class MqttFront:
         client = self._client
         if client is None or not self._accepting or not client.connected:
             return
+        loaded = self.dataplane.loaded_names()
+        self._caught = {n for n in self.catching() if n not in loaded}
         wanted = {
             topic
-            for name in self.dataplane.loaded_names()
+            for name in [*loaded, *self._caught]
             if name not in self._withheld
             for topic in shared_request_topics(name)
         }

@@ -21,7 +21,7 @@ import msgspec
 
 from shared.datatypes import validate_datatype
 from shared.errors import FerryError, InvalidInput, PayloadTooLarge, error_from_code
-from shared.messages import InferRequest, InferResponse, RequestedOutput
+from shared.messages import InferRequest, InferResponse, RequestedOutput, unique_outputs
 from shared.tensors import (
     DEFAULT_LIMITS,
     Limits,
@@ -200,6 +200,7 @@ def decode_request(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS)
                 continue
             name = check_name(out.name, "output", limits)
             outputs.append(RequestedOutput(name, None, dict(out.parameters or {})))
+        outputs = unique_outputs(outputs)
     return InferRequest(
         inputs=_from_wire(raw.inputs, limits, "input"),
         id=raw.id,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.errors import InvalidInput
 from shared.tensors import Tensor
 
 
@@ -19,6 +20,20 @@ class RequestedOutput:
     name: str
     binary: bool | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def unique_outputs(outputs: list[RequestedOutput]) -> list[RequestedOutput]:
+    """The same ask twice is one ask (Triton keeps a set of requested outputs); two
+    different forms of one output cannot both be answered under its one name."""
+    asked: dict[str, RequestedOutput] = {}
+    for out in outputs:
+        before = asked.setdefault(out.name, out)
+        if before is not out and (before.binary, before.parameters) != (
+            out.binary,
+            out.parameters,
+        ):
+            raise InvalidInput(f"output {out.name!r} is requested twice with different parameters")
+    return list(asked.values()) if len(asked) < len(outputs) else outputs
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import msgspec
 
 from shared.datatypes import validate_datatype
 from shared.errors import InvalidInput, PayloadTooLarge
-from shared.messages import InferRequest, InferResponse, RequestedOutput
+from shared.messages import InferRequest, InferResponse, RequestedOutput, unique_outputs
 from shared.tensors import (
     DEFAULT_LIMITS,
     Limits,
@@ -77,10 +77,10 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     """Validate the ``Inference-Header-Content-Length`` header value."""
     if value is None:
         return None
-    try:
-        length = int(value)
-    except ValueError:
-        raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+    stripped = value.strip(" \t")
+    if not stripped.isascii() or not stripped.isdigit():  # (int() takes "+6", "1_0", "٣")
+        raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {value!r}")
+    length = int(stripped)
     if length <= 0 or length > body_length:
         raise InvalidInput(f"{HEADER_LENGTH} is {length} but the body holds {body_length} bytes")
     return length
@@ -298,6 +298,7 @@ def decode_request(
             params = {k: v for k, v in out.parameters.items() if k != "binary_data"}
             _check_parameters(params, f"output {out.name!r}")
             outputs.append(RequestedOutput(out.name, flag, params))
+        outputs = unique_outputs(outputs)
     parameters = _check_parameters(dict(raw.parameters), "request")
     flag = parameters.get("binary_data_output")
     if flag is not None and not isinstance(flag, bool):  # ("yes" read as true, "false" too)

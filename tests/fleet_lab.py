@@ -130,12 +130,14 @@ class FleetWatch:
     def __init__(self, broker: Broker) -> None:
         import paho.mqtt.client as mqtt
 
-        from cloud.fleet.view import FleetView, decode_document
+        from cloud.fleet.view import FleetView
         from shared.mqtt import PLACEMENT_TOPIC
+        from shared.mqtt.documents import decode_document
 
         self.view = FleetView()
         self.lock = threading.Lock()
         self.placements: list[int] = []
+        self.statuses: dict[str, Any] = {}  # the last status document of each node
 
         def on_message(client: Any, userdata: Any, message: Any) -> None:
             document = decode_document(message.payload)
@@ -147,6 +149,7 @@ class FleetWatch:
                 else:
                     node = message.topic.split("/")[3]
                     self.view.on_status(node, document)
+                    self.statuses[node] = document
 
         self.client = mqtt.Client(
             callback_api_version=mqtt.CallbackAPIVersion.VERSION2,

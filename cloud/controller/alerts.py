@@ -20,6 +20,11 @@ UNDER = "under-provisioned"
 UNPLACED = "unplaced"
 
 
+#: Planned rates below this (a request every 100 s) are no plan to hold a model to: an
+#: idle model loaded on its first request (planned ~0) was told "lower min_copies".
+MIN_PLANNED_RATE = 0.01
+
+
 @dataclass(frozen=True)
 class AlertSettings:
     window_s: float = 60.0
@@ -87,7 +92,7 @@ class UtilisationTracker:
         s = self.settings
         for model in sorted(self._samples):
             observed, planned, count = self.window(model)
-            if count < s.min_samples or planned <= 0:
+            if count < s.min_samples or planned < MIN_PLANNED_RATE:
                 continue
             ratio = observed / planned
             if ratio < s.low:

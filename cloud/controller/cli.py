@@ -89,10 +89,11 @@ def _controller(args: argparse.Namespace) -> int:
 def _fleet(args: argparse.Namespace) -> int:
     from cloud.controller.table import fleet_document, render_fleet
     from cloud.fleet.follower import STATUS_PATTERN
-    from cloud.fleet.view import FleetView, decode_document
+    from cloud.fleet.view import FleetView
     from cloud.mqtt_front import new_client
     from shared.errors import ConfigError, EndpointUnavailable
     from shared.mqtt import ALERTS_TOPIC, PLACEMENT_TOPIC, node_from_status_topic, parse_broker_url
+    from shared.mqtt.documents import decode_document
 
     broker = parse_broker_url(args.broker)
     view = FleetView()

@@ -8,7 +8,12 @@ When to re-place:
 - never before ``settle_s`` after start, so a restarted controller first reads
   the retained placement and the nodes' retained statuses and then, with the
   same input, computes the same placement (incremental packing keeps every
-  copy still feasible): a restart moves nothing.
+  copy still feasible): a restart moves nothing;
+- nor before the nodes had time to reconnect after the controller's own
+  reconnection (:meth:`ControllerCore.reconnected`): a broker that stops
+  publishes every client's last will, so for a moment the whole fleet reads
+  offline, and a step then moved models off nodes that were back half a
+  second later.
 
 What it places: every model of the repository, at ``max(declared rate,
 measured rate)``, with the latency profile ``ferry-cloud tune`` measured
@@ -79,6 +84,7 @@ class ControllerCore:
         self.current: Placement | None = None
         self.planned_rates: dict[str, float] = {}
         self.started = started
+        self.settle_until = -math.inf  # (see reconnected)
         self.last_step = -math.inf
         self.moves_total = 0
         self.steps = 0
@@ -87,6 +93,13 @@ class ControllerCore:
         self.load_failed: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ---- input -------------------------------------------------------------------
+    def reconnected(self, now: float, nodes_back_within_s: float) -> None:
+        """Back on the broker: nothing was heard while away, and the nodes, reconnecting
+        on their own backoff, come back within ``nodes_back_within_s``; until then
+        membership is not news (their retained wills say offline)."""
+        self.view.connected(now)
+        self.settle_until = now + max(self.settings.settle_s, nodes_back_within_s)
+
     def on_status(self, node: str, document: Any, now: float | None = None) -> None:
         if self.view.on_status(node, document, now):
             self._membership_dirty = True
@@ -179,7 +192,7 @@ class ControllerCore:
     def step(self, now: float) -> Step | None:
         """Recompute when due; a :class:`Step` when the placement changed."""
         self._observe(now)
-        if now - self.started < self.settings.settle_s:
+        if now - self.started < self.settings.settle_s or now < self.settle_until:
             return None
         nodes = self.view.specs()
         if not nodes:

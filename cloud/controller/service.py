@@ -34,7 +34,6 @@ from cloud.controller.catalogue import ModelEntry
 from cloud.controller.core import ControllerCore
 from cloud.controller.metrics import render_controller_metrics
 from cloud.fleet.follower import STATUS_PATTERN
-from cloud.fleet.view import decode_document
 from cloud.mqtt_front import new_client
 from shared.aio.http_server import HttpServer, Request, Response, RoutedApp, Router, json_response
 from shared.aio.mqtt import MqttClient
@@ -47,6 +46,7 @@ from shared.mqtt import (
     node_from_status_topic,
 )
 from shared.mqtt.codec import Publish, Will
+from shared.mqtt.documents import decode_document
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ STEP_S = 0.5
 RETAINED_WAIT_S = 1.0
 #: how often the repository is read again for models added, removed or re-configured
 RESCAN_S = 10.0
+#: After the controller's own reconnection, how long its nodes may take to be back: their
+#: reconnect backoff (MqttClient: at most 5 s, +25% jitter) and their first status.
+NODES_BACK_WITHIN_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class ControllerService(RoutedApp):
         # the broker's (its generation, once read) is as new
         self._republish_at: float | None = None
         self._retained_generation: int | None = None
+        self._connections = 0
 
     async def start(self) -> None:
         self.core.started = time.monotonic()
@@ -232,7 +236,12 @@ class ControllerService(RoutedApp):
     def _on_connect(self) -> None:
         assert self._client is not None
         self._client.subscribe(STATUS_PATTERN, PLACEMENT_TOPIC, CONTROLLER_TOPIC)
-        self.core.view.connected(time.monotonic())  # (nodes' silence counts from now)
+        now = time.monotonic()
+        if self._connections:  # back after losing the broker: let the nodes come back too
+            self.core.reconnected(now, NODES_BACK_WITHIN_S)
+        else:
+            self.core.view.connected(now)  # (nodes' silence counts from now)
+        self._connections += 1
         self._leader_seen = time.monotonic()  # (a grace: its status arrives after this)
         if not self.active:
             return  # standing by: the active one's status and placement stay retained
@@ -256,7 +265,11 @@ class ControllerService(RoutedApp):
         if topic == PLACEMENT_TOPIC:
             # adopted when newer than ours (another controller's, while this one stood
             # by or was cut off): the count goes on from the nodes' newest
-            self.core.on_retained_placement(document)
+            try:
+                self.core.on_retained_placement(document)
+            except ConfigError as exc:  # (a hand-made or foreign publish: one line, no trace)
+                log.warning("ignoring the placement on %s: %s", topic, exc.message)
+                return
             if isinstance(document, dict) and isinstance(document.get("generation"), int):
                 seen = document["generation"]
                 if self._retained_generation is None or seen > self._retained_generation:

@@ -27,11 +27,12 @@ from typing import Any
 
 from cloud.dataplane import DataPlane
 from cloud.fleet.forwarder import Forwarder
-from cloud.fleet.view import FleetView, decode_document
+from cloud.fleet.view import FleetView
 from cloud.mqtt_front import MqttFront
 from cloud.placement.types import Copy, Placement
 from shared.errors import ConfigError, FerryError
 from shared.mqtt import PLACEMENT_TOPIC, PREFIX, node_from_status_topic
+from shared.mqtt.documents import decode_document
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class PlacementFollower:
         """Hook into the dataplane and the MQTT front (before the front connects)."""
         self.dataplane.remote = self.forwarder
         self.dataplane.status_extras.append(self._status_extra)
+        self.front.catching = self._catching
         self.forwarder.start()
         self.front.add_handler(PLACEMENT_TOPIC, self._on_placement)
         self.front.add_handler(STATUS_PATTERN, self._on_status)
@@ -99,7 +101,17 @@ class PlacementFollower:
         except ConfigError as exc:
             log.error("ignoring a malformed placement: %s", exc.message)
             return
+        self.front.resync()  # (the models placed nowhere may have changed)
         self._wake.set()
+
+    def _catching(self) -> list[str]:
+        """The repository's models the placement in force puts on no node: their
+        requests are taken here (answered "not ready", counted as misses)."""
+        placement = self.view.placement
+        if placement is None:
+            return []
+        # (a model placed short of its copies is listed there too: its hosts take it)
+        return sorted(n for n in placement.unplaced if not placement.copies_of(n))
 
     def _on_status(self, topic: str, payload: bytes | None, properties: Any) -> None:
         now = time.monotonic()
@@ -140,6 +152,9 @@ class PlacementFollower:
             "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
             # placed here, not loaded: the controller places them elsewhere
             "load_failures": dict(self.load_failures),
+            # placed nowhere: requests for them are taken to count the demand (agents
+            # send them rather than refuse them unsent)
+            "catching": self._catching(),
         }
 
     # ---- convergence -------------------------------------------------------------------

@@ -16,15 +16,13 @@ clocks that disagree between machines do not matter.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from cloud.placement.types import NodeSpec, Placement
-from shared.errors import ConfigError
 
 #: smoothing of observed rates (per report): new = old + ALPHA * (sample - old)
 RATE_ALPHA = 0.5
@@ -84,16 +82,56 @@ class NodeState:
     load_failures: dict[str, str] = field(default_factory=dict)  # placed here, not loaded
 
 
-def decode_document(payload: bytes) -> Any:
-    """A status or placement payload: JSON, or MessagePack (first byte a map marker)."""
-    if not payload:
-        return None
+# The shape of a node status: checked whole before any of it is folded in, so one
+# malformed status (a bug, or a hand-made publish) changes nothing.  Folding it half
+# had left a phantom node online for good, with copies placed on it.
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Positive = Annotated[float, msgspec.Meta(ge=0)]  # (NaN fails it too)
+
+
+class _WireModel(msgspec.Struct):
+    name: str = ""
+    requests: _Count = 0
+    executions: _Count = 0
+    compute_ns: _Count = 0
+    queue_depth: _Count = 0
+    memory_bytes: _Count | None = None
+    backend: str = ""
+    rate: _Positive | None = None
+
+
+class _WireCapacity(msgspec.Struct):
+    memory_bytes: _Count = 0
+    backends: list[str] = []
+    speed: _Positive = 1.0
+    cores: _Count = 0
+    gpu: Any = None
+
+
+class _WireStatus(msgspec.Struct):
+    uptime_s: _Positive = 0.0
+    interval_s: Any = None  # (a bad one falls back to the default)
+    utilisation: _Positive = 0.0
+    queue_depth: _Count = 0
+    following: int | None = None
+    received: Any = None
+    http: str | None = None
+    capacity: _WireCapacity | None = None
+    models: list[_WireModel] = []
+    misses: dict[str, _Count] = {}
+    metadata: dict[str, Any] = {}
+    configs: dict[str, Any] = {}
+    load_failures: Any = None
+    load_seconds: dict[str, _Positive] = {}
+
+
+def status_problem(status: dict[str, Any]) -> str | None:
+    """Why ``status`` cannot be folded in (None: it can)."""
     try:
-        if payload[:1] in (b"{", b"[", b" ", b"\n"):
-            return json.loads(payload)
-        return msgspec.msgpack.decode(payload)
-    except (ValueError, msgspec.DecodeError) as exc:
-        raise ConfigError(f"undecodable document: {exc}") from None
+        msgspec.convert(status, _WireStatus, strict=False)
+    except msgspec.ValidationError as exc:
+        return str(exc)
+    return None
 
 
 class FleetView:
@@ -124,6 +162,10 @@ class FleetView:
                 state.models.clear()
             changed = was_online
         else:
+            problem = status_problem(status)
+            if problem is not None:
+                log.warning("node %s: status ignored: %s", node, problem)
+                return False
             if state is None:
                 state = self.nodes[node] = NodeState(node)
             self._fold(state, status)

@@ -17,7 +17,6 @@ not answers.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
 import time
@@ -29,6 +28,7 @@ from edge.transports.base import TransferResult
 from shared import envelope
 from shared.aio.mqtt import MqttClient
 from shared.errors import (
+    ConfigError,
     DeadlineExceeded,
     EndpointUnavailable,
     FerryError,
@@ -40,6 +40,7 @@ from shared.errors import (
 from shared.messages import InferRequest, InferResponse
 from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
 from shared.mqtt.codec import Publish, PublishProperties, expiry_s
+from shared.mqtt.documents import decode_document
 from shared.mqtt.session import PacketTooLarge
 from shared.tensors import DEFAULT_LIMITS, Limits
 
@@ -331,10 +332,13 @@ class MqttTransport:
         node = topic.split("/")[-2]
         self._status_seen = True
         try:
-            doc = json.loads(payload) if payload else {}
+            doc = decode_document(payload) or {}
             online = doc.get("state") == "online"
             models = frozenset(str(m["name"]) for m in doc.get("models", []))
-        except (ValueError, TypeError, KeyError, AttributeError):
+            # Models placed nowhere that the nodes take requests for, to count the demand
+            # that gets them placed (min_copies = 0 ones, loaded on their first use).
+            models |= frozenset(str(m) for m in doc.get("catching", ()))
+        except (ConfigError, ValueError, TypeError, KeyError, AttributeError):
             log.warning("unreadable status from cloud node %s", node)
             return
         if online:

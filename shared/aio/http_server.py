@@ -15,6 +15,12 @@ What an application provides (:class:`HttpApp`):
   :class:`Response` refuses the request (an unknown model, a missing token, a
   body the byte budget cannot take), and its body is then read and dropped
   (or the connection closed) instead of being stored;
+- ``receiving(request, received)``, only for a request whose ``allowance``
+  ``admit`` set: called as its body arrives past that many bytes, to take
+  more from a budget (and raise ``allowance``) or refuse it halfway with a
+  :class:`Response`; a budget is charged for bytes that came, never for a
+  length a client declared and then trickles (a few stalled uploads had
+  held a node's whole budget for a minute);
 - ``handle(request)``, the coroutine that answers it;
 - ``finished(request)``, called once the answer is written or the
   connection is gone, to give back what ``admit`` took.
@@ -53,7 +59,18 @@ _PAUSE_ABOVE = 1 << 20  # pipelined bytes buffered before reading pauses
 class Request:
     """One request: its head, its body (a bytearray) once read, and routing results."""
 
-    __slots__ = ("body", "head", "method", "params", "path", "query", "remote", "route", "state")
+    __slots__ = (
+        "allowance",
+        "body",
+        "head",
+        "method",
+        "params",
+        "path",
+        "query",
+        "remote",
+        "route",
+        "state",
+    )
 
     def __init__(self, head: Head, remote: str | None) -> None:
         self.head = head
@@ -69,6 +86,8 @@ class Request:
         self.route: Any = None
         self.params: dict[str, str] = {}
         self.state: dict[str, Any] = {}
+        #: body bytes the app has taken into account (None: it does not count them)
+        self.allowance: int | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -136,6 +155,9 @@ class HttpApp(Protocol):
 
     def finished(self, request: Request) -> None: ...
 
+    # (only called for a request whose ``allowance`` admit set)
+    def receiving(self, request: Request, received: int) -> Response | None: ...
+
 
 def default_max_connections() -> int:
     """Connections a server accepts by default: room below the descriptor limit for
@@ -154,7 +176,8 @@ class ServerOptions:
     max_body_bytes: int = 16 * 1024 * 1024
     max_head_bytes: int = 64 * 1024
     max_header_fields: int = 100
-    #: a connection that sends part of a request head and stops is closed after this
+    #: a connection that sends part of a request head and stops, or a new one that sends
+    #: nothing, is closed after this
     header_timeout_s: float = 10.0
     #: a request body not fully received in this long gets 504 and is closed
     body_timeout_s: float = 60.0
@@ -193,6 +216,9 @@ class _Connection(asyncio.BufferedProtocol):
         self._eager = False  # a handler is running in place, in this turn of the loop
         self.state = _IDLE
         self.since = time.monotonic()
+        #: nothing sent yet: held no longer than a head may take (not the idle timeout
+        #: of a connection that has been used: thousands of silent ones had held the cap)
+        self.fresh = True
         self.closing = False
         self.paused_reading = False
         self.failure: tuple[int, str] | None = None  # a bad request behind a running one
@@ -232,11 +258,28 @@ class _Connection(asyncio.BufferedProtocol):
             return
         if self.state == _IDLE:
             self.state, self.since = _HEAD, time.monotonic()
+            self.fresh = False
         try:
             self.parser.buffer_updated(nbytes)
+            request = self.request
+            if self.state == _BODY and request is not None and request.allowance is not None:
+                received = self.parser.body_received  # (0 once whole: _events counts it)
+                if received > request.allowance and self._refused_halfway(request, received):
+                    return
             self._events()
         except HttpError as exc:
             self._fail(exc.status, exc.message)
+
+    def _refused_halfway(self, request: Request, received: int) -> bool:
+        try:
+            refusal = self.server.app.receiving(request, received)
+        except Exception:
+            log.exception("receiving %s %s failed", request.method, request.path)
+            refusal = error_response(500, "internal server error", "internal")
+        if refusal is None:
+            return False
+        self._refuse(request, refusal)
+        return True
 
     def eof_received(self) -> bool:
         self.parser.end_of_stream()
@@ -267,6 +310,11 @@ class _Connection(asyncio.BufferedProtocol):
                 continue
             request = self.request
             assert request is not None
+            if request.allowance is not None and len(item) > request.allowance:
+                events.appendleft(item)  # (where _refuse looks for a body read already)
+                if self._refused_halfway(request, len(item)):
+                    continue
+                events.popleft()
             request.body = item
             self.state, self.since = _HANDLING, time.monotonic()
             loop = asyncio.get_running_loop()
@@ -424,7 +472,8 @@ class _Connection(asyncio.BufferedProtocol):
     def expired(self, now: float, options: ServerOptions) -> bool:
         age = now - self.since
         if self.state == _IDLE:
-            if age > options.idle_timeout_s or (self.server.closing and not self.parser.buffered):
+            limit = options.header_timeout_s if self.fresh else options.idle_timeout_s
+            if age > limit or (self.server.closing and not self.parser.buffered):
                 self._end()
                 return True
         elif self.state == _HEAD:
@@ -570,6 +619,11 @@ class RoutedApp:
             return ferry_error_response(exc)
 
     def finished(self, request: Request) -> None:
+        return None
+
+    def receiving(self, request: Request, received: int) -> Response | None:
+        """More of a counted body came (see :class:`HttpApp`); None lets it go on."""
+        request.allowance = None
         return None
 
 

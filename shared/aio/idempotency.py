@@ -84,7 +84,7 @@ class IdempotencyCache(Generic[T]):
             if entry.expires is None or entry.expires > time.monotonic():
                 if entry.fingerprint != fingerprint:
                     raise IdempotencyConflict(
-                        f"{PARAMETER} was already used for a request with other inputs"
+                        f"{PARAMETER} was already used for a request with other inputs or requested outputs"
                     )
                 self._entries.move_to_end(key)
                 return await asyncio.shield(entry.task), True

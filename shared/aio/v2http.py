@@ -9,6 +9,7 @@ the output arrays, never joined.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from shared import v2
 from shared.aio.http_server import JSON, Request, Response
@@ -17,13 +18,18 @@ from shared.messages import InferRequest, InferResponse
 from shared.tensors import Limits
 
 
-async def decode_infer(request: Request, limits: Limits) -> InferRequest:
+async def decode_infer(
+    request: Request, limits: Limits, inflated: Callable[[Request, int], None] | None = None
+) -> InferRequest:
+    """``inflated(request, size)`` hears a compressed body's inflated size (and may raise)."""
     body = request.body
     coding = request.header("content-encoding")
     if coding is not None and content_codings(coding):
         # tritonclient's request_compression_algorithm: gzip or deflate, a bounded
         # inflate in a worker (a small body may inflate to the limit: tens of ms)
         body = await asyncio.to_thread(decode_body, body, coding, limits.max_body_bytes)
+        if inflated is not None:
+            inflated(request, len(body))
     header_length = v2.parse_header_length(request.header(_HEADER_LENGTH), len(body))
     if v2.decode_needs_worker(body, header_length):
         return await asyncio.to_thread(v2.decode_request, body, header_length, limits)

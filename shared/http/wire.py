@@ -243,6 +243,17 @@ class _Reader(FeedsBuffers):
         self._advance()
 
     @property
+    def body_received(self) -> int:
+        """Bytes of the body being read that have arrived so far (0 between bodies)."""
+        if self._body is not None:
+            return self._filled
+        if self._chunked is not None:
+            return len(self._chunked)
+        if self._to_eof is not None:
+            return len(self._to_eof)
+        return 0
+
+    @property
     def skipping(self) -> bool:
         """A refused body is still being read and dropped."""
         return self._skip_left > 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import io
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -211,7 +212,9 @@ def _declared_size(data: bytes, fmt: str, target: Target) -> tuple[int, int]:
     except Image.DecompressionBombError:
         width, height = _bomb_size(data)
     except Exception as exc:
-        raise InvalidInput(f"{target.where}: not a readable {fmt.upper()} image: {exc}") from None
+        raise InvalidInput(
+            f"{target.where}: not a readable {fmt.upper()} image: {_why(exc)}"
+        ) from None
     if width < 1 or height < 1:
         raise InvalidInput(
             f"{target.where}: not a readable {fmt.upper()} image: its header declares no "
@@ -223,6 +226,12 @@ def _declared_size(data: bytes, fmt: str, target: Target) -> tuple[int, int]:
             f"at most {target.max_pixels:,} pixels per image (preprocess key 'max_pixels')"
         )
     return width, height
+
+
+def _why(exc: Exception) -> str:
+    """A decoder's reason, without the buffer object's repr Pillow puts in it."""
+    why = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
+    return why or type(exc).__name__
 
 
 def _pillow_size(data: bytes) -> tuple[int, int]:
@@ -416,7 +425,7 @@ def _pillow(
                 pixels = np.asarray(im)
     except Exception as exc:
         raise InvalidInput(
-            f"{target.where}: cannot decode the {fmt.upper()} image: {exc}"
+            f"{target.where}: cannot decode the {fmt.upper()} image: {_why(exc)}"
         ) from None
     if pixels.ndim == 2:
         return pixels[:, :, None]

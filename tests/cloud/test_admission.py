@@ -92,15 +92,22 @@ def test_stalled_and_idle_connections_are_reaped_and_the_cap_holds(tight_node):
     assert status == 200
 
 
+def _stalled_upload(address, declared: int, sent: int) -> socket.socket:
+    sock = socket.create_connection(address)
+    sock.sendall(
+        b"POST /v2/models/linear/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{"
+        % declared
+        + b" " * (sent - 1)
+    )
+    return sock
+
+
 def test_bodies_past_the_node_budget_are_refused_before_they_are_read(tight_node, broker):
     address = _address(tight_node.http_url)
-    # a client that declares 3 MB and sends it slowly holds 3 MB of the 4 MB budget
-    slow = socket.create_connection(address)
-    slow.sendall(
-        b"POST /v2/models/linear/infer HTTP/1.1\r\nHost: x\r\n"
-        b"Content-Type: application/json\r\nContent-Length: 3000000\r\n\r\n{"
-    )
-    time.sleep(0.3)
+    # a client that has sent 3 MB of a body and stalls holds 3 MB of the 4 MB budget
+    slow = _stalled_upload(address, 3_500_000, 3_000_000)
+    time.sleep(0.5)
     body, headers = infer_body(np.zeros((1, 4), np.float32))
     status, _, _ = http_call(tight_node.http_url + "/v2/models/linear/infer", body, headers)
     assert status == 200
@@ -121,6 +128,40 @@ def test_bodies_past_the_node_budget_are_refused_before_they_are_read(tight_node
     time.sleep(0.3)
     reply = _mqtt_request(broker, "echo_bytes", 1_500_000)
     assert isinstance(reply, InferResponse), reply
+
+
+def test_uploads_that_declare_much_and_send_little_do_not_hold_the_budget(tight_node):
+    """The budget counts bytes that came: a few clients declaring 3 MB each and going
+    silent had held a node's whole budget until their bodies timed out."""
+    address = _address(tight_node.http_url)
+    stalled = [_stalled_upload(address, 3_000_000, 1) for _ in range(6)]  # 18 MB declared
+    time.sleep(0.3)
+    body = b'{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
+    status, _, answer = http_call(
+        tight_node.http_url + "/v2/models/linear/infer",
+        body + b" " * 2_000_000,  # 2 MB of it in flight: room for it beside the stalled ones
+        {"Content-Type": "application/json"},
+    )
+    assert status == 200, answer[:200]
+    for s in stalled:
+        s.close()
+
+
+def test_a_compressed_body_is_charged_for_what_it_inflates_to(tight_node):
+    import gzip
+
+    address = _address(tight_node.http_url)
+    body = b'{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
+    packed = gzip.compress(body + b" " * 2_000_000)  # ~2 KB on the wire, 2 MB inflated
+    url = tight_node.http_url + "/v2/models/linear/infer"
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    status, _, answer = http_call(url, packed, headers)
+    assert status == 200, answer[:200]
+    slow = _stalled_upload(address, 3_500_000, 3_000_000)  # 3 of the 4 MB held
+    time.sleep(0.5)
+    status, _, answer = http_call(url, packed, headers)
+    assert status == 503 and b"overloaded" in answer, answer[:200]
+    slow.close()
 
 
 def _mqtt_request(broker, model: str, nbytes: int):

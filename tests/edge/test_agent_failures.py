@@ -570,3 +570,18 @@ async def test_a_publish_the_broker_refuses_fails_the_request_now_and_falls_back
         await other.future
     # not the ACL: the model keeps its own topic
     assert mqtt._request_topic("n") == request_topic("n", "dev-a")
+
+
+def test_a_model_the_nodes_catch_is_sent_and_statuses_read_from_messagepack_too():
+    # An idle model (placed nowhere, min_copies = 0) was refused unsent by the agent
+    # ("no link"), so no node ever counted the demand that would get it placed.
+    import msgspec
+
+    from edge.transports.mqtt import MqttTransport
+    from shared.mqtt import BrokerAddress, status_topic
+
+    mqtt = MqttTransport(BrokerAddress("127.0.0.1", 1))
+    online = {"state": "online", "models": [{"name": "m"}], "catching": ["idle"]}
+    mqtt._node_status(status_topic("n1"), msgspec.msgpack.encode(online))
+    assert mqtt.serves("m") is True and mqtt.serves("idle") is True
+    assert mqtt.serves("other") is False

@@ -324,3 +324,12 @@ def test_output_parameters_travel_and_bare_names_still_decode():
         msgspec.defstruct("Old", [("id", str), ("outputs", list[str] | None, None)])
     )
     assert old.decode(envelope.encode_request(request)).outputs == ["y", "z"]
+
+
+def test_an_output_asked_twice_is_answered_once():
+    x = Tensor.from_array("x", np.ones(3, np.float32))
+    request = InferRequest(
+        inputs=[x], id="r", outputs=[RequestedOutput("y"), RequestedOutput("y")]
+    )
+    decoded = envelope.decode_request(envelope.encode_request(request))
+    assert [o.name for o in decoded.outputs] == ["y"]

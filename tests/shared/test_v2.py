@@ -271,7 +271,7 @@ def test_body_over_the_limit_is_refused():
         v2.decode_request(b"x" * 101, limits=Limits(max_body_bytes=100))
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-3", "999999"])
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "999999", "+6", "1_0", "\u0661"])
 def test_bad_header_length_is_an_invalid_input(value):
     with pytest.raises(InvalidInput):
         v2.decode_request(b'{"inputs": []}', v2.parse_header_length(value, 14))
@@ -709,3 +709,14 @@ def test_a_few_large_bytes_elements_decode_on_the_loop_but_many_go_to_a_worker()
     assert v2.decode_needs_worker(many, hl)
     huge, hl = body([bytes(5 << 20)])  # a few elements, but megabytes to copy
     assert v2.decode_needs_worker(huge, hl)
+
+
+def test_an_output_asked_twice_alike_is_one_ask_and_in_two_forms_a_400():
+    x = {"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}
+    same = {"name": "y", "parameters": {"binary_data": True}}
+    body = {"inputs": [x], "outputs": [same, {"name": "z"}, dict(same)]}
+    decoded = v2.decode_request(json.dumps(body).encode())
+    assert [(o.name, o.binary) for o in decoded.outputs] == [("y", True), ("z", None)]
+    body["outputs"] = [{"name": "y", "parameters": {"classification": 2}}, same]
+    with pytest.raises(InvalidInput, match="'y' is requested twice with different parameters"):
+        v2.decode_request(json.dumps(body).encode())

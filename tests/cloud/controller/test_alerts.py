@@ -28,6 +28,11 @@ def test_a_model_within_its_plan_raises_nothing() -> None:
     assert _tracker(6.0, 10.0).alerts(None) == []
 
 
+def test_a_model_planned_at_next_to_nothing_is_not_over_provisioned() -> None:
+    # an idle model woken by a request is planned at ~0: "lower min_copies" was noise
+    assert _tracker(0.0, 3e-11).alerts(None) == []
+
+
 def test_a_short_window_does_not_speak_yet() -> None:
     assert _tracker(1.0, 10.0, samples=2).alerts(None) == []
 

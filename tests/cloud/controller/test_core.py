@@ -270,3 +270,22 @@ def test_an_unhosted_models_memory_is_the_larger_of_its_measure_and_the_reposito
     core.on_catalogue({"a": bigger})
     (grown,) = core.profiles_for(core.catalogue["a"])
     assert grown.memory_bytes == 1_200_000_000  # a new, bigger version: the repository's
+
+
+def test_a_broker_restart_moves_nothing_while_the_nodes_reconnect() -> None:
+    """A broker that stops publishes every client's will: the controller, back first,
+    read the fleet as offline and moved models off nodes back half a second later."""
+    core = _core([_entry("a"), _entry("b")])
+    core.on_status("n1", _status("n1", 1.0))
+    core.on_status("n2", _status("n2", 1.0))
+    first = core.step(2.0)
+    assert first is not None
+    hosting = {n: {c.model: 1 for c in first.placement.on_node(n)} for n in ("n1", "n2")}
+    core.reconnected(30.0, nodes_back_within_s=8.0)
+    core.on_status("n1", {"node": "n1", "state": "offline"})  # retained wills
+    core.on_status("n2", {"node": "n2", "state": "offline"})
+    core.on_status("n2", _status("n2", 31.0, hosting["n2"]))  # n2 is back first
+    assert core.step(30.5) is None and core.step(34.0) is None  # not before n1 could be
+    core.on_status("n1", _status("n1", 36.0, hosting["n1"]))
+    assert core.step(38.5) is None  # the same fleet: nothing moves
+    assert core.current is not None and core.current.generation == first.placement.generation

@@ -261,3 +261,52 @@ def test_a_forwarded_request_lost_with_a_models_only_host_is_answered_by_its_new
         for node in nodes.values():
             node.terminate()
         watch.close()
+
+
+def test_an_idle_model_asked_for_over_mqtt_is_answered_counted_and_then_placed(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """min_copies = 0 and no traffic leaves a model unloaded; its requests over MQTT
+    had no subscriber, so the broker dropped them unseen (no answer, no miss, never
+    placed).  Nodes now take them: "not ready" at once, counted, and then placed."""
+    import numpy as np
+
+    from shared import envelope
+    from shared.messages import InferRequest, InferResponse
+    from shared.tensors import Tensor
+    from tests.support import mqtt_request, write_linear_model
+
+    repository = tmp_path / "repo"
+    for name, min_copies in (("linear", 1), ("idle", 0)):
+        (repository / name / "1").mkdir(parents=True)
+        write_linear_model(repository / name / "1" / "model.onnx", seed=7)
+        (repository / name / "config.toml").write_text(
+            'backend = "onnxruntime"\nmax_batch_size = 8\n[instance_group]\ncount = 1\n'
+            f"[runtime]\nthreads = 1\n[placement]\nrate = 0\nmin_copies = {min_copies}\n"
+        )
+    watch = FleetWatch(broker)
+    controller = start_controller(repository, broker)
+    node = start_node(repository, broker, tmp_path, "n1")
+    try:
+        watch.wait("linear placed", lambda: watch.view.hosts("linear") == ["n1"], 60)
+        watch.wait(
+            "idle caught",
+            lambda: "idle" in (watch.statuses.get("n1") or {}).get("catching", []),
+            30,
+        )
+        assert watch.hosts("idle") == []
+        x = Tensor.from_array("x", np.ones((1, 4), np.float32))
+        answers = []
+        for i in range(40):
+            payload = envelope.encode_request(InferRequest(inputs=[x], id=f"r{i}"))
+            answers.append(envelope.decode_reply(mqtt_request(broker.url, "idle", payload, 10))[1])
+            if isinstance(answers[-1], InferResponse):
+                break
+            assert answers[-1].code.value == "model_not_ready", answers[-1]
+            time.sleep(0.25)
+        assert isinstance(answers[-1], InferResponse), answers[-1]  # placed on demand
+        assert watch.hosts("idle") == ["n1"]
+    finally:
+        controller.terminate()
+        node.terminate()
+        watch.close()

@@ -7,8 +7,9 @@ import json
 import msgspec
 import pytest
 
-from cloud.fleet.view import FleetView, decode_document
+from cloud.fleet.view import FleetView
 from shared.errors import ConfigError
+from shared.mqtt.documents import decode_document
 
 
 def _status(uptime: float, requests: int, *, models: tuple[str, ...] = ("m",), misses=None):
@@ -148,3 +149,25 @@ def test_a_models_measured_memory_outlives_its_hosts() -> None:
     assert view.memory_of("m") == 98_000_000
     view.on_status("n1", {"node": "n1", "state": "offline"})
     assert view.online() == [] and view.memory_of("m") == 98_000_000
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"uptime_s": "soon"},
+        {"models": 7},
+        {"models": [{"name": "m", "requests": -3}]},
+        {"misses": {"m": "many"}},
+        {"capacity": {"memory_bytes": "lots"}},
+        {"uptime_s": float("nan")},
+    ],
+)
+def test_a_malformed_status_changes_nothing_and_makes_no_node(bad: dict) -> None:
+    """Folded halfway, one had left a phantom node online for good, placed on."""
+    view = FleetView()
+    assert view.on_status("bad", {**_status(1.0, 0), **bad}) is False
+    assert view.nodes == {} and view.specs() == []
+    view.on_status("n1", _status(10.0, 100))
+    assert view.on_status("n1", {**_status(12.0, 999), **bad}) is False
+    view.on_status("n1", _status(12.0, 140))
+    assert view.rate("m") == pytest.approx(20.0)  # as if the bad one never came

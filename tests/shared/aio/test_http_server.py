@@ -193,6 +193,66 @@ async def test_stalled_connections_are_reaped(data: bytes, expect: bytes) -> Non
         await server.close()
 
 
+async def test_a_new_connection_that_sends_nothing_is_closed_after_the_head_timeout() -> None:
+    server = await serve(Echo(), header_timeout_s=0.3, idle_timeout_s=60)
+    try:
+        started = time.monotonic()
+        assert await exchange(server.port, b"", timeout=10) == b""
+        assert time.monotonic() - started < 5  # not the 60 s of a used connection
+    finally:
+        await server.close()
+
+
+class Counted(Echo):
+    """Takes at most ``room`` body bytes: past them, a 503 halfway through the body."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+        self.heard: list[int] = []
+
+    def admit(self, request: Request) -> Response | None:
+        request.allowance = 10
+        return super().admit(request)
+
+    def receiving(self, request: Request, received: int) -> Response | None:
+        self.heard.append(received)
+        if received > self.room:
+            return error_response(503, "full", "overloaded")
+        request.allowance = received
+        return None
+
+
+@pytest.mark.parametrize("split", [False, True])
+async def test_a_counted_body_is_refused_halfway_and_the_connection_goes_on(split: bool) -> None:
+    app = Counted(room=50)
+    server = await serve(app)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        head = b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+        if split:  # the body comes after its head: refused as it arrives
+            writer.write(head + b"x" * 20)
+            await asyncio.sleep(0.1)
+            writer.write(b"x" * 40)
+            await asyncio.sleep(0.1)
+            writer.write(b"x" * 40)
+        else:  # head and body in one read
+            writer.write(head + b"x" * 100)
+        writer.write(b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+        out = b""
+        async with asyncio.timeout(5):
+            while b"hello!" not in out:
+                chunk = await reader.read(65536)
+                assert chunk, out
+                out += chunk
+        assert out.startswith(b"HTTP/1.1 503") and out.count(b"HTTP/1.1 200") == 1
+        assert app.heard and app.heard[-1] > 50
+        assert app.finished_count == 2  # the refused request was finished too
+        writer.close()
+    finally:
+        await server.close()
+
+
 async def test_a_stop_finishes_running_requests_and_refuses_new_connections() -> None:
     app = Echo()
     app.gate.clear()
