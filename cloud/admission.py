@@ -38,9 +38,11 @@ class ByteBudget:
     def used(self) -> int:
         return self._used
 
-    def try_take(self, n: int) -> bool:
+    def try_take(self, n: int, held: int = 0) -> bool:
+        """Take ``n`` more for a request that holds ``held`` already: past the bound only
+        where nothing else is in flight (one request of any size is admitted alone)."""
         with self._lock:
-            if self.limit and self._used + n > self.limit and self._used > 0:
+            if self.limit and self._used + n > self.limit and self._used > held:
                 self.refused += 1
                 return False
             self._used += n

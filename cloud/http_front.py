@@ -103,7 +103,7 @@ class HttpFront(RoutedApp):
         state = request.state
         whole, taken = state["whole"], state["taken"]
         more = min(whole, max(4 * taken, 2 * received)) - taken
-        if not self.budget.try_take(more):
+        if not self.budget.try_take(more, held=taken):
             return ferry_error_response(self.budget.overloaded(more))
         state["taken"] = taken = taken + more
         request.allowance = taken if taken < whole else None
@@ -111,9 +111,10 @@ class HttpFront(RoutedApp):
 
     def _inflated(self, request: Request, size: int) -> None:
         """A compressed body's inflated bytes are charged too (they are what memory holds)."""
-        more = size - request.state.get("taken", 0)
+        held = request.state.get("taken", 0)
+        more = size - held
         if more > 0:
-            if not self.budget.try_take(more):
+            if not self.budget.try_take(more, held=held):
                 raise self.budget.overloaded(more)
             request.state["taken"] += more
 

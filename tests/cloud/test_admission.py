@@ -27,6 +27,11 @@ def test_the_byte_budget_admits_one_request_of_any_size_but_bounds_the_sum():
     budget.give(500)
     assert budget.try_take(60) and budget.try_take(40) and not budget.try_take(1)
     assert budget.refused == 2
+    budget.give(100)
+    # a request charged as its body comes grows past the bound only while it is alone
+    assert budget.try_take(64) and budget.try_take(400, held=64)
+    budget.give(464)
+    assert budget.try_take(64) and budget.try_take(10) and not budget.try_take(400, held=64)
 
 
 # ---- a real node ------------------------------------------------------------------------
@@ -145,6 +150,16 @@ def test_uploads_that_declare_much_and_send_little_do_not_hold_the_budget(tight_
     assert status == 200, answer[:200]
     for s in stalled:
         s.close()
+
+
+def test_a_body_past_the_whole_budget_is_still_served_alone(tight_node):
+    body = b'{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
+    status, _, answer = http_call(
+        tight_node.http_url + "/v2/models/linear/infer",
+        body + b" " * 4_100_000,  # past the 4 MB budget: nothing else in flight
+        {"Content-Type": "application/json"},
+    )
+    assert status == 200, answer[:200]
 
 
 def test_a_compressed_body_is_charged_for_what_it_inflates_to(tight_node):
