@@ -21,7 +21,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from devices.power import RaplReader, read_all, read_battery
 from devices.profiles import LinkProfile, list_links, load_device, load_link
-from edge.config import RESTART_KEYS, AgentConfig, load_agent_config
+from edge.config import RESTART_KEYS, AgentConfig, check_reachable, load_agent_config
 from edge.core import NATIVE, STALE_BUILD
 from edge.core.breaker import CircuitBreaker
 from edge.core.estimators import Estimators
@@ -39,7 +39,7 @@ from edge.deferred import Deferrer
 from edge.local import LocalModels
 from edge.store import DeferredStore
 from edge.transports.base import Transport
-from shared.errors import ConfigError, FerryError, InvalidInput, ModelNotFound
+from shared.errors import ConfigError, FerryError, InvalidInput, ModelNotFound, ShuttingDown
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.pipeline import sample_inputs
@@ -170,6 +170,7 @@ class Agent:
         self._reloading = asyncio.Lock()
         self._rapl = RaplReader()
         self.started_at: float | None = None
+        self._started = False
         self.ready = False
         self._stopping: asyncio.Future[None] | None = None
 
@@ -181,6 +182,14 @@ class Agent:
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
+        """Load, connect and serve.  Once: a second call is a no-op while it runs (a
+        second start had doubled the background loops, which then outlived stop), and
+        a stopped agent does not start again (make a new one)."""
+        if self._stopping is not None:
+            raise ShuttingDown("this agent has stopped: an Agent runs once (make a new one)")
+        if self._started:
+            return
+        self._started = True
         async with self._reloading:  # (a SIGHUP while starting waits for this)
             await self._load_local_models(self.config)
         for transport in self.transports.values():
@@ -367,6 +376,10 @@ class Agent:
         assert self.config.source is not None
         try:
             new = load_agent_config(self.config.source)
+            # The endpoints in force are the ones the agent started with ([cloud] waits
+            # for a restart): a model the new file sends to a transport only its new
+            # [cloud] names would be taken and never run (503 every time, "ready").
+            check_reachable(new.policy, self.config.cloud, f"{new.source} (as running)")
             device = load_device(new.device)
             links = {t: load_link(new.links[t]) for t in self.transports}
             await self._load_local_models(new)
@@ -384,6 +397,8 @@ class Agent:
         waiting = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self.config, k)]
         if waiting:
             log.warning("changed %s: takes effect after a restart", ", ".join(waiting))
+            # what runs keeps its values until then (the next reload compares with them)
+            new = replace(new, **{k: getattr(self.config, k) for k in waiting})
         self.device = device
         if new.links != self.config.links:  # the file's links changed (not a set_link)
             for t, link in links.items():

@@ -345,7 +345,7 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
     )
 
 
-def _check_reachable(policy: PolicyConfig, cloud: CloudEndpoints, source: str) -> None:
+def check_reachable(policy: PolicyConfig, cloud: CloudEndpoints, source: str) -> None:
     """A model that needs the cloud must name a transport with an endpoint in [cloud]:
     one without was taken, reported ready, and every request got 503 (or, with a
     local variant beside ``mode = "cloud"``, ran locally as a fallback, every time)."""
@@ -387,7 +387,7 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
     store = data.get("store", {})
     cloud = _cloud(data, source, base)
     policy = _policy(data, source)
-    _check_reachable(policy, cloud, source)
+    check_reachable(policy, cloud, source)
     return AgentConfig(
         repository=(base / data["repository"]).resolve(),
         state_dir=(base / data.get("state_dir", ".ferry-edge")).resolve(),

@@ -33,6 +33,7 @@ from shared.errors import (
     ModelNotReady,
     Overloaded,
     PermissionDenied,
+    ShuttingDown,
     Unauthenticated,
 )
 from shared.messages import InferRequest, InferResponse
@@ -82,10 +83,16 @@ class Deferrer:
         self._unsaved: dict[str, tuple[bytes | None, str | None]] = {}
         self._unsaved_bytes = 0
         self._flushing = asyncio.Lock()  # one flush at a time: "sending" rows are its own
+        self._closed = False
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._io, partial(fn, *args, **kwargs))
+        try:
+            return await loop.run_in_executor(self._io, partial(fn, *args, **kwargs))
+        except RuntimeError:  # (the executor's "cannot schedule new futures after shutdown")
+            if self._closed:
+                raise ShuttingDown("the agent has stopped: its deferred store is closed") from None
+            raise
 
     async def defer(
         self,
@@ -313,4 +320,5 @@ class Deferrer:
         except db_error() as exc:
             log.warning("deferred store not tidied at stop (%s)", exc)
         await self._call(self.store.close)
+        self._closed = True
         self._io.shutdown(wait=True)

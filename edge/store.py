@@ -14,12 +14,15 @@ defers never loads sqlite (~1 MiB resident on a device).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.errors import Overloaded, PayloadTooLarge
+from shared.errors import ConfigError, Overloaded, PayloadTooLarge
+
+log = logging.getLogger(__name__)
 
 #: the store's order follows the cloud's: priority 1 is the most urgent, and 0
 #: (no priority given) goes after every explicit level
@@ -99,12 +102,57 @@ class DeferredStore:
         self._conn: Any = None
         self._held_rows = self._held_bytes = 0  # finished rows kept for the apps
         if self.path.exists():
+            self._open_left()
+
+    def _open_left(self) -> None:
+        """Open the store an earlier run left.  One that cannot be opened (permissions)
+        stops the agent with a clear error; one that is not a database any more
+        (corrupt, overwritten) is moved aside whole and the agent starts on a new one:
+        the device keeps answering, and its rows stay on disk for whoever inspects them.
+        Either had crashed the agent at start with a raw sqlite traceback."""
+        import sqlite3
+
+        try:
             self._open()
+        except sqlite3.OperationalError as exc:  # (unable to open, read-only, locked)
+            raise ConfigError(
+                f"key 'state_dir': cannot open the deferred store {self.path}: {exc}"
+            ) from None
+        except sqlite3.DatabaseError as exc:  # not a database, malformed
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            try:
+                for suffix in ("", "-wal", "-shm"):
+                    part = Path(f"{self.path}{suffix}")
+                    if part.exists():
+                        part.rename(Path(f"{aside}{suffix}"))
+            except OSError as move:
+                raise ConfigError(
+                    f"key 'state_dir': the deferred store {self.path} is unreadable ({exc}) "
+                    f"and cannot be moved aside: {move}"
+                ) from None
+            log.error(
+                "the deferred store %s is unreadable (%s): moved aside to %s; starting on "
+                "a new one (the requests deferred in it will not be sent)",
+                self.path,
+                exc,
+                aside,
+            )
 
     def _open(self) -> Any:
         import sqlite3
 
         db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        try:
+            self._prepare(db)
+            self._conn = db
+            self._count_held()
+        except BaseException:
+            self._conn = None
+            db.close()
+            raise
+        return db
+
+    def _prepare(self, db: Any) -> None:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(_SCHEMA)
@@ -118,9 +166,6 @@ class DeferredStore:
         db.execute(
             "UPDATE deferred SET status = 'pending', attempts = attempts + 1 WHERE status = 'sending'"
         )
-        self._conn = db
-        self._count_held()
-        return db
 
     def _count_held(self) -> None:
         """The finished rows and their bytes, counted whole (then kept up as they change)."""

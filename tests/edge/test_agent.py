@@ -690,3 +690,24 @@ async def test_drain_waits_for_a_keyed_run_its_caller_left(tmp_path, edge_repos,
         assert not await dataplane.drain(0.05)  # the run is still going
         assert await dataplane.drain(5.0)
         assert ran == [1]
+
+
+async def test_a_second_start_is_a_no_op_and_a_stopped_agent_answers_with_typed_errors(
+    tmp_path, edge_repos
+):
+    # A second start had doubled the background loops, which then outlived stop (still
+    # probing, saving, reloading); after stop the store's calls raised raw RuntimeErrors.
+    from shared.errors import ShuttingDown
+
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LIN)
+    agent = Agent(load_agent_config(cfg))
+    await agent.start()
+    loops = list(agent._tasks)
+    await agent.start()
+    assert agent._tasks == loops
+    await agent.stop()
+    assert all(t.done() for t in loops)
+    with pytest.raises(ShuttingDown):
+        await agent.deferred_result("nope")
+    with pytest.raises(ShuttingDown):
+        await agent.start()

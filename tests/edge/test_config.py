@@ -270,3 +270,36 @@ async def test_requests_in_flight_across_a_reload_that_remaps_the_model_are_all_
         assert all(a.outputs[0].data.shape == (1, 3) for a in answers)  # lin-local's outputs
     finally:
         await agent.stop()
+
+
+async def test_a_reload_cannot_send_a_model_to_a_cloud_endpoint_the_agent_did_not_start_with(
+    tmp_path, edge_repos, caplog
+):
+    # [cloud] waits for a restart, but the reload checked the new models against the
+    # file's new [cloud]: a model sent only over the new endpoint was taken, listed as
+    # ready and answered 503 on every request.
+    import os
+
+    from edge.agent import Agent
+    from tests.edge.conftest import agent_toml
+
+    path = agent_toml(tmp_path, edge_repos[1], models='[models.lin]\nlocal = "lin-local"\n')
+    agent = Agent(load_agent_config(path))
+    await agent.start()
+    try:
+        path.write_text(
+            path.read_text().replace("[policy]", '[cloud]\nmqtt = "mqtt://127.0.0.1:1"\n[policy]')
+            + '[models.far]\ncloud = "lin"\nmode = "cloud"\ntransports = ["mqtt"]\n'
+        )
+        os.utime(path, (9, 9))
+        await agent._watch_config()
+        assert "far" not in agent.dataplane.policy.config.models
+        assert "models.far.transports" in caplog.text and "as running" in caplog.text
+        path.write_text(path.read_text().replace("deadline_ms = 2000", "deadline_ms = 900"))
+        path.write_text(path.read_text().split("[models.far]")[0])
+        os.utime(path, (10, 10))
+        await agent._watch_config()  # applied; [cloud] waits for a restart
+        assert agent.dataplane.policy.config.default_deadline_ms == 900
+        assert agent.config.cloud.mqtt_url is None  # what runs, compared with next time
+    finally:
+        await agent.stop()

@@ -439,3 +439,30 @@ def test_a_retry_of_a_stored_deferral_gets_its_receipt_though_the_store_is_full(
     store.put("m", b"bbbbb", request_id="b", created_wall=3.0, expires_wall=50.0)  # in flight
     assert store.result("a").status == "pending" and store.result("b").status == "sending"
     assert store.counts() == {"pending": 1, "sending": 1}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_store_is_moved_aside_and_the_agent_starts_on_a_new_one(tmp_path, damage):
+    db = tmp_path / "d.db"
+    store = DeferredStore(db)
+    for i in range(200):
+        store.put("m", b"x" * 1000, request_id=f"r{i}", created_wall=1.0, expires_wall=None)
+    store.close()
+    data = db.read_bytes()
+    db.write_bytes(os.urandom(len(data)) if damage == "garbage" else data[: len(data) // 2])
+    fresh = DeferredStore(db)  # (a raw sqlite traceback at the agent's start, before)
+    assert fresh.pending() == []
+    fresh.put("m", b"y", request_id="new", created_wall=1.0, expires_wall=None)
+    assert [i.request_id for i in fresh.pending()] == ["new"]
+    assert len(list(tmp_path.glob("d.db.corrupt-*"))) == 1  # kept for inspection
+
+
+def test_a_store_that_cannot_be_opened_is_a_config_error_naming_state_dir(tmp_path):
+    from shared.errors import ConfigError
+
+    db = tmp_path / "d.db"
+    DeferredStore(db).put("m", b"x", request_id="a", created_wall=1.0, expires_wall=None)
+    db.unlink()
+    db.mkdir()  # (what sqlite meets in a folder it cannot open: as root, chmod is no bar)
+    with pytest.raises(ConfigError, match="state_dir"):
+        DeferredStore(db)
