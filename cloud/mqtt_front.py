@@ -425,8 +425,14 @@ class MqttFront:
             self._sync_subscriptions()
 
     def resync(self) -> None:
-        """What this node takes changed (see :attr:`catching`): subscribe and say so."""
-        self._models_changed()
+        """What this node may catch changed (see :attr:`catching`): subscribe, and say
+        so when what it catches did (only then: a status resets its utilisation window,
+        and every node hears every other's)."""
+        before = set(self._caught)
+        if self.connected:
+            self._sync_subscriptions()
+            if self._caught != before:
+                self._publish_status()
 
     def _models_changed(self) -> None:
         if self.connected:

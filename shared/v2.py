@@ -78,7 +78,8 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     if value is None:
         return None
     stripped = value.strip(" \t")
-    if not stripped.isascii() or not stripped.isdigit():  # (int() takes "+6", "1_0", "٣")
+    # (int() takes "+6", "1_0", "٣", and refuses 4,300 digits with a ValueError)
+    if not stripped.isascii() or not stripped.isdigit() or len(stripped) > 18:
         raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {value!r}")
     length = int(stripped)
     if length <= 0 or length > body_length:

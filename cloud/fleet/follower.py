@@ -105,13 +105,15 @@ class PlacementFollower:
         self._wake.set()
 
     def _catching(self) -> list[str]:
-        """The repository's models the placement in force puts on no node: their
-        requests are taken here (answered "not ready", counted as misses)."""
+        """The repository's models no other node serves now: placed nowhere, or placed
+        and not loaded anywhere yet (until its host reports it, requests for it had no
+        subscriber).  Their requests are taken here: answered "not ready", counted as
+        misses (this node's own loaded models are served, never caught)."""
         placement = self.view.placement
         if placement is None:
             return []
-        # (a model placed short of its copies is listed there too: its hosts take it)
-        return sorted(n for n in placement.unplaced if not placement.copies_of(n))
+        models = set(placement.unplaced) | {c.model for c in placement.copies}
+        return sorted(n for n in models if not self.view.hosts(n))
 
     def _on_status(self, topic: str, payload: bytes | None, properties: Any) -> None:
         now = time.monotonic()
@@ -128,6 +130,7 @@ class PlacementFollower:
                     self.forwarder.node_lost(node)
                 else:
                     self.forwarder.hosts_changed()
+                self.front.resync()  # (a model's host came or went: catch it, or stop)
                 self._wake.set()  # a handover may be waiting for this node
         # Statuses come every few seconds (this node's own too): each, once folded, is the
         # moment to drop nodes that went silent (dead while the broker was down: no will).

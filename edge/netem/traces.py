@@ -315,7 +315,7 @@ def steady(mbps: float, seconds: float, name: str = "steady") -> Trace:
     seconds = min(seconds, MAX_TRACE_MS / 1000.0)
     per_s = mbps * 1000.0 * _PKTS_PER_MS_PER_MBPS
     if per_s * seconds > MAX_TRACE_PACKETS:
-        seconds = MAX_TRACE_PACKETS / per_s
+        seconds = math.floor(MAX_TRACE_PACKETS / per_s * 1000.0) / 1000.0  # (whole ms: held)
         if seconds < 0.001:  # a trace's shortest step is a millisecond
             fastest = MAX_TRACE_PACKETS / 0.001 / (1000.0 * _PKTS_PER_MS_PER_MBPS)
             raise ConfigError(

@@ -28,6 +28,11 @@ from shared.buffered import TAIL, FeedsBuffers, let_go
 _SCRATCH = 16 * 1024
 #: bodies at least this long get a buffer of their own
 LARGE_BODY = 16 * 1024
+#: A longer body's buffer starts this long and grows (x4) as its bytes come: memory held
+#: follows what arrived, not what a head declared (a client that declares 16 MB and
+#: trickles holds this much, where a zero-filled buffer of the whole length had been
+#: resident at once).  One the pool holds ready at the whole length is taken instead.
+FIRST_BODY_BYTES = 64 * 1024
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _BAD_VALUE = bytes(c for c in range(32) if c != 9) + b"\x7f"
 _BAD_TARGET = bytes(range(33)) + b"\x7f"
@@ -73,12 +78,16 @@ class BodyPool:
         self.reused = 0
 
     def take(self, length: int) -> bytearray:
+        return self.take_free(length) or bytearray(length)
+
+    def take_free(self, length: int) -> bytearray | None:
+        """A kept buffer of ``length`` (no new memory), or None."""
         free = self._free.get(length)
         if free:
             self._bytes -= length
             self.reused += 1
             return free.pop()
-        return bytearray(length)
+        return None
 
     def give(self, buffer: bytearray) -> None:
         """Offer ``buffer`` back; kept only if its caller holds the last reference."""
@@ -183,6 +192,7 @@ class _Reader(FeedsBuffers):
         self._view = memoryview(self._scratch)
         self._buf = bytearray()  # bytes read and not yet consumed (heads, small bodies)
         self._body: bytearray | None = None  # a fixed-length body being filled
+        self._length = 0  # its declared length (its buffer may be shorter yet: _grow)
         self._filled = 0
         self._handed: memoryview | None = None
         self._chunked: bytearray | None = None  # the body of a chunked message so far
@@ -197,8 +207,10 @@ class _Reader(FeedsBuffers):
         if self._skip_left:
             return self._view[: min(self._skip_left, _SCRATCH)]
         body, tail = self._body, self._tail
-        if body is not None and not self.paused and len(body) - self._filled > tail:
-            self._handed = memoryview(body)[self._filled : len(body) - tail]
+        if body is not None and not self.paused and self._length - self._filled > tail:
+            if self._filled == len(body):
+                body = self._grow()
+            self._handed = memoryview(body)[self._filled : min(len(body), self._length - tail)]
             return self._handed
         return self._view
 
@@ -212,7 +224,7 @@ class _Reader(FeedsBuffers):
             let_go(self._handed)  # the body is handed on (and may be resized) in place
             self._handed = None
             self._filled += nbytes
-            if self._filled == len(self._body):  # type: ignore[arg-type]  # (no tail kept)
+            if self._filled == self._length:  # (no tail kept)
                 body, self._body = self._body, None
                 self.events.append(body)  # type: ignore[arg-type]
                 self._message_done()
@@ -227,7 +239,7 @@ class _Reader(FeedsBuffers):
             return False
         if self._body is None:
             return True  # no body, or it was read already
-        left = len(self._body) - self._filled
+        left = self._length - self._filled
         self._body = None
         take = min(left, len(self._buf))
         del self._buf[:take]
@@ -283,11 +295,14 @@ class _Reader(FeedsBuffers):
                     return
                 continue
             if self._body is not None:
-                take = min(len(self._buf), len(self._body) - self._filled)
-                self._body[self._filled : self._filled + take] = self._buf[:take]
-                del self._buf[:take]
-                self._filled += take
-                if self._filled < len(self._body):
+                while self._buf and self._filled < self._length:
+                    if self._filled == len(self._body):
+                        self._grow()
+                    take = min(len(self._buf), len(self._body) - self._filled)
+                    self._body[self._filled : self._filled + take] = self._buf[:take]
+                    del self._buf[:take]
+                    self._filled += take
+                if self._filled < self._length:
                     return
                 body, self._body = self._body, None
                 self.events.append(body)
@@ -321,8 +336,25 @@ class _Reader(FeedsBuffers):
             self.events.append(bytearray())
             self._message_done()
             return
-        self._body = self.pool.take(length) if self.pool is not None else bytearray(length)
-        self._filled = 0
+        body = self.pool.take_free(length) if self.pool is not None else None
+        if body is None:
+            body = bytearray(min(length, FIRST_BODY_BYTES))
+        self._body, self._length, self._filled = body, length, 0
+
+    def _grow(self) -> bytearray:
+        """The body's buffer, x4 longer up to its length (its bytes so far copied over)."""
+        old, length = self._body, self._length
+        assert old is not None
+        target = min(length, 4 * len(old))
+        body = None
+        if target == length and self.pool is not None:
+            body = self.pool.take_free(length)
+        if body is None:
+            body = bytearray(target)
+        with memoryview(old) as filled:
+            body[: self._filled] = filled[: self._filled]
+        self._body = body
+        return body
 
     def _advance_chunked(self) -> bool:
         buf, body = self._buf, self._chunked

@@ -253,6 +253,25 @@ async def test_a_counted_body_is_refused_halfway_and_the_connection_goes_on(spli
         await server.close()
 
 
+async def test_bodies_declared_large_and_trickled_hold_only_what_came() -> None:
+    from shared.http.wire import FIRST_BODY_BYTES
+
+    server = await serve(Echo())
+    held = []
+    try:
+        for _ in range(20):  # 320 MB declared
+            _reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 16000000\r\n\r\nx")
+            held.append(writer)
+        await asyncio.sleep(0.3)
+        buffers = [len(c.parser._body or b"") for c in server._connections]
+        assert len(buffers) == 20 and max(buffers) <= FIRST_BODY_BYTES
+    finally:
+        for writer in held:
+            writer.close()
+        await server.close()
+
+
 async def test_a_stop_finishes_running_requests_and_refuses_new_connections() -> None:
     app = Echo()
     app.gate.clear()

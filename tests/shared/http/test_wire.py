@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.buffered import TAIL
-from shared.http.wire import Head, HttpError, RequestParser, ResponseParser
+from shared.http.wire import (
+    FIRST_BODY_BYTES,
+    BodyPool,
+    Head,
+    HttpError,
+    RequestParser,
+    ResponseParser,
+)
 from tests.support import feed_held
 
 
@@ -51,26 +58,34 @@ def test_any_chunking_of_pipelined_requests_reads_the_same(bodies, big, cuts) ->
     ]
 
 
-def test_a_large_body_is_read_into_one_buffer_of_its_declared_size() -> None:
+def test_a_large_body_is_read_in_place_into_a_buffer_that_grows_with_what_comes() -> None:
+    # Memory follows the bytes that arrived: a head declaring 16 MB had a zero-filled
+    # buffer of the whole length resident at once, whatever the client then sent.
     parser = RequestParser()
-    body = b"\x01" * 602_112
+    body = bytes(range(256)) * 2352  # 602,112 bytes
     data = post("/infer", body)
+    came = 1000 - (len(data) - len(body))  # body bytes that came with the head
     parser.feed(data[:1000])
     head = parser.events.popleft()
     assert head.headers["content-length"] == "602112"
-    target = parser.get_buffer()
-    # the rest, straight into the body, but its last TAIL bytes (they come through scratch)
-    assert len(target) == 602_112 - (1000 - (len(data) - len(body))) - TAIL
-    parser.feed(data[1000:])
+    assert len(parser.get_buffer()) == FIRST_BODY_BYTES - came
+    parser.feed(data[1000 : 1000 + FIRST_BODY_BYTES - came])
+    assert len(parser._body) == FIRST_BODY_BYTES  # full, not yet grown
+    assert len(parser.get_buffer()) == 3 * FIRST_BODY_BYTES  # x4, the bytes so far kept
+    parser.feed(data[1000 + FIRST_BODY_BYTES - came :])
     (got,) = parser.events
     assert isinstance(got, bytearray) and got == body
-    # on asyncio's own loop (tail 0) the rest is read straight to its end
-    parser = RequestParser(tail=0)
+    # a buffer of the whole length the pool holds ready costs no new memory: read into
+    # it at once, up to its last TAIL bytes (they come through scratch)
+    pool = BodyPool()
+    kept = bytearray(len(body))
+    pool.give(kept)
+    parser = RequestParser(pool=pool)
     parser.feed(data[:1000])
     parser.events.popleft()
-    assert len(parser.get_buffer()) == 602_112 - (1000 - (len(data) - len(body)))
+    assert len(parser.get_buffer()) == len(body) - came - TAIL
     parser.feed(data[1000:])
-    assert parser.events.popleft() == body
+    assert parser.events.popleft() == body and pool.reused == 1
 
 
 def test_a_body_is_complete_only_when_the_loop_no_longer_holds_its_buffer() -> None:
