@@ -7,6 +7,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The project's own imports first: without them every step below fails with a traceback.
+if ! "$PYTHON" -c "import msgspec, numpy, onnx, pytest" 2>/dev/null; then
+    echo "gpu_check: $PYTHON lacks the project's dependencies (msgspec, numpy, onnx, pytest):" \
+        "install them (pip install -e '.[test]'), or carry wheels and put them on PYTHONPATH (docs/gpu.md)" >&2
+    exit 2
+fi
 rc=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || rc=1
 "$PYTHON" - <<'PY'

@@ -84,7 +84,7 @@ def _mib(value: int | None) -> str:
 def render_fleet(document: dict[str, Any]) -> str:
     head = (
         f"placement generation {document['generation']}: {document['nodes_used']} nodes used, "
-        f"lower bound {document['lower_bound']}"
+        f"lower bound {'-' if document['lower_bound'] is None else document['lower_bound']}"
     )
     nodes = _table(
         ["NODE", "STATE", "MODELS", "MEM MiB (used/cap)", "PLANNED", "BUSY", "QUEUE", "FOLLOWS"],
@@ -97,7 +97,7 @@ def render_fleet(document: dict[str, Any]) -> str:
                 f"{n['planned_occupancy']:.0%}",
                 f"{n['utilisation']:.0%}",
                 str(n["queue_depth"]),
-                str(n["following"]),
+                str(n["following"]) if n["following"] is not None else "-",
             ]
             for n in document["nodes"]
         ],

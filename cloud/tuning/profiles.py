@@ -84,7 +84,10 @@ def _choice(best: Candidate | None, latency_s: float) -> dict[str, Any] | None:
         "batch": best.point.batch,
         "throughput": round(best.point.throughput, 2),
         "p99_ms": round(best.point.p99_s * 1000, 3),
-        "max_queue_delay_us": queue_delay_us(latency_s, best.point.p99_s, None),
+        # what --apply writes: batch 1 is best, so waiting to batch only costs latency
+        "max_queue_delay_us": (
+            queue_delay_us(latency_s, best.point.p99_s, None) if best.point.batch > 1 else 0
+        ),
     }
 
 

@@ -123,3 +123,13 @@ def test_a_controller_flag_out_of_range_is_a_clear_error_not_a_traceback(tmp_pat
     )
     assert run.returncode == 2 and "error [invalid_config]: --burst-cv" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_node_that_follows_no_placement_shows_a_dash_not_none() -> None:
+    from cloud.fleet.view import FleetView
+
+    view = FleetView()
+    view.on_status("n1", {**STATUS, "following": None})
+    view.on_placement(PLACEMENT.to_dict())
+    table = render_fleet(fleet_document(view, ALERTS))
+    assert "None" not in table

@@ -365,3 +365,13 @@ def test_a_shape_for_an_input_the_model_lacks_is_noted_not_passed_off_as_measure
     )
     notes = json.loads(out.read_text())["models"]["lin"]["notes"]
     assert any("--shape ['nosuch'] names no input" in n for n in notes), notes
+
+
+def test_a_profile_choosing_batch_1_records_no_queue_delay_as_apply_writes() -> None:
+    from cloud.tuning.fit import Candidate, Point
+    from cloud.tuning.profiles import _choice
+
+    one = _choice(Candidate("onnxruntime", 2, Point(1, 0.004, 0.006, 0.004, 50)), 0.2)
+    assert one is not None and one["max_queue_delay_us"] == 0  # (11220 had been recorded)
+    four = _choice(Candidate("onnxruntime", 2, Point(4, 0.01, 0.012, 0.01, 50)), 0.2)
+    assert four is not None and four["max_queue_delay_us"] > 0
