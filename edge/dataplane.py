@@ -126,6 +126,24 @@ class EdgeDataPlane:
             out[name] = ok
         return out
 
+    def _explained(self, error: FerryError, cloud_model: str | None) -> FerryError:
+        """The policy reads a transport whose nodes do not serve the model as one without
+        a link ("no link"): say which it is, where that is why."""
+        if not isinstance(error, ModelNotReady) or cloud_model is None:
+            return error
+        unserved = [
+            name
+            for name, t in self.transports.items()
+            if t.connected and getattr(t, "serves", lambda _: None)(cloud_model) is False
+        ]
+        if not unserved:
+            return error
+        return ModelNotReady(
+            f"{error.message}; connected over {', '.join(unserved)}, where no cloud node "
+            f"serves model {cloud_model!r} now",
+            retry_after=error.retry_after,
+        )
+
     def usable(self, now: float, cloud_model: str | None = None) -> dict[str, bool]:
         """Transports a request for ``cloud_model`` may take now."""
         return self.core.usable(now, self.connected(cloud_model), cloud_model)
@@ -512,7 +530,7 @@ class EdgeDataPlane:
                 )
             else:
                 assert isinstance(action, Fail)
-                raise action.error
+                raise self._explained(action.error, flow.mp.cloud_model)
 
     async def _hedge(
         self, flow: RequestFlow, request: InferRequest, hedge: Hedge

@@ -443,6 +443,11 @@ async def test_a_broker_no_node_ever_spoke_on_serves_nothing_so_deferrals_go_at_
         receipt = await agent.infer("solo", {"x": X}, deadline_ms=3000, deferrable=True)
         assert receipt.parameters["where"] == "deferred"
         assert time.monotonic() - started < 1.0  # not the deadline's wait
+        # not deferrable: the error says the link is up and no node serves it ("no link")
+        from shared.errors import ModelNotReady
+
+        with pytest.raises(ModelNotReady, match="no cloud node serves model 'lin'"):
+            await agent.infer("solo", {"x": X}, deadline_ms=3000)
 
 
 async def test_an_http_endpoint_that_refuses_connections_reads_as_down_until_rechecked(
