@@ -138,6 +138,7 @@ class PlacementFollower:
         for name in gone:
             self.forwarder.node_lost(name)
         if gone:
+            self.front.resync()  # (its models may have no host left: catch them)
             self._wake.set()
 
     def _status_extra(self) -> dict[str, Any]:
@@ -157,7 +158,7 @@ class PlacementFollower:
             "load_failures": dict(self.load_failures),
             # placed nowhere: requests for them are taken to count the demand (agents
             # send them rather than refuse them unsent)
-            "catching": self._catching(),
+            "catching": [n for n in self._catching() if n not in self.dataplane.loaded_names()],
         }
 
     # ---- convergence -------------------------------------------------------------------

@@ -5,9 +5,9 @@ reader, a middleware chain and a response object, and joins the body; on a
 602 KB tensor that was 0.3-0.4 ms of Python and three copies for a few
 microseconds of work, and importing it costs an agent ~13 MiB.  Here a
 connection is one ``asyncio.BufferedProtocol``: the head is parsed from a
-scratch buffer, the body is read by the kernel straight into one buffer of
-its declared length, and the answer goes out as a head plus the caller's
-buffers.
+scratch buffer, the body is read by the kernel straight into its own buffer
+(grown as its bytes come: :mod:`shared.http.wire`), and the answer goes out as
+a head plus the caller's buffers.
 
 What an application provides (:class:`HttpApp`):
 
@@ -316,6 +316,7 @@ class _Connection(asyncio.BufferedProtocol):
                     continue
                 events.popleft()
             request.body = item
+            del item  # (held here, a body answered in place never went back to the pool)
             self.state, self.since = _HANDLING, time.monotonic()
             loop = asyncio.get_running_loop()
             if self._eager:  # a pipelined request, reached from the end of the one before

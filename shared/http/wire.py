@@ -4,9 +4,11 @@
 :class:`ResponseParser` a client's.  Both are shaped like an
 ``asyncio.BufferedProtocol`` (``get_buffer`` / ``buffer_updated``) for the
 same reason as :mod:`shared.mqtt.framing`: once a head says how long its
-body is, the body gets one buffer of exactly that size and the kernel writes
-straight into it (a 602 KB tensor crosses the socket into the array it will
-be read from, with no joins).  Everything a peer can get wrong ends in
+body is, the kernel writes the body straight into its own buffer (a 602 KB
+tensor crosses the socket into the array it will be read from, with no
+joins); a long body's buffer starts at ``FIRST_BODY_BYTES`` and grows x4 as
+its bytes come, so what a connection holds follows what it sent, not what its
+head declared.  Everything a peer can get wrong ends in
 :class:`HttpError` with the status to answer and a message that says what was
 wrong; nothing a peer sends can make a parser hold more than its limits.
 
@@ -209,7 +211,9 @@ class _Reader(FeedsBuffers):
         body, tail = self._body, self._tail
         if body is not None and not self.paused and self._length - self._filled > tail:
             if self._filled == len(body):
-                body = self._grow()
+                # Full: grown once bytes are in hand (_advance), not on a request for a
+                # buffer alone (uvloop asks again after every read that filled one).
+                return self._view
             self._handed = memoryview(body)[self._filled : min(len(body), self._length - tail)]
             return self._handed
         return self._view
@@ -336,8 +340,10 @@ class _Reader(FeedsBuffers):
             self.events.append(bytearray())
             self._message_done()
             return
-        body = self.pool.take_free(length) if self.pool is not None else None
-        if body is None:
+        body = None
+        if length <= FIRST_BODY_BYTES and self.pool is not None:
+            body = self.pool.take_free(length)
+        if body is None:  # (a longer one takes a pooled buffer only once mostly here: _grow)
             body = bytearray(min(length, FIRST_BODY_BYTES))
         self._body, self._length, self._filled = body, length, 0
 

@@ -272,6 +272,21 @@ async def test_bodies_declared_large_and_trickled_hold_only_what_came() -> None:
         await server.close()
 
 
+async def test_a_body_answered_in_place_goes_back_to_the_pool() -> None:
+    # The parser's loop kept a reference to each body while its handler ran in place,
+    # so the pool never took one back: every large body was a new zero-filled buffer.
+    server = await serve(Echo())
+    try:
+        body = b"x" * 602_112
+        async with aiohttp.ClientSession() as session:
+            for _ in range(6):
+                async with session.post(f"http://127.0.0.1:{server.port}/a", data=body) as r:
+                    assert r.status == 200 and len(await r.read()) == len(body) + 1
+        assert server.bodies.reused >= 4
+    finally:
+        await server.close()
+
+
 async def test_a_stop_finishes_running_requests_and_refuses_new_connections() -> None:
     app = Echo()
     app.gate.clear()

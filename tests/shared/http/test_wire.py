@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.buffered import TAIL
 from shared.http.wire import (
     FIRST_BODY_BYTES,
     BodyPool,
@@ -70,20 +69,23 @@ def test_a_large_body_is_read_in_place_into_a_buffer_that_grows_with_what_comes(
     assert head.headers["content-length"] == "602112"
     assert len(parser.get_buffer()) == FIRST_BODY_BYTES - came
     parser.feed(data[1000 : 1000 + FIRST_BODY_BYTES - came])
-    assert len(parser._body) == FIRST_BODY_BYTES  # full, not yet grown
-    assert len(parser.get_buffer()) == 3 * FIRST_BODY_BYTES  # x4, the bytes so far kept
-    parser.feed(data[1000 + FIRST_BODY_BYTES - came :])
+    assert len(parser._body) == FIRST_BODY_BYTES  # full: grown only once more bytes came
+    assert len(parser.get_buffer()) < FIRST_BODY_BYTES  # (scratch meanwhile)
+    parser.feed(data[1000 + FIRST_BODY_BYTES - came : 1000 + FIRST_BODY_BYTES - came + 10])
+    assert len(parser._body) == 4 * FIRST_BODY_BYTES  # x4, the bytes so far kept
+    parser.feed(data[1000 + FIRST_BODY_BYTES - came + 10 :])
     (got,) = parser.events
     assert isinstance(got, bytearray) and got == body
-    # a buffer of the whole length the pool holds ready costs no new memory: read into
-    # it at once, up to its last TAIL bytes (they come through scratch)
+    # the last step takes a buffer of the whole length the pool holds ready (no new
+    # memory, no zero fill); a head alone never takes one (a trickling client would
+    # hold a whole resident buffer for 64 KiB of budget)
     pool = BodyPool()
     kept = bytearray(len(body))
     pool.give(kept)
     parser = RequestParser(pool=pool)
     parser.feed(data[:1000])
     parser.events.popleft()
-    assert len(parser.get_buffer()) == len(body) - came - TAIL
+    assert len(parser._body) == FIRST_BODY_BYTES and pool.reused == 0
     parser.feed(data[1000:])
     assert parser.events.popleft() == body and pool.reused == 1
 
