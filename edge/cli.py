@@ -16,6 +16,10 @@ from shared.errors import FerryError
 COMMANDS = ("run", "emulate-link", "evaluate", "profile", "build-native")
 
 
+#: how long a stopping agent lets the requests in flight finish
+DRAIN_S = 10.0
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The whole CLI; given ``argv``, only the command it names gets its options.
 
@@ -110,10 +114,16 @@ async def _run(config_path: Path, api_port: int | None) -> int:
         parts.append(f"http=http://{config.api_host}:{server.port}")
     print("ferry-edge ready " + " ".join(parts), flush=True)
     await stop.wait()
+    # The agent drains (new requests refused with shutting_down, those in flight given
+    # DRAIN_S, then answered with an error) while the front stays open to write every
+    # answer: a 5 s front drain before it had cut requests still running with no answer.
     if server is not None:
-        await server.drain(time.monotonic() + 5.0)
+        server.stop_listening()
+    stopping = asyncio.ensure_future(agent.stop(drain_s=DRAIN_S))
+    if server is not None:
+        await server.drain(time.monotonic() + DRAIN_S + 2.0)
         await server.close()
-    await agent.stop()
+    await stopping
     print("ferry-edge stopped", flush=True)
     return 0
 

@@ -924,6 +924,12 @@ class EdgeCore:
             self.breakers[transport].release(now)
             return  # this request's own failure; the endpoint is fine
         self.radio.transfer_done(now)  # the radio was on until the agent gave up
+        if isinstance(error, DeadlineExceeded) and now - start < choice.latency_s:
+            # Given up sooner than an answer is expected to take: this request's deadline
+            # says nothing of the endpoint (a few 2 ms deadlines had opened the breaker,
+            # and every app's requests over the transport were refused).
+            self.breakers[transport].release(now)
+            return
         if not self.measures_current_link(transport, start):
             return  # lost on the network before: it says nothing of this one
         self.breakers[transport].record_failure(now)

@@ -33,7 +33,9 @@ from shared.errors import (
     EndpointUnavailable,
     FerryError,
     InternalError,
+    InvalidInput,
     ModelNotReady,
+    Overloaded,
     PayloadTooLarge,
     PermissionDenied,
 )
@@ -57,6 +59,23 @@ STATUS_GRACE_S = 1.0
 _NODES = f"{PREFIX}/nodes/"
 
 log = logging.getLogger(__name__)
+
+
+def _refusal(reason: int, topic: str) -> FerryError:
+    """A broker's refusal of a publish (a PUBACK reason code, MQTT v5 3.4.2.1), typed by
+    what it means for the request: Mosquitto answers one over its message_size_limit
+    with 0x95 and announces no maximum, and that read as "permission denied" (and a
+    deferral of it was resent every second for a day)."""
+    said = f"MQTT: the broker refused the request on {topic} (reason 0x{reason:02x}"
+    if reason == _NOT_AUTHORIZED:
+        return PermissionDenied(f"{said}: not authorized by its ACL)")
+    if reason == 0x95:
+        return PayloadTooLarge(f"{said}: larger than the broker takes)")
+    if reason == 0x97:
+        return Overloaded(f"{said}: quota exceeded)", retry_after=1.0)
+    if reason == 0x99:
+        return InvalidInput(f"{said}: payload format invalid)")
+    return EndpointUnavailable(f"{said})")
 
 
 @dataclass
@@ -270,12 +289,7 @@ class MqttTransport:
         ):
             self._plain_only.add(pending.model)
         if not pending.future.done():
-            pending.future.set_exception(
-                PermissionDenied(
-                    f"MQTT: the broker refused the request on {pending.topic} (reason "
-                    f"0x{reason:02x}{': not authorized by its ACL' if reason == _NOT_AUTHORIZED else ''})"
-                )
-            )
+            pending.future.set_exception(_refusal(reason, pending.topic))
 
     # ---- broker events (on the loop, straight from the socket) ---------------------------
     def _on_connect(self) -> None:

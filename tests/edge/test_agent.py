@@ -711,3 +711,47 @@ async def test_a_second_start_is_a_no_op_and_a_stopped_agent_answers_with_typed_
         await agent.deferred_result("nope")
     with pytest.raises(ShuttingDown):
         await agent.start()
+
+
+def test_sigterm_lets_a_request_in_flight_finish_and_answers_it(tmp_path, edge_repos):
+    # The CLI drained its HTTP front for 5 s and then cut every connection still running
+    # a request: no answer at all, though the agent drains for 10 s.
+    import signal
+    import threading
+
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        models='[models.lin]\nlocal = "lin-local"\nmode = "local"\n',
+        extra="[emulation]\nlocal_latency_ms = 6500\n",
+        policy="warm_up_runs = 1",
+    )
+    agent = edge_agent(cfg).start()
+    body = json.dumps(
+        {
+            "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+            "parameters": {"deadline_ms": 20000},
+        }
+    ).encode()
+    got: list = []
+
+    def ask() -> None:
+        request = urllib.request.Request(
+            f"{agent.http_url}/v2/models/lin/infer", data=body, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                got.append(r.status)
+        except Exception as exc:  # (what came back is what is asserted)
+            got.append(exc)
+
+    try:
+        asker = threading.Thread(target=ask)
+        asker.start()
+        time.sleep(1.0)
+        agent.proc.send_signal(signal.SIGTERM)
+        asker.join(30)
+        assert got == [200], got
+        assert agent.proc.wait(30) == 0
+    finally:
+        agent.terminate()

@@ -577,6 +577,27 @@ async def test_a_publish_the_broker_refuses_fails_the_request_now_and_falls_back
     assert mqtt._request_topic("n") == request_topic("n", "dev-a")
 
 
+async def test_a_publish_over_the_brokers_size_limit_is_payload_too_large_not_a_permission():
+    # Mosquitto's message_size_limit answers 0x95 and announces no maximum: it read as
+    # "permission denied", and a deferral of it was resent every second for a day.
+    import asyncio
+    import time
+
+    from edge.transports.mqtt import MqttTransport, _Pending
+    from shared.errors import EndpointUnavailable, Overloaded, PayloadTooLarge
+    from shared.mqtt import BrokerAddress, request_topic
+
+    mqtt = MqttTransport(BrokerAddress("127.0.0.1", 1))
+    loop = asyncio.get_running_loop()
+    for reason, error in ((0x95, PayloadTooLarge), (0x97, Overloaded), (0x80, EndpointUnavailable)):
+        pending = _Pending(loop.create_future(), "m", request_topic("m"), b"", time.monotonic() + 9)
+        acked = loop.create_future()
+        acked.set_result(reason)
+        mqtt._puback(acked, pending)
+        with pytest.raises(error, match=f"0x{reason:02x}"):
+            await pending.future
+
+
 def test_a_model_the_nodes_catch_is_sent_and_statuses_read_from_messagepack_too():
     # An idle model (placed nowhere, min_copies = 0) was refused unsent by the agent
     # ("no link"), so no node ever counted the demand that would get it placed.

@@ -110,6 +110,25 @@ def test_a_bad_input_is_the_requests_own_failure_and_opens_no_breaker():
     assert core.breakers["http"].state == "closed" and core.breakers["http"]._consecutive == 0
 
 
+def test_a_deadline_shorter_than_an_answer_takes_opens_no_breaker():
+    # A few requests with 2 ms deadlines had opened the breaker: every app's requests
+    # over the transport were refused while it was healthy.
+    core = _core()
+    for i in range(8):
+        t = 1.0 + i
+        flow = core.begin("m", now=t, in_bytes=60_000, connected={"http": True})
+        action = flow.start()
+        assert isinstance(action, Offload)
+        expected = action.option.latency_s
+        flow.offload_failed(t + expected / 10, DeadlineExceeded("gave up"))
+    assert core.breakers["http"].state == "closed" and core.breakers["http"]._consecutive == 0
+    # a wait past what an answer takes still counts against the endpoint
+    flow = core.begin("m", now=20.0, in_bytes=60_000, connected={"http": True})
+    action = flow.start()
+    flow.offload_failed(20.0 + 3 * action.option.latency_s, DeadlineExceeded("lost"))
+    assert core.breakers["http"]._consecutive == 1
+
+
 def test_a_journal_replays_to_the_same_decisions():
     core = _core(journal=1000)
     t = 1.0
