@@ -16,13 +16,14 @@ from __future__ import annotations
 import threading
 
 from shared.errors import Overloaded
+from shared.http.wire import FIRST_BODY_BYTES
 
 #: Retry-After for a request refused by the byte budget (bodies drain in about this long)
 BUDGET_RETRY_S = 1.0
-#: What an HTTP body takes from the budget at its head; the rest as its bytes come.  A
-#: client that declares 16 MB and trickles holds this much, so stalled uploads fill
-#: the budget no sooner than they fill the server's connection cap.
-FIRST_TAKE = 64 * 1024
+#: What an HTTP body takes from the budget at its head (the buffer the parser gives it
+#: first); the rest as its bytes come.  A client that declares 16 MB and trickles holds
+#: this much, so stalled uploads fill the budget no sooner than the connection cap.
+FIRST_TAKE = FIRST_BODY_BYTES
 
 
 class ByteBudget:
@@ -50,10 +51,11 @@ class ByteBudget:
 
     def fits(self, n: int) -> bool:
         """Whether ``n`` more bytes would fit now (a look: nothing is taken)."""
-        if self.limit and self._used + n > self.limit and self._used > 0:
-            self.refused += 1
-            return False
-        return True
+        with self._lock:
+            if self.limit and self._used + n > self.limit and self._used > 0:
+                self.refused += 1
+                return False
+            return True
 
     def give(self, n: int) -> None:
         with self._lock:

@@ -424,6 +424,11 @@ class MqttFront:
         if self.connected:
             self._sync_subscriptions()
 
+    @property
+    def caught(self) -> list[str]:
+        """The models this node takes requests for only to count them (see :attr:`catching`)."""
+        return sorted(self._caught)
+
     def resync(self) -> None:
         """What this node may catch changed (see :attr:`catching`): subscribe, and say
         so when what it catches did (only then: a status resets its utilisation window,

@@ -190,10 +190,14 @@ class Agent:
         if self._started:
             return
         self._started = True
-        async with self._reloading:  # (a SIGHUP while starting waits for this)
-            await self._load_local_models(self.config)
-        for transport in self.transports.values():
-            await transport.start()
+        try:
+            async with self._reloading:  # (a SIGHUP while starting waits for this)
+                await self._load_local_models(self.config)
+            for transport in self.transports.values():
+                await transport.start()
+        except BaseException:
+            self._started = False  # (a start that failed may be tried again)
+            raise
         self._tasks = [
             asyncio.create_task(
                 self._every(lambda: self.config.probe_interval_s, self.dataplane.probe)

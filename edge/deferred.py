@@ -86,13 +86,13 @@ class Deferrer:
         self._closed = False
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._closed:  # (a call queued behind close would reopen the store, and leak it)
+            raise ShuttingDown("the agent is stopping: its deferred store is closed")
+        return await self._io_call(fn, *args, **kwargs)
+
+    async def _io_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._io, partial(fn, *args, **kwargs))
-        except RuntimeError:  # (the executor's "cannot schedule new futures after shutdown")
-            if self._closed:
-                raise ShuttingDown("the agent has stopped: its deferred store is closed") from None
-            raise
+        return await loop.run_in_executor(self._io, partial(fn, *args, **kwargs))
 
     async def defer(
         self,
@@ -243,11 +243,12 @@ class Deferrer:
             self._unsaved[request_id] = (reply, error)
             self._unsaved_bytes += size
 
-    async def _save_unsaved(self) -> bool:
+    async def _save_unsaved(self, call: Callable[..., Any] | None = None) -> bool:
         """Write the answers kept in memory; False while the store still refuses."""
+        call = call or self._call
         for request_id, (reply, error) in list(self._unsaved.items()):
             try:
-                await self._call(self.store.mark_delivered, request_id, reply, error)
+                await call(self.store.mark_delivered, request_id, reply, error)
             except db_error():
                 return False
             self._unsaved.pop(request_id, None)
@@ -313,12 +314,13 @@ class Deferrer:
 
     async def close(self) -> None:
         """Close the store; a request a clean stop interrupted mid-send goes back to
-        pending without counting an attempt (only a crash counts one: see the store)."""
+        pending without counting an attempt (only a crash counts one: see the store).
+        From its first step no other call reaches the store (ShuttingDown)."""
+        self._closed = True
         try:
-            await self._save_unsaved()
-            await self._call(self.store.requeue_sending)
+            await self._save_unsaved(self._io_call)
+            await self._io_call(self.store.requeue_sending)
         except db_error() as exc:
             log.warning("deferred store not tidied at stop (%s)", exc)
-        await self._call(self.store.close)
-        self._closed = True
+        await self._io_call(self.store.close)
         self._io.shutdown(wait=True)

@@ -158,7 +158,7 @@ class PlacementFollower:
             "load_failures": dict(self.load_failures),
             # placed nowhere: requests for them are taken to count the demand (agents
             # send them rather than refuse them unsent)
-            "catching": [n for n in self._catching() if n not in self.dataplane.loaded_names()],
+            "catching": self.front.caught,
         }
 
     # ---- convergence -------------------------------------------------------------------

@@ -5,10 +5,11 @@
 ``asyncio.BufferedProtocol`` (``get_buffer`` / ``buffer_updated``) for the
 same reason as :mod:`shared.mqtt.framing`: once a head says how long its
 body is, the kernel writes the body straight into its own buffer (a 602 KB
-tensor crosses the socket into the array it will be read from, with no
-joins); a long body's buffer starts at ``FIRST_BODY_BYTES`` and grows x4 as
-its bytes come, so what a connection holds follows what it sent, not what its
-head declared.  Everything a peer can get wrong ends in
+tensor crosses the socket into the array it will be read from, no joins of
+chunks); a long body's buffer starts at ``FIRST_BODY_BYTES`` and grows x4 as
+its bytes come (each step copies what came so far: ~320 KB for a 602 KB
+body), so what a connection holds follows what it sent, not what its head
+declared.  Everything a peer can get wrong ends in
 :class:`HttpError` with the status to answer and a message that says what was
 wrong; nothing a peer sends can make a parser hold more than its limits.
 
@@ -33,7 +34,7 @@ LARGE_BODY = 16 * 1024
 #: A longer body's buffer starts this long and grows (x4) as its bytes come: memory held
 #: follows what arrived, not what a head declared (a client that declares 16 MB and
 #: trickles holds this much, where a zero-filled buffer of the whole length had been
-#: resident at once).  One the pool holds ready at the whole length is taken instead.
+#: resident at once).  The last step takes a buffer the pool holds ready, where it has one.
 FIRST_BODY_BYTES = 64 * 1024
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _BAD_VALUE = bytes(c for c in range(32) if c != 9) + b"\x7f"

@@ -466,3 +466,22 @@ def test_a_store_that_cannot_be_opened_is_a_config_error_naming_state_dir(tmp_pa
     db.mkdir()  # (what sqlite meets in a folder it cannot open: as root, chmod is no bar)
     with pytest.raises(ConfigError, match="state_dir"):
         DeferredStore(db)
+
+
+async def test_a_read_during_close_is_refused_and_does_not_reopen_the_store(tmp_path):
+    # A /metrics scrape or a result poll queued behind close had reopened the store
+    # (a leaked connection, and its "sending" rows counted as a crash's attempt).
+    import asyncio
+
+    from edge.deferred import Deferrer
+    from shared.errors import ShuttingDown
+
+    store = DeferredStore(tmp_path / "d.db")
+    store.put("m", b"x", request_id="a", created_wall=1.0, expires_wall=None)
+    deferrer = Deferrer(store)
+    closing = asyncio.ensure_future(deferrer.close())
+    await asyncio.sleep(0)  # close has begun
+    with pytest.raises(ShuttingDown):
+        await deferrer.result("a")
+    await closing
+    assert store._conn is None
