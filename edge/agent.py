@@ -278,11 +278,18 @@ class Agent:
         for name, mp in config.policy.models.items():
             # (a name the model lacks failed every request with a 500 at run time)
             if mp.cascade_output and mp.local_model and self.local.has(mp.local_model):
-                outputs = sorted(t.name for t in self.local.get(mp.local_model).config.outputs)
+                declared = {t.name: t for t in self.local.get(mp.local_model).config.outputs}
+                outputs = sorted(declared)
                 if mp.cascade_output not in outputs:
                     raise ConfigError(
                         f"key 'models.{name}.cascade_output': local model {mp.local_model!r} "
                         f"has no output {mp.cascade_output!r}; its outputs are {outputs}"
+                    )
+                kind = declared[mp.cascade_output].datatype
+                if kind in ("BYTES", "BOOL"):  # (a label: every request had failed, 400)
+                    raise ConfigError(
+                        f"key 'models.{name}.cascade_output': output {mp.cascade_output!r} of "
+                        f"{mp.local_model!r} is {kind}, not scores to read a confidence from"
                     )
 
     async def _warm_up(self, name: str) -> None:

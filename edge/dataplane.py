@@ -477,10 +477,11 @@ class EdgeDataPlane:
         cloud: InferResponse | None = None
         while True:
             if isinstance(action, RunLocal):
-                local_answer, seconds = await self._run_local(flow, request)
+                local_answer, seconds, raw = await self._local(flow, request)
                 confidence = None
                 if flow.wants_confidence:
-                    confidence = _cascade_confidence(local_answer, flow.mp.cascade_output)
+                    # (from the raw scores: a classification answer is top-k strings)
+                    confidence = _cascade_confidence(local_answer, raw, flow.mp.cascade_output)
                 action = flow.local_done(time.monotonic(), seconds, confidence)
             elif isinstance(action, Hedge):
                 action, local_answer, cloud = await self._hedge(flow, request, action)
@@ -630,6 +631,13 @@ class EdgeDataPlane:
     async def _run_local(
         self, flow: RequestFlow, request: InferRequest, cancel: Cancel | None = None
     ) -> tuple[InferResponse, float]:
+        answer, seconds, _ = await self._local(flow, request, cancel)
+        return answer, seconds
+
+    async def _local(
+        self, flow: RequestFlow, request: InferRequest, cancel: Cancel | None = None
+    ) -> tuple[InferResponse, float, dict[str, np.ndarray]]:
+        """The local answer, its compute seconds and the runtime's raw outputs."""
         name = flow.mp.local_model
         assert name is not None
         local = self.local.get(name)
@@ -658,6 +666,7 @@ class EdgeDataPlane:
                 outputs=tensors,
             ),
             seconds,
+            outputs,
         )
 
     async def close(self) -> None:
@@ -718,14 +727,16 @@ def _reply_event(flow: RequestFlow, result: TransferResult) -> Action | None:
     )
 
 
-def _cascade_confidence(answer: InferResponse, output: str | None) -> float:
+def _cascade_confidence(
+    answer: InferResponse, raw: dict[str, np.ndarray], output: str | None
+) -> float:
     """The least top-1 confidence over the batch's rows of the scores output."""
-    tensor = answer.output(output) if output else answer.outputs[0]
-    scores = tensor.data
-    if tensor.datatype in ("BYTES", "BOOL") or scores.size == 0:
+    name = output or answer.outputs[0].name
+    scores = np.asarray(raw[name]) if name in raw else answer.output(name).data
+    if scores.dtype.kind not in "iuf" or scores.size == 0:
         raise InvalidInput(
-            f"output {tensor.name!r} ({tensor.datatype}, shape {list(scores.shape)}) holds no "
-            "scores to read a confidence from; set cascade_output to the model's score output"
+            f"output {name!r} ({scores.dtype}, shape {list(scores.shape)}) holds no scores "
+            "to read a confidence from; set cascade_output to the model's score output"
         )
     rows = np.asarray(scores).reshape(scores.shape[0] if scores.ndim > 1 else 1, -1)
     return min(confidence(row) for row in rows)

@@ -11,12 +11,35 @@ PROBABILITY_SUM_TOLERANCE = 0.02
 
 
 def confidence(values: np.ndarray) -> float:
-    """Top-1 confidence of one row of scores (softmax unless already probabilities)."""
+    """Top-1 confidence of one row of scores (softmax unless already probabilities).
+
+    Integer scores are a quantized output's levels (a full-integer LiteRT model's
+    softmax: zero point 0, or the type's minimum for a signed one): they are read as
+    shares of their row, where a softmax of the raw integers read every answer as
+    certain.  A single score is a binary classifier's: max(p, 1 - p), where p is a
+    probability, a sigmoid's logit, or a level of its integer type."""
+    raw = np.asarray(values)
+    if raw.dtype.kind in "iu" and raw.size:
+        info = np.iinfo(raw.dtype)
+        levels = raw.reshape(-1).astype(np.float64)
+        if raw.dtype.kind == "i" and levels.min() < 0:
+            levels = levels - info.min
+        if levels.size == 1:
+            span = float(info.max) - (float(info.min) if raw.dtype.kind == "i" else 0.0)
+            p = float(levels[0]) / span
+            return max(p, 1.0 - p)
+        total = float(levels.sum())
+        return float(levels.max()) / total if total > 0 else 0.0
     row = np.asarray(values, dtype=np.float64).reshape(-1)
     if row.size == 0:
         return 0.0
     if not np.all(np.isfinite(row)):
         return 0.0  # a NaN score is no evidence for any class
+    if row.size == 1:
+        p = float(row[0])
+        if not 0.0 <= p <= 1.0:
+            p = 1.0 / (1.0 + float(np.exp(-p)))  # a logit
+        return max(p, 1.0 - p)
     if row.min() < 0 or row.max() > 1 or abs(row.sum() - 1.0) > PROBABILITY_SUM_TOLERANCE:
         e = np.exp(row - row.max())
         row = e / e.sum()

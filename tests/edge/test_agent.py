@@ -111,6 +111,30 @@ async def test_cascade_offloads_exactly_the_low_confidence_requests(tmp_path, ed
     assert all(g.parameters["confidence"] < 0.6 for g in got if g.parameters["where"] != "local")
 
 
+async def test_a_cascade_reads_its_confidence_from_the_scores_under_a_classification(
+    tmp_path, edge_repos, cloud
+):
+    # With class_count the local answer is top-k strings: every request was a 400, after
+    # its local run ("holds no scores"), though cascade_output named the score output.
+    from shared.messages import InferRequest, RequestedOutput
+    from shared.tensors import Tensor
+
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=SOFT)
+    sure = np.array([[6.0, 0, 0, 0]], np.float32)
+    unsure = np.array([[0.2, 0.1, 0, 0]], np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        wheres = []
+        for x in (sure, unsure):
+            request = InferRequest(
+                inputs=[Tensor.from_array("x", x)],
+                outputs=[RequestedOutput("probs", parameters={"classification": 2})],
+            )
+            answer = await agent.dataplane.infer("soft", request)
+            assert answer.outputs[0].datatype == "BYTES"  # top-k strings, wherever it ran
+            wheres.append(answer.parameters["where"])
+    assert wheres == ["local", "cloud-http"]
+
+
 @pytest.mark.parametrize(
     "cloud, models",
     [
@@ -675,14 +699,14 @@ async def test_drain_waits_for_a_keyed_run_its_caller_left(tmp_path, edge_repos,
     cfg = agent_toml(tmp_path, edge_repos[1], models=models)
     async with Agent(load_agent_config(cfg)) as agent:
         dataplane, ran = agent.dataplane, []
-        real = dataplane._run_local
+        real = dataplane._local
 
         async def slow(*args, **kwargs):
             await asyncio.sleep(0.5)
             ran.append(1)
             return await real(*args, **kwargs)
 
-        monkeypatch.setattr(dataplane, "_run_local", slow)
+        monkeypatch.setattr(dataplane, "_local", slow)
         x = {"x": np.ones((1, 4), np.float32)}
         caller = asyncio.create_task(agent.infer("lin", x, idempotency_key="k"))
         await asyncio.sleep(0.1)

@@ -328,8 +328,6 @@ def test_output_parameters_travel_and_bare_names_still_decode():
 
 def test_an_output_asked_twice_is_answered_once():
     x = Tensor.from_array("x", np.ones(3, np.float32))
-    request = InferRequest(
-        inputs=[x], id="r", outputs=[RequestedOutput("y"), RequestedOutput("y")]
-    )
+    request = InferRequest(inputs=[x], id="r", outputs=[RequestedOutput("y"), RequestedOutput("y")])
     decoded = envelope.decode_request(envelope.encode_request(request))
     assert [o.name for o in decoded.outputs] == ["y"]
