@@ -22,12 +22,11 @@ def confidence(values: np.ndarray) -> float:
     if raw.dtype.kind in "iu" and raw.size:
         info = np.iinfo(raw.dtype)
         levels = raw.reshape(-1).astype(np.float64)
+        if levels.size == 1:  # its place in the type's whole range
+            p = (float(levels[0]) - info.min) / (float(info.max) - info.min)
+            return max(p, 1.0 - p)
         if raw.dtype.kind == "i" and levels.min() < 0:
             levels = levels - info.min
-        if levels.size == 1:
-            span = float(info.max) - (float(info.min) if raw.dtype.kind == "i" else 0.0)
-            p = float(levels[0]) / span
-            return max(p, 1.0 - p)
         total = float(levels.sum())
         return float(levels.max()) / total if total > 0 else 0.0
     row = np.asarray(values, dtype=np.float64).reshape(-1)

@@ -25,6 +25,7 @@ def test_a_single_score_is_a_binary_classifiers_and_p_half_is_unsure():
     assert confidence(np.array([-1.0])) == pytest.approx(1 / (1 + np.exp(-1.0)))  # a logit
     assert confidence(np.array([3.0])) == pytest.approx(1 / (1 + np.exp(-3.0)))
     assert confidence(np.array([128], np.uint8)) == pytest.approx(128 / 255)
+    assert confidence(np.array([0], np.int8)) == pytest.approx(128 / 255)  # mid-range: unsure
 
 
 def test_integer_scores_are_levels_of_a_quantized_softmax_not_logits():
