@@ -4,17 +4,22 @@ Python 3.12's eager task factory does this for a whole loop; Ferry runs on 3.11
 too, and wants it only where a request's handler usually finishes without
 waiting (a lone request to an idle model answers in place): there, a task
 costs its creation and one more loop turn per request, a tenth of a small
-offload's round trip on these machines.
+offload's round trip on these machines.  On 3.12+ this is one eager task (the
+task is current while its first step runs, as asyncio.timeout needs); on 3.11
+the first step runs bare, which 3.11's wait_for allows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import sys
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 def eager_future(
@@ -28,6 +33,12 @@ def eager_future(
     coroutine that this one could wait for (it would wait for itself).
     """
     context = contextvars.copy_context()
+    if _EAGER_TASKS:
+        # Python 3.12+ runs a task's first step in place itself, with the task current:
+        # asyncio.timeout (under wait_for there) refuses to run where no task is, and
+        # the bare first step below ran in the caller's task, or in none from a protocol
+        # callback, so every offload from the agent's API answered 500.
+        return asyncio.Task(coro, loop=loop, context=context, eager_start=True)
     try:
         waited = context.run(coro.send, None)
     except StopIteration as stop:

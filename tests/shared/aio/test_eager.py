@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import sys
 
 import pytest
 
@@ -21,7 +22,26 @@ async def test_a_coroutine_that_never_waits_finishes_before_eager_future_returns
 
     fut = eager_future(asyncio.get_running_loop(), work())
     assert fut.done() and fut.result() == 7
-    assert done == [asyncio.current_task()]  # ran in the caller's turn, no task of its own
+    if sys.version_info >= (3, 12):  # an eager task: its own, current while it ran
+        assert done == [fut] and done[0] is not asyncio.current_task()
+    else:  # ran bare in the caller's turn, no task of its own
+        assert done == [asyncio.current_task()]
+
+
+async def test_wait_for_works_in_a_handler_started_from_a_protocol_callback():
+    """A protocol callback has no current task; on 3.12+ wait_for (asyncio.timeout)
+    refused to run there, and every offload from the agent's API answered 500."""
+    loop = asyncio.get_running_loop()
+    started: list[asyncio.Future[str]] = []
+
+    async def handler() -> str:
+        fut = loop.create_future()
+        loop.call_later(0.01, fut.set_result, "answer")
+        return await asyncio.wait_for(fut, 5.0)
+
+    loop.call_soon(lambda: started.append(eager_future(loop, handler())))
+    await asyncio.sleep(0)
+    assert await asyncio.wait_for(started[0], 5.0) == "answer"
 
 
 async def test_a_coroutine_that_waits_is_carried_on_by_a_task_with_its_result():
