@@ -18,6 +18,7 @@ those refused by validation before the batcher (reason ``OTHER``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -139,6 +140,8 @@ class DataPlane:
         self._models: dict[str, dict[int, LoadedModel]] = {}
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        #: each model's files as its last load attempt found them (what a rescan compares)
+        self._marks: dict[str, tuple[Any, ...]] = {}
         self._build_lock = threading.Lock()  # node-wide: one load at a time
         self._memory = MemoryProbe()
         self._planned_sessions = 0
@@ -198,6 +201,9 @@ class DataPlane:
             # node ready); only a model with nothing loaded is marked failed.
             serving = name in self._models
             try:
+                self._marks[name] = await loop.run_in_executor(
+                    None, self.repository.fingerprint, name
+                )
                 built = await loop.run_in_executor(None, self._build, name, config)
             except FerryError as exc:
                 if not serving:
@@ -353,6 +359,43 @@ class DataPlane:
             self._changed()
             await self._retire(old.values())
 
+    async def rescan(self, every_model: bool) -> dict[str, list[str]]:
+        """Read the repository again, as Triton's poll mode does, on demand: a model
+        whose files changed is reloaded (a failed one tried again), one whose folder
+        is gone unloaded, and with ``every_model`` a new folder loaded; unchanged files
+        are left alone (a rescan never reloads for nothing)."""
+        loop = asyncio.get_running_loop()
+        names, marks = await loop.run_in_executor(None, self._scan)
+        done: dict[str, list[str]] = {"loaded": [], "reloaded": [], "unloaded": [], "failed": []}
+        for name in sorted((set(self._models) | set(self._failed)) - set(names)):
+            with contextlib.suppress(FerryError):  # (unloaded meanwhile)
+                await self.unload(name)
+                done["unloaded"].append(name)
+            self._marks.pop(name, None)
+        for name in names:
+            loaded = name in self._models
+            if not (loaded or every_model or name in self._failed):
+                continue
+            if self._marks.get(name) == marks[name]:
+                continue
+            try:
+                await self.load(name)
+            except FerryError as exc:
+                done["failed"].append(f"{name}: {exc.message}")
+            else:
+                done["reloaded" if loaded else "loaded"].append(name)
+        return done
+
+    def _scan(self) -> tuple[list[str], dict[str, tuple[Any, ...] | None]]:
+        names = self.repository.model_names()
+        marks: dict[str, tuple[Any, ...] | None] = {}
+        for name in names:
+            try:
+                marks[name] = self.repository.fingerprint(name)
+            except (FerryError, OSError):
+                marks[name] = None  # (its load will say why)
+        return names, marks
+
     async def _retire(self, models: Iterable[LoadedModel]) -> None:
         for model in models:
             await model.batcher.stop(drain=True)
@@ -421,8 +464,11 @@ class DataPlane:
         try:
             self.get(name, version)
         except ModelNotFound:
-            if self.remote is not None:
+            if self.remote is not None and self._in_repository(name):
+                # demand the controller may place; a name the repository lacks is not
+                # (junk names had filled the table and every node's status for good)
                 self.remote.missed(name)
+            if self.remote is not None:
                 why = None
                 if name not in self._models and not self.remote.placed(name):
                     why = self.remote.unplaced(name)  # (partly placed ones are listed too)
@@ -431,6 +477,13 @@ class DataPlane:
                         f"model {name!r} is placed on no node at the moment: {why}"
                     ) from None
             raise
+
+    def _in_repository(self, name: str) -> bool:
+        try:
+            self.repository.model_dir(name)
+        except FerryError:
+            return False
+        return True
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
         if self._closing:

@@ -112,5 +112,15 @@ class InlineGate:
 
 
 def input_bytes(inputs: dict) -> int:
-    """Bytes of a request's arrays (object arrays count their element slots)."""
-    return sum(getattr(a, "nbytes", 0) for a in inputs.values())
+    """Bytes of a request's arrays; an object array (BYTES: strings, encoded images)
+    counts its elements' lengths, not its 8-byte slots, or a thumbnail would earn the
+    gate for a 40-megapixel image decoded on the loop."""
+    total = 0
+    for a in inputs.values():
+        total += getattr(a, "nbytes", 0)
+        if getattr(getattr(a, "dtype", None), "kind", "") == "O":
+            try:
+                total += sum(map(len, a.flat))
+            except TypeError:  # elements without a length: never inline
+                total += 1 << 40
+    return total

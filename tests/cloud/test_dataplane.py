@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cloud.dataplane import DataPlane
-from shared.errors import ConfigError, InvalidInput, ModelNotReady, ShuttingDown
+from shared.errors import ConfigError, FerryError, InvalidInput, ModelNotReady, ShuttingDown
 from shared.messages import InferRequest, RequestedOutput
 from shared.repository import ModelRepository, parse_config_json
 from shared.tensors import Tensor
@@ -399,4 +399,70 @@ async def test_a_reload_of_a_serving_version_keeps_its_counters_running(repo):
     await dp.unload("a")
     await dp.load("a")  # unloaded in between: a new start, as in Triton
     assert dp.get("a").stats.snapshot().success_count == 0
+    await dp.close()
+
+
+class _Fleet:
+    """The fleet as the dataplane sees it, placing nothing and recording misses."""
+
+    handover_wait_s = 0.0
+
+    def __init__(self) -> None:
+        self.misses: list[str] = []
+
+    def hosted(self, name: str) -> bool:
+        return False
+
+    def placed(self, name: str) -> bool:
+        return False
+
+    def missed(self, name: str) -> None:
+        self.misses.append(name)
+
+    def unplaced(self, name: str) -> str | None:
+        return None
+
+
+async def test_only_requests_for_repository_models_count_as_misses_the_fleet_may_place(repo):
+    """Junk names had filled the fleet's miss table (and so every node's status) for good,
+    and demand for a real model was then never counted."""
+    dp = DataPlane(ModelRepository(repo), "n", cores=2)
+    fleet = _Fleet()
+    dp.remote = fleet
+    for name in ("a", "nope", "x" * 200, "../a"):
+        with pytest.raises(FerryError):
+            dp.check_servable(name)
+    assert fleet.misses == ["a"]
+    await dp.close()
+
+
+async def test_a_rescan_loads_new_models_reloads_changed_ones_and_leaves_the_rest(repo):
+    """Triton's poll mode on demand (SIGHUP): a standalone node had no way to pick up
+    a model added or changed on disk short of a restart."""
+    dp = DataPlane(ModelRepository(repo), "n", cores=2)
+    await dp.load("a")
+    await dp.load("b")
+    sessions_b = dp.get("b").sessions
+    assert await dp.rescan(every_model=False) == {
+        "loaded": [],
+        "reloaded": [],
+        "unloaded": [],
+        "failed": [],
+    }
+    write_linear_model(repo / "a" / "2" / "model.onnx", seed=9)  # a new version of a
+    write_linear_model(repo / "d" / "1" / "model.onnx", seed=4)  # a new model
+    (repo / "e" / "1").mkdir(parents=True)
+    (repo / "e" / "1" / "model.onnx").write_bytes(b"not a model")
+    explicit = await dp.rescan(every_model=False)  # only what is loaded is refreshed
+    assert explicit["reloaded"] == ["a"] and explicit["loaded"] == []
+    assert dp.get("a").version == 2 and dp.get("b").sessions is sessions_b
+    done = await dp.rescan(every_model=True)
+    assert done["loaded"] == ["c", "d"] and done["reloaded"] == []
+    assert [f.split(":")[0] for f in done["failed"]] == ["e"]
+    assert (await dp.rescan(every_model=True))["failed"] == []  # same files: not retried
+    import shutil
+
+    shutil.rmtree(repo / "d")
+    assert (await dp.rescan(every_model=True))["unloaded"] == ["d"]
+    assert "d" not in dp.loaded_names() and "a" in dp.loaded_names()
     await dp.close()

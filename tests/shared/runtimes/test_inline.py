@@ -102,3 +102,17 @@ def test_the_measured_hop_raises_the_budget_only_so_far_and_never_opens_a_zero_o
 def test_input_bytes_counts_every_array():
     inputs = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(5, np.int64)}
     assert input_bytes(inputs) == 24 + 40
+
+
+def test_input_bytes_counts_what_a_bytes_array_holds_not_its_slots():
+    """A 2 KB thumbnail and an 8 MB image had both counted 8 bytes, so a gate earned on
+    thumbnails let the big image be decoded on the loop."""
+    small = np.array([b"x" * 2048], dtype=object)
+    big = np.array([b"x" * (8 << 20)], dtype=object)
+    assert input_bytes({"img": small}) == 8 + 2048
+    assert input_bytes({"img": big}) == 8 + (8 << 20)
+    gate = warmed()
+    for _ in range(WINDOW):
+        gate.record(1_000, input_bytes({"img": small}))
+    assert gate.allows(input_bytes({"img": small}))
+    assert not gate.allows(input_bytes({"img": big}))
