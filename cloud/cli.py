@@ -23,7 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-http", action="store_true", help="serve MQTT only")
     serve.add_argument("--mqtt", metavar="URL", help="broker, e.g. mqtt://127.0.0.1:1883")
     serve.add_argument("--node", help="node name (default: host name)")
-    serve.add_argument("--models", help="comma-separated models to load (default: all)")
+    serve.add_argument(
+        "--models",
+        help='comma-separated models to load (default: all; "" loads none, for the load API)',
+    )
     serve.add_argument("--tokens-file", type=Path, help="bearer tokens, one per line")
     serve.add_argument(
         "--controller",
@@ -85,7 +88,12 @@ def _serve(args: argparse.Namespace) -> int:
         "http.tokens_file": str(args.tokens_file.resolve()) if args.tokens_file else None,
         "mqtt.url": args.mqtt,
         "node": args.node,
-        "models": args.models.split(",") if args.models else None,
+        # ("" loads none, as Triton's explicit mode: models come through the load API)
+        "models": (
+            [m.strip() for m in args.models.split(",") if m.strip()]
+            if args.models is not None
+            else None
+        ),
         "fleet.follow": True if args.controller else None,
     }
     config = load_config(args.config, overrides)

@@ -340,8 +340,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
     models = data.get("models")
     if models is not None and not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f"{source}: key 'models': expected a list of model names")
-    if models is not None and (not models or "*" in models):
-        models = None
+    if models is not None and "*" in models:
+        models = None  # (an empty list loads none: Triton's explicit mode)
     config = CloudConfig(
         repository=repository,
         node=data.get("node") or socket.gethostname(),

@@ -11,6 +11,7 @@ process stays up whatever the body holds.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -28,8 +29,9 @@ from shared.aio.http_server import (
     json_response,
 )
 from shared.aio.v2http import decode_infer, encode_infer
-from shared.errors import InvalidInput, PermissionDenied, Unauthenticated
-from shared.repository import parse_config_json, validate_model_name
+from shared.errors import FerryError, InvalidInput, PermissionDenied, Unauthenticated
+from shared.repository import ModelConfig, validate_model_name
+from shared.repository.pbtxt import keep_ferry_sections, parse_load_config
 from shared.tensors import Limits
 from shared.tokens import Tokens, bearer, is_loopback
 
@@ -199,9 +201,19 @@ class HttpFront(RoutedApp):
                 what = "model files" if key.startswith("file:") else f"parameter {key!r}"
                 raise InvalidInput(f"load request: {what} not supported; only 'config' is")
         if "config" in params:
-            config = parse_config_json(params["config"], name)
+            config, triton = parse_load_config(params["config"], name)
+            if triton:  # Ferry's own sections, which Triton's JSON cannot hold, stay
+                base = await self._repository_config(name)
+                if base is not None:
+                    config = keep_ferry_sections(config, base)
         await self.dataplane.load(name, config)
         return json_response({})
+
+    async def _repository_config(self, name: str) -> ModelConfig | None:
+        try:
+            return await asyncio.to_thread(self.dataplane.repository.read_config, name)
+        except FerryError:
+            return None  # (a broken or missing file: the override stands alone)
 
     async def unload(self, request: Request) -> Response:
         name = validate_model_name(request.params["model"])

@@ -126,6 +126,17 @@ class CloudServer:
                 self.follower.start()
             await self.mqtt.start()
 
+    async def rescan(self) -> None:
+        """Reload what changed in the repository (every model's folder where the config
+        loads every model, else only those loaded or failed); said in the log."""
+        try:
+            done = await self.dataplane.rescan(every_model=self.config.models is None)
+        except (FerryError, OSError) as exc:
+            log.error("rescan failed: %s", exc)
+            return
+        said = [f"{what} {', '.join(names)}" for what, names in done.items() if names]
+        log.warning("rescanned the repository: %s", "; ".join(said) or "nothing changed")
+
     def _capacity(self) -> dict[str, object]:
         """What the controller may fill on this node (the status reports it)."""
         assert self.config.fleet is not None
@@ -192,12 +203,20 @@ async def serve(config: CloudConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # SIGHUP's default killed the node on the spot, requests in flight and all; there
-    # is nothing to reload by hand (the repository is watched): said, and kept serving.
-    loop.add_signal_handler(
-        signal.SIGHUP,
-        lambda: log.warning("SIGHUP ignored: the repository is rescanned on its own"),
-    )
+    # SIGHUP's default killed the node on the spot, requests in flight and all.  Now a
+    # standalone node reads its repository again (Triton's poll mode, on demand); in a
+    # fleet the controller rescans on its own and places what changed.
+    rescans: list[asyncio.Task[None]] = []
+
+    def hangup() -> None:
+        if config.fleet is not None:
+            log.warning("SIGHUP ignored: in a fleet the controller rescans the repository")
+        elif rescans and not rescans[-1].done():
+            log.warning("SIGHUP: a rescan is under way already")
+        else:
+            rescans[:] = [loop.create_task(server.rescan())]
+
+    loop.add_signal_handler(signal.SIGHUP, hangup)
     await server.start()
     parts = [f"node={config.node}", f"models={','.join(server.dataplane.loaded_names()) or '-'}"]
     if server.http_port is not None:

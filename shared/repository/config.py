@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from shared.configcheck import loads_toml
 from shared.datatypes import DATATYPES
@@ -245,6 +246,11 @@ def parse_config_json(
     code, so errors name the dotted key); like Triton's override it replaces
     the repository's configuration for this load instead of merging with it.
     """
+    return parse_config_dict(json_object(text, source), source, name)
+
+
+def json_object(text: object, source: str) -> dict[str, Any]:
+    """The JSON object a load request's ``config`` string holds."""
     if not isinstance(text, str):
         raise ConfigError(f"{source}: expected a JSON string holding the configuration")
     try:
@@ -255,7 +261,7 @@ def parse_config_json(
         raise ConfigError(f"{source}: not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-    return parse_config_dict(data, source, name)
+    return data
 
 
 def _tensors(value: object, source: str, key: str) -> tuple[TensorSpec, ...]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from shared.errors import ConfigError
 from shared.repository.checks import fail
-from shared.repository.config import ModelConfig, parse_config_dict
+from shared.repository.config import ModelConfig, json_object, parse_config_dict
 from shared.repository.legacy import legacy_datatype
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,9 @@ def _tensor(item: Any, source: str, at: str, output: bool) -> tuple[dict[str, An
     _check_fields(item, known, source, at + ".")
     for key in ("reshape", "is_shape_tensor", "allow_ragged_batch", "optional"):
         value = _one(item, key)
-        if value not in (None, False, {}):
+        # (any reshape, ``shape: [ ]`` too: its empty list reads as no field, but the
+        # tensor is still fed in another shape than its dims)
+        if value not in (None, False, {}) or (key == "reshape" and key in item):
             raise ConfigError(f"{source}: key '{at}.{key}': not supported by Ferry")
     for required in ("name", "data_type", "dims"):
         if required not in item:
@@ -456,6 +458,112 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
             source,
             ", ".join(ignored),
         )
+    return out
+
+
+#: integer fields protobuf's JSON may write as strings (int64: ``"dims": ["4"]``)
+_INTEGERS = frozenset(
+    (
+        "dims",
+        "shape",
+        "max_batch_size",
+        "num_versions",
+        "versions",
+        "count",
+        "gpus",
+        "preferred_batch_size",
+        "max_queue_delay_microseconds",
+        "priority_levels",
+        "default_priority_level",
+        "default_timeout_microseconds",
+        "max_queue_size",
+    )
+)
+#: keys that only Triton's ModelConfig has (Ferry's own keys never look like these)
+_TRITON_ONLY = frozenset((*_KNOWN, *_IGNORED, *_REFUSED)) - {
+    "backend",
+    "max_batch_size",
+    "input",
+    "output",
+    "dynamic_batching",
+    "instance_group",
+    "version_policy",
+    "runtime",  # (Triton's names a backend library; Ferry's is a table: told apart below)
+}
+
+
+def parse_load_config(
+    text: object, name: str, source: str = "load request: parameter 'config'"
+) -> tuple[ModelConfig, bool]:
+    """A load request's ``config``: Triton's ``ModelConfig`` JSON (what Triton's
+    clients send, and what ``GET /v2/models/{m}/config`` answers), or the keys of
+    Ferry's ``config.toml``.  True with a Triton one: it cannot say what Ferry's own
+    sections (``[[preprocess]]``, ``[runtime]``, ``[placement]``) hold, so the
+    caller keeps the repository's."""
+    data = json_object(text, source)
+    if not _looks_triton(data):
+        return parse_config_dict(data, source, name), False
+    fields = _proto_fields(data)
+    return parse_config_dict(triton_config_dict(fields, source, name), source, name), True
+
+
+def keep_ferry_sections(override: ModelConfig, base: ModelConfig) -> ModelConfig:
+    """``override`` (read from Triton's JSON) with what only Ferry's config says."""
+    return replace(
+        override,
+        preprocess=base.preprocess,
+        runtime=base.runtime,
+        placement=base.placement,
+        postprocess=override.postprocess or base.postprocess,
+    )
+
+
+def _snake(key: str) -> str:
+    """protobuf's JSON names fields in lowerCamelCase too (``maxBatchSize``)."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key).lower() if key != key.lower() else key
+
+
+def _looks_triton(data: dict[str, Any]) -> bool:
+    keys = {_snake(str(k)) for k in data}
+    if keys & _TRITON_ONLY or keys - set(data):  # (camelCase is protobuf's JSON)
+        return True
+    if isinstance(data.get("runtime"), str):
+        return True
+    if isinstance(data.get("instance_group"), list):  # (Ferry's is a table)
+        return True
+    if isinstance(data.get("version_policy"), dict) and any(
+        isinstance(v, dict) for v in data["version_policy"].values()
+    ):
+        return True
+    batching = data.get("dynamic_batching")
+    if isinstance(batching, dict) and {_snake(str(k)) for k in batching} & {
+        "preferred_batch_size",
+        "max_queue_delay_microseconds",
+        "default_queue_policy",
+        "preserve_ordering",
+    }:
+        return True
+    return any(
+        isinstance(t, dict) and ("data_type" in t or "dataType" in t)
+        for key in ("input", "output")
+        for t in (data.get(key) if isinstance(data.get(key), list) else [])
+    )
+
+
+def _proto_fields(message: dict[str, Any]) -> dict[str, list[Any]]:
+    """A JSON message in the form :func:`parse_text_proto` gives (every field a list)."""
+    out: dict[str, list[Any]] = {}
+    for key, value in message.items():
+        field = _snake(str(key))
+        values = value if isinstance(value, list) else [value]
+        out[field] = [
+            _proto_fields(v)
+            if isinstance(v, dict)
+            else int(v)
+            if field in _INTEGERS and isinstance(v, str) and re.fullmatch(r"-?\d{1,19}", v)
+            else v
+            for v in values
+        ]
     return out
 
 

@@ -140,8 +140,22 @@ class ModelRepository:
         return sorted(
             int(p.name)
             for p in folder.iterdir()
-            if _is_version(p) and any((p / f).is_file() for f in MODEL_FILES)
+            if _is_version(p) and any(_model_path(p, f) for f in MODEL_FILES)
         )
+
+    def fingerprint(self, name: str) -> tuple[Any, ...]:
+        """What a rescan compares to tell a model changed on disk: its config files'
+        and version folders' entries with their sizes and change times (a rewritten
+        weights file or a new version folder differ; a read that finds nothing new
+        does not).  Blocking: call it off the event loop."""
+        folder = self.model_dir(name)
+        marks: list[Any] = []
+        for entry in sorted(folder.iterdir()):
+            if entry.is_file():
+                marks.append(_mark(entry))
+            elif _is_version(entry):
+                marks.append((entry.name, tuple(_mark(f) for f in sorted(entry.rglob("*")))))
+        return tuple(marks)
 
     def selected_versions(self, name: str, config: ModelConfig | None = None) -> list[int]:
         """The versions the model's version policy serves."""
@@ -165,7 +179,7 @@ class ModelRepository:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidInput(f"model version must be a non-negative integer, got {version!r}")
         folder = self.model_dir(name) / str(version)
-        present = [(b, folder / f) for f, b in MODEL_FILES.items() if (folder / f).is_file()]
+        present = [(b, path) for f, b in MODEL_FILES.items() if (path := _model_path(folder, f))]
         if not present:
             raise ModelNotFound(f"model {name!r} has no version {version} with a model file")
         if backend is None:
@@ -203,15 +217,45 @@ class ModelRepository:
         return entries
 
 
+def _mark(path: Path) -> tuple[str, int, int]:
+    try:
+        st = path.stat()
+    except OSError:  # gone between the listing and the stat: changed
+        return (str(path), -1, -1)
+    return (str(path), st.st_size, st.st_mtime_ns)
+
+
+def _model_path(folder: Path, filename: str) -> Path | None:
+    """``folder/filename``, or the file of that name inside a folder of that name
+    (Triton's layout for an ONNX model with its external data: ``1/model.onnx/model.onnx``)."""
+    path = folder / filename
+    if path.is_file():
+        return path
+    inner = path / filename
+    return inner if inner.is_file() else None
+
+
 # ---- completion from the model file --------------------------------------------------------
+
+
+def _declared_full_rank(config: ModelConfig, session: Session) -> bool:
+    """Whether the config declares a tensor with the model file's whole rank: dims
+    written with the batch axis (``dims: [-1, 4]`` for a [-1, 4] model), as a Triton
+    config without ``max_batch_size`` (0 there) does for an unbatched model."""
+    file_rank = {t.name: len(t.dims) for t in (*session.inputs, *session.outputs) if t.ranked}
+    return any(
+        spec.name in file_rank and len(spec.dims) == file_rank[spec.name]
+        for spec in (*config.inputs, *config.outputs)
+    )
 
 
 def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
     """Fill what the model file tells and check what the config claims against it.
 
     ``max_batch_size`` left out becomes :data:`DEFAULT_MAX_BATCH_SIZE` when
-    every input and output of the file has a dynamic (-1) first dimension,
-    else 0 (inferred: a bound on merged batches, not on requests).  Declared inputs must match the file's exactly (names, datatypes,
+    every input and output of the file has a dynamic (-1) first dimension
+    and no declared tensor is written with the file's whole rank, else 0
+    (inferred: a bound on merged batches, not on requests).  Declared inputs must match the file's exactly (names, datatypes,
     fixed dims); declared outputs may be a subset (the rest stay hidden).
     """
     where = str(config.source) if config.source else f"model {config.name!r}"
@@ -225,6 +269,8 @@ def complete_config(config: ModelConfig, session: Session) -> ModelConfig:
     inferred = max_batch_size is None
     if max_batch_size is None:
         batchable = bool(found) and all(t.dims and t.dims[0] == -1 for t in found)
+        if batchable and _declared_full_rank(config, session):
+            batchable = False  # dims given with the batch axis: served as declared, unbatched
         preferred = config.dynamic_batching.preferred_batch_sizes if config.dynamic_batching else ()
         max_batch_size = max((DEFAULT_MAX_BATCH_SIZE, *preferred)) if batchable else 0
     if max_batch_size > 0:

@@ -311,7 +311,15 @@ def load(path: Path, options: RuntimeOptions) -> OnnxRuntimeSession:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     providers = ["CPUExecutionProvider"]
-    if options.device == "gpu" and "CUDAExecutionProvider" in ort.get_available_providers():
+    if options.device == "gpu":
+        # a GPU instance that cannot be made fails the load, as Triton's does (it had
+        # quietly run on the CPU while the config still said KIND_GPU)
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            raise BackendMissing(
+                f"onnxruntime has no CUDA execution provider here (available: {available}); "
+                "install onnxruntime-gpu, or set the instance group's kind to cpu"
+            )
         providers.insert(0, "CUDAExecutionProvider")
     try:
         session = ort.InferenceSession(str(path), sess_options=so, providers=providers)

@@ -133,3 +133,13 @@ def test_a_node_name_is_a_topic_level_only_where_there_is_a_broker(tmp_path: Pat
     assert load_config(cfg, {}).node == "rack/3"  # an HTTP-only node never names a topic
     cfg.write_text('repository = "r"\nshutdown_grace_s = inf\n')
     assert load_config(cfg, {}).shutdown_grace_s == float("inf")  # wait as long as it takes
+
+
+def test_an_empty_model_list_loads_none_and_a_star_loads_every_model(tmp_path: Path):
+    """Triton's explicit mode: a node that starts empty and loads through the API (an
+    empty list had meant every model, and a big repository ran the node out of memory)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'repository = "{tmp_path}"\nmodels = []\n')
+    assert load_config(cfg, {}).models == ()
+    assert load_config(cfg, {"models": ["*"]}).models is None
+    assert load_config(None, {"repository": str(tmp_path)}).models is None

@@ -340,6 +340,35 @@ def test_load_with_a_config_override_and_its_errors(server, test_repository):
     client.unload_model("override")
 
 
+def test_load_takes_tritons_own_config_json_as_triton_clients_send_it(server, test_repository):
+    """Only Ferry's config.toml keys had been taken: Triton's JSON, even what Ferry's own
+    config endpoint answers, was a 400 (get, change, load back is how tools use it)."""
+    client = triton.InferenceServerClient(_host(server))
+    write_linear_model(test_repository / "tri" / "1" / "model.onnx", seed=7)
+    write_linear_model(test_repository / "tri" / "2" / "model.onnx", seed=8)
+    client.load_model("tri")
+    served = client.get_model_config("tri")
+    served["max_batch_size"] = 4
+    served["instance_group"] = [{"count": 2, "kind": "KIND_CPU"}]
+    client.load_model("tri", config=json.dumps(served))
+    again = client.get_model_config("tri")
+    assert again["max_batch_size"] == 4 and again["instance_group"][0]["count"] == 2
+    camel = {  # protobuf's JSON: lowerCamelCase names, int64 as strings
+        "platform": "onnxruntime_onnx",
+        "maxBatchSize": "2",
+        "versionPolicy": {"specific": {"versions": ["1"]}},
+        "dynamicBatching": {"maxQueueDelayMicroseconds": "300"},
+    }
+    client.load_model("tri", config=json.dumps(camel))
+    again = client.get_model_config("tri")
+    assert again["max_batch_size"] == 2
+    assert again["dynamic_batching"]["max_queue_delay_microseconds"] == 300
+    assert client.get_model_metadata("tri")["versions"] == ["1"]
+    with pytest.raises(InferenceServerException, match=r"sequence batching"):
+        client.load_model("tri", config=json.dumps({"sequence_batching": {}}))
+    client.unload_model("tri")
+
+
 def test_every_loaded_model_reports_its_memory(server):
     stats = triton.InferenceServerClient(_host(server)).get_inference_statistics()
     assert stats["model_stats"]

@@ -108,6 +108,32 @@ def test_version_policies_and_no_batching_map_to_ferry_keys(tmp_path: Path) -> N
     assert repo.model_names() == ["all", "latest2"]
 
 
+def test_dims_written_with_the_batch_axis_and_no_max_batch_size_serve_unbatched(
+    tmp_path: Path,
+) -> None:
+    """Triton reads a missing max_batch_size as 0; Ferry had guessed batching, left the
+    first dimension out and refused the user's (correct) full-rank dims."""
+    write(
+        tmp_path,
+        "m",
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ -1, 3 ] },\n'
+        '  { name: "mask" data_type: TYPE_BOOL dims: [ -1, 2 ] } ]\n'
+        'output [ { name: "x_out" data_type: TYPE_FP32 dims: [ -1, 3 ] } ]\n',
+    )
+    repo = ModelRepository(tmp_path)
+    session = open_session(tmp_path / "m" / "1" / "model.onnx")
+    done = complete_config(repo.read_config("m"), session)
+    assert done.max_batch_size == 0
+    assert [list(t.dims) for t in done.inputs] == [[-1, 3], [-1, 2]]
+    write(
+        tmp_path,
+        "b",
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 3 ] },\n'
+        '  { name: "mask" data_type: TYPE_BOOL dims: [ 2 ] } ]\n',
+    )
+    assert complete_config(repo.read_config("b"), session).max_batch_size > 0
+
+
 def test_the_text_format_reads_as_protobuf_does() -> None:
     fields = parse_text_proto(
         """
@@ -141,6 +167,10 @@ def test_string_escapes_are_bytes_read_as_utf8_as_protobuf_writes_them() -> None
         ("ensemble_scheduling { step [] }", "ensembles"),
         (
             'input [ { name: "x" data_type: TYPE_FP32 dims: [3] reshape { shape: [1, 3] } } ]',
+            "reshape",
+        ),
+        (  # Triton's idiom for a scalar fed as [1]: an empty shape is a reshape too
+            'input [ { name: "x" data_type: TYPE_FP32 dims: [1] reshape { shape: [ ] } } ]',
             "reshape",
         ),
         ('name: "other"', "not the folder's name"),

@@ -289,6 +289,17 @@ def test_several_model_files_are_picked_by_backend_else_onnx_first(
     assert repo.model_file("m", 1) == ("openvino", folder / "model.xml")
 
 
+def test_a_model_file_in_a_folder_of_its_name_is_found_as_triton_lays_out_onnx(
+    repo: ModelRepository,
+) -> None:
+    """Triton's ONNX layout for a model with external data: 1/model.onnx/model.onnx."""
+    write_identity_model(repo.root / "m" / "1" / "model.onnx" / "model.onnx", BATCHED)
+    inner = repo.root / "m" / "1" / "model.onnx" / "model.onnx"
+    assert repo.available_versions("m") == [1]
+    assert repo.model_file("m", 1) == ("onnxruntime", inner)
+    assert completed(repo, "m").max_batch_size > 0  # and it loads
+
+
 def test_a_backend_without_its_file_is_a_config_error(repo: ModelRepository) -> None:
     model(repo.root, "m")
     with pytest.raises(ConfigError, match=r"backend 'tensorrt' but version 1 has only model.onnx"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from ml_dtypes import bfloat16
 
-from shared.errors import ConfigError, InvalidInput, ModelNotFound, ModelNotReady
+from shared.errors import BackendMissing, ConfigError, InvalidInput, ModelNotFound, ModelNotReady
 from shared.runtimes import load_session
 from shared.runtimes.base import RuntimeOptions, Session, TensorSpec
 from shared.runtimes.onnxruntime_backend import load
@@ -306,3 +306,13 @@ def test_a_tensor_anywhere_in_a_body_gives_the_answer_an_aligned_array_gives(tmp
             body[start : start + x.nbytes] = x.tobytes()
             view = np.frombuffer(body, np.float32, x.size, start).reshape(x.shape)
             assert session.run({"x": view})["s"].tobytes() == want, offset
+
+
+def test_a_gpu_instance_without_a_cuda_provider_fails_the_load_as_triton_does(mlp_onnx) -> None:
+    """It had run on the CPU while the model's config still said KIND_GPU."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine's onnxruntime has CUDA")
+    with pytest.raises(BackendMissing, match="CUDA"):
+        load(mlp_onnx.path, RuntimeOptions(threads=1, device="gpu"))
