@@ -51,8 +51,8 @@ from shared.mqtt import (
 
 log = logging.getLogger(__name__)
 
-Role = Literal["device", "node", "controller"]
-ROLES: tuple[Role, ...] = ("device", "node", "controller")
+Role = Literal["device", "node", "controller", "viewer"]
+ROLES: tuple[Role, ...] = ("device", "node", "controller", "viewer")
 
 #: A user name doubles as a topic level (a node's status topic) and as the user
 #: part of an ``mqtt://user@host`` URL: no ``/``, ``+``, ``#``, ``:``, ``@`` or blanks.
@@ -87,6 +87,8 @@ class TlsFiles:
     cert: Path
     key: Path
     ca: Path | None = None
+    #: refuse a client without a certificate the CA signed (else one is only checked)
+    require_client_cert: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def make_principals(
     nodes: Iterable[str],
     controller: str | Iterable[str] | None = None,
     existing: dict[str, Principal] | None = None,
+    viewers: Iterable[str] = (),
 ) -> list[Principal]:
     """One principal per name, keeping the password of an ``existing`` same-role entry.
 
@@ -135,6 +138,7 @@ def make_principals(
     if controller:  # one name, or several (one places, the others stand by)
         names = [controller] if isinstance(controller, str) else list(controller)
         wanted += [(n, "controller") for n in names]
+    wanted += [(n, "viewer") for n in viewers]
     if not wanted:
         raise ConfigError("no broker users: give at least one device, node or controller")
     seen: dict[str, Role] = {}
@@ -293,6 +297,13 @@ def acl_text(principals: Sequence[Principal], transitional: bool = False) -> str
                 f"topic read {status_topic('+')}",
                 f"topic read {PLACEMENT_TOPIC}",
             ]
+        elif p.role == "viewer":  # ferry-cloud fleet, a dashboard: reads the fleet, no more
+            lines += [
+                f"topic read {status_topic('+')}",
+                f"topic read {PLACEMENT_TOPIC}",
+                f"topic read {CONTROLLER_TOPIC}",
+                f"topic read {ALERTS_TOPIC}",
+            ]
         else:
             lines += [
                 f"topic read {status_topic('+')}",
@@ -351,12 +362,18 @@ def mosquitto_conf_text(
     if tls is not None:
         if tls.ca is not None:
             lines.append(f"cafile {tls.ca.resolve()}")
+        if tls.require_client_cert:
+            lines.append("require_certificate true")
         lines += [f"certfile {tls.cert.resolve()}", f"keyfile {tls.key.resolve()}"]
     return "\n".join(lines) + "\n"
 
 
-def tls_files(cert: Path | None, key: Path | None, ca: Path | None) -> TlsFiles | None:
+def tls_files(
+    cert: Path | None, key: Path | None, ca: Path | None, require_client_cert: bool = False
+) -> TlsFiles | None:
     """Check the certificate options; None when none was given (a plain listener)."""
+    if require_client_cert and ca is None:
+        raise ConfigError("--tls-require-client-cert needs --tls-ca (the CA that signs them)")
     if cert is None and key is None and ca is None:
         return None
     if cert is None or key is None:
@@ -364,7 +381,7 @@ def tls_files(cert: Path | None, key: Path | None, ca: Path | None) -> TlsFiles 
     for what, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
         if path is not None and not path.is_file():
             raise ConfigError(f"{what}: no such file {str(path)!r}")
-    return TlsFiles(cert, key, ca)
+    return TlsFiles(cert, key, ca, require_client_cert)
 
 
 # ---- credentials ------------------------------------------------------------------
@@ -424,6 +441,7 @@ def write_broker_auth(
     bind: str | None = None,
     hasher: Literal["auto", "mosquitto_passwd", "hashlib"] = "auto",
     transitional: bool = False,
+    viewers: Sequence[str] = (),
 ) -> AuthFiles:
     """Write the broker's password file, ACL, configuration and the credentials into ``out``."""
     if port is not None and not 0 < port < 65536:
@@ -434,7 +452,7 @@ def write_broker_auth(
         raise ConfigError(f"--out {str(out)!r}: cannot create: {exc.strerror}") from None
     credentials = out / CREDENTIALS_NAME
     previous = read_credentials(credentials)
-    principals = make_principals(devices, nodes, controller, previous)
+    principals = make_principals(devices, nodes, controller, previous, viewers)
     names = {p.name for p in principals}
     kept = tuple(p.name for p in principals if p.name in previous and previous[p.name] == p)
     removed = tuple(sorted(set(previous) - names))
@@ -478,12 +496,28 @@ def add_auth_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="C1[,C2]",
         help="placement controller users (one places, the others stand by)",
     )
+    auth.add_argument(
+        "--viewers",
+        metavar="V1,V2",
+        help="read-only users for ferry-cloud fleet and dashboards (the controller's own "
+        "name would knock the controller off: a client id is its user name)",
+    )
     auth.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     auth.add_argument("--port", type=int, help="listener port (1883; 8883 with TLS)")
     auth.add_argument("--bind", metavar="HOST", help="listener address (default: all)")
     auth.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate")
     auth.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
-    auth.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA file (client certs)")
+    auth.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="PEM",
+        help="CA that signs client certificates (a client may present one)",
+    )
+    auth.add_argument(
+        "--tls-require-client-cert",
+        action="store_true",
+        help="refuse clients without a certificate --tls-ca signed (require_certificate)",
+    )
     auth.add_argument(
         "--transitional",
         action="store_true",
@@ -494,7 +528,7 @@ def add_auth_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run_auth_command(args: argparse.Namespace) -> int:
     """Write the files and say where they are; the passwords themselves are never printed."""
-    tls = tls_files(args.tls_cert, args.tls_key, args.tls_ca)
+    tls = tls_files(args.tls_cert, args.tls_key, args.tls_ca, args.tls_require_client_cert)
     files = write_broker_auth(
         args.out,
         _names(args.devices),
@@ -504,6 +538,7 @@ def run_auth_command(args: argparse.Namespace) -> int:
         port=args.port,
         bind=args.bind,
         transitional=args.transitional,
+        viewers=_names(args.viewers),
     )
     new = [p.name for p in files.principals if p.name not in files.kept]
     print(f"ferry-cloud auth: {len(files.principals)} broker users in {files.conf.parent}")

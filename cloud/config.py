@@ -229,6 +229,49 @@ def _node_name(value: object, source: str) -> str:
     return value
 
 
+def parse_mqtt_section(mqtt_data: dict[str, Any], source: str, base: Path) -> MqttConfig | None:
+    """The ``[mqtt]`` table (None without a ``url``): a node's, and the controller's and
+    ``ferry-cloud fleet``'s (``--config``), so all three reach a locked broker alike;
+    relative files are read from ``base``."""
+    if not mqtt_data.get("url"):
+        return None
+    broker = parse_broker_url(mqtt_data["url"])
+    if mqtt_data.get("username"):
+        broker = replace(broker, username=mqtt_data["username"])
+    if mqtt_data.get("password_file"):
+        secret = _read_secret(str(base / mqtt_data["password_file"]), source, "mqtt.password_file")
+        broker = replace(broker, password=secret)
+
+    def opt_path(key: str) -> Path | None:
+        return (base / mqtt_data[key]) if mqtt_data.get(key) else None
+
+    if not broker.tls:
+        for key in _TLS_KEYS:
+            if mqtt_data.get(key):
+                raise ConfigError(
+                    f"{source}: key 'mqtt.{key}': TLS options need an mqtts:// broker URL, "
+                    f"but mqtt.url is {mqtt_data['url']!r} (plain TCP)"
+                )
+    if mqtt_data.get("key_file") and not mqtt_data.get("cert_file"):
+        raise ConfigError(f"{source}: key 'mqtt.key_file': needs mqtt.cert_file as well")
+    interval = float(mqtt_data.get("status_interval_s", 5.0))
+    if not 0 < interval <= 3600:  # (also NaN) 0 spun the status loop; peers time it
+        raise ConfigError(
+            f"{source}: key 'mqtt.status_interval_s': expected a value > 0 and <= 3600, "
+            f"got {interval}"
+        )
+    return MqttConfig(
+        broker=broker,
+        client_id=mqtt_data.get("client_id") or None,
+        ca_file=opt_path("ca_file"),
+        cert_file=opt_path("cert_file"),
+        key_file=opt_path("key_file"),
+        tls_insecure=mqtt_data.get("tls_insecure", False),
+        status_interval_s=interval,
+        keepalive_s=_keepalive(mqtt_data.get("keepalive_s", 30), source),
+    )
+
+
 def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
     """Read ``cloud.toml`` (optional) and apply command-line ``overrides``.
 
@@ -274,46 +317,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CloudConfig:
                 http_data.get("max_connections", 0), source, "http.max_connections"
             ),
         )
-    mqtt = None
-    mqtt_data = data.get("mqtt", {})
-    if mqtt_data.get("url"):
-        broker = parse_broker_url(mqtt_data["url"])
-        if mqtt_data.get("username"):
-            broker = replace(broker, username=mqtt_data["username"])
-        if mqtt_data.get("password_file"):
-            secret = _read_secret(
-                str(base / mqtt_data["password_file"]), source, "mqtt.password_file"
-            )
-            broker = replace(broker, password=secret)
-
-        def opt_path(key: str) -> Path | None:
-            return (base / mqtt_data[key]) if mqtt_data.get(key) else None
-
-        if not broker.tls:
-            for key in _TLS_KEYS:
-                if mqtt_data.get(key):
-                    raise ConfigError(
-                        f"{source}: key 'mqtt.{key}': TLS options need an mqtts:// broker URL, "
-                        f"but mqtt.url is {mqtt_data['url']!r} (plain TCP)"
-                    )
-        if mqtt_data.get("key_file") and not mqtt_data.get("cert_file"):
-            raise ConfigError(f"{source}: key 'mqtt.key_file': needs mqtt.cert_file as well")
-        interval = float(mqtt_data.get("status_interval_s", 5.0))
-        if not 0 < interval <= 3600:  # (also NaN) 0 spun the status loop; peers time it
-            raise ConfigError(
-                f"{source}: key 'mqtt.status_interval_s': expected a value > 0 and <= 3600, "
-                f"got {interval}"
-            )
-        mqtt = MqttConfig(
-            broker=broker,
-            client_id=mqtt_data.get("client_id") or None,
-            ca_file=opt_path("ca_file"),
-            cert_file=opt_path("cert_file"),
-            key_file=opt_path("key_file"),
-            tls_insecure=mqtt_data.get("tls_insecure", False),
-            status_interval_s=interval,
-            keepalive_s=_keepalive(mqtt_data.get("keepalive_s", 30), source),
-        )
+    mqtt = parse_mqtt_section(data.get("mqtt", {}), source, base)
     limits_data = data.get("limits", {})
     node_limits = {}
     for key in _NODE_LIMITS:

@@ -468,6 +468,8 @@ class MqttFront:
         self._tasks.discard(task)
         self.budget.give(size)
         self.inflight -= 1
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("request handling failed: %r", exc, exc_info=exc)
 
     async def _handle(self, message: Publish, received: float) -> None:
         model = model_from_topic(message.topic)
@@ -563,4 +565,8 @@ class MqttFront:
         while True:
             await asyncio.sleep(self.config.status_interval_s)
             if self.connected:
-                self._publish_status()
+                try:
+                    self._publish_status()
+                except Exception:  # one bad status must not end the heartbeat for good:
+                    # three intervals later the fleet would count a serving node as gone
+                    log.exception("node status not published")

@@ -242,7 +242,9 @@ class Agent:
             await self.dataplane.close()
             for transport in self.transports.values():
                 await transport.close()
-            self.local.close()
+            # (joins the session threads, behind any queued runs: off the loop, which
+            # the local API's drain still needs to write its answers)
+            await asyncio.to_thread(self.local.close)
             await self.deferrer.close()
 
     async def __aenter__(self) -> Agent:

@@ -15,7 +15,7 @@ def add_fleet_commands(sub: Any) -> None:
     controller = sub.add_parser(
         "controller", help="place models on the nodes following it (publishes the placement)"
     )
-    controller.add_argument("--broker", required=True, metavar="URL", help="mqtt://host:port")
+    _broker_arguments(controller)
     controller.add_argument("--repository", required=True, type=Path, help="model repository")
     controller.add_argument("--profiles", type=Path, help="profiles.json from ferry-cloud tune")
     controller.add_argument(
@@ -33,9 +33,41 @@ def add_fleet_commands(sub: Any) -> None:
     )
     controller.add_argument("--alert-window-s", type=float, default=60.0)
     fleet = sub.add_parser("fleet", help="show nodes, models, copies, rates and alerts")
-    fleet.add_argument("--broker", required=True, metavar="URL", help="mqtt://host:port")
+    _broker_arguments(fleet)
     fleet.add_argument("--wait-s", type=float, default=1.5, help="time to collect retained state")
     fleet.add_argument("--json", action="store_true", help="print the document as JSON")
+
+
+def _broker_arguments(parser: Any) -> None:
+    parser.add_argument("--broker", metavar="URL", help="mqtt://host:port (or [mqtt] url)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="a TOML file whose [mqtt] table says how to reach the broker, as a node's "
+        "cloud.toml does (username, password_file, ca_file, cert_file, key_file, "
+        "tls_insecure, client_id, keepalive_s; a node's own file works)",
+    )
+
+
+def _mqtt_settings(args: argparse.Namespace) -> Any:
+    """The broker and how to reach it: ``--config``'s [mqtt] table, ``--broker`` over
+    its url (a password stays in a file, out of the process list)."""
+    from cloud.config import _SCHEMA, parse_mqtt_section
+    from shared.configcheck import check_keys, read_toml
+    from shared.errors import ConfigError
+
+    table: dict[str, Any] = {}
+    source, base = "command line", Path.cwd()
+    if args.config is not None:
+        source, base = str(args.config), args.config.parent
+        table = dict(read_toml(args.config).get("mqtt", {}))
+        check_keys({"mqtt": table}, {"mqtt": _SCHEMA["mqtt"]}, source)
+    if args.broker:
+        table["url"] = args.broker
+    settings = parse_mqtt_section(table, source, base)
+    if settings is None:
+        raise ConfigError(f"{source}: a broker is needed: --broker URL, or [mqtt] url")
+    return settings
 
 
 def run_fleet_command(args: argparse.Namespace) -> int:
@@ -51,7 +83,6 @@ def _controller(args: argparse.Namespace) -> int:
     from cloud.controller.service import ControllerOptions, run_controller
     from cloud.placement.packing import Headroom
     from shared.errors import ConfigError
-    from shared.mqtt import parse_broker_url
     from shared.repository import ModelRepository
 
     for flag, value, zero_ok in (
@@ -77,8 +108,15 @@ def _controller(args: argparse.Namespace) -> int:
     core = ControllerCore(catalogue, profiles, settings)
     for name, why in sorted(problems.items()):
         print(f"ferry-cloud controller: model {name} not placed: {why}", file=sys.stderr)
+    mqtt = _mqtt_settings(args)
     options = ControllerOptions(
-        broker=parse_broker_url(args.broker),
+        broker=mqtt.broker,
+        **({"client_id": mqtt.client_id} if mqtt.client_id else {}),
+        ca_file=mqtt.ca_file,
+        cert_file=mqtt.cert_file,
+        key_file=mqtt.key_file,
+        tls_insecure=mqtt.tls_insecure,
+        keepalive_s=mqtt.keepalive_s,
         http_host=args.http_host,
         http_port=None if args.http_port < 0 else args.http_port,
         rescan=lambda: read_catalogue(repository),
@@ -92,10 +130,11 @@ def _fleet(args: argparse.Namespace) -> int:
     from cloud.fleet.view import FleetView
     from cloud.mqtt_front import new_client
     from shared.errors import ConfigError, EndpointUnavailable
-    from shared.mqtt import ALERTS_TOPIC, PLACEMENT_TOPIC, node_from_status_topic, parse_broker_url
+    from shared.mqtt import ALERTS_TOPIC, PLACEMENT_TOPIC, node_from_status_topic
     from shared.mqtt.documents import decode_document
 
-    broker = parse_broker_url(args.broker)
+    mqtt = _mqtt_settings(args)
+    broker = mqtt.broker
     view = FleetView()
     alerts: list[Any] = []
 
@@ -117,6 +156,10 @@ def _fleet(args: argparse.Namespace) -> int:
         client = new_client(
             broker,
             f"ferry-fleet-{time.monotonic_ns() % 10**9}",
+            ca_file=mqtt.ca_file,
+            insecure=mqtt.tls_insecure,
+            cert_file=mqtt.cert_file,
+            key_file=mqtt.key_file,
             keepalive_s=10,
             on_message=on_message,
         )

@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cloud.controller.catalogue import ModelEntry
 from cloud.controller.core import ControllerCore
@@ -69,6 +70,12 @@ class ControllerOptions:
     client_id: str = field(
         default_factory=lambda: f"ferry-controller-{socket.gethostname()}-{os.getpid()}"
     )
+    # the broker's TLS (an mqtts:// broker), as a node's [mqtt] table gives them
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    tls_insecure: bool = False
+    keepalive_s: int = 15
     http_host: str = "127.0.0.1"
     http_port: int | None = 8001  # None: no HTTP endpoint
     # the repository read again every RESCAN_S: (entries, problems), off the loop
@@ -111,7 +118,11 @@ class ControllerService(RoutedApp):
         self._client = new_client(
             self.options.broker,
             self.options.client_id,
-            keepalive_s=15,
+            ca_file=self.options.ca_file,
+            insecure=self.options.tls_insecure,
+            cert_file=self.options.cert_file,
+            key_file=self.options.key_file,
+            keepalive_s=self.options.keepalive_s,
             reconnect_min_s=0.5,
             will=Will(CONTROLLER_TOPIC, self._status("offline")),
             on_connect=self._on_connect,

@@ -321,6 +321,16 @@ class MqttClient:
                 )
                 if isinstance(exc, RefusedError) and exc.reason in (0x86, 0x87):
                     delay = self.reconnect_max_s  # bad credentials: no point hurrying
+            except Exception as exc:  # (a host name no resolver takes: UnicodeError ...)
+                # the loop had ended for good on these while start() said "retrying"
+                log.error(
+                    "MQTT broker %s:%s: %s: %s",
+                    self.broker.host,
+                    self.broker.port,
+                    type(exc).__name__,
+                    exc,
+                )
+                delay = self.reconnect_max_s
             if self._closing:
                 return
             if time.monotonic() - started > self.reconnect_max_s:

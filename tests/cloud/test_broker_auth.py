@@ -16,11 +16,13 @@ stays empty.  A last will is not checked at CONNECT but when it is published.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import ssl
 import stat
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -52,6 +54,7 @@ from shared.mqtt import (
 )
 from shared.tensors import Tensor
 from tests.support import (
+    ROOT,
     cloud_server,
     free_port,
     linear_reference,
@@ -485,6 +488,79 @@ def test_tls_listener_with_certificates_made_now(tmp_path):
         assert codes == []
     finally:
         broker.stop()
+
+
+CLOUD_CLI = [sys.executable, "-m", "cloud.cli"]
+
+
+def test_fleet_and_the_controller_reach_a_tls_broker_with_a_password_file(tmp_path, capsys):
+    """Both took only --broker: no CA, no client certificate, a password only in the URL
+    (so in the process list); the controller looped on certificate errors for good."""
+    ca, cert, key = make_test_ca(tmp_path / "tls")
+    port = free_port()
+    files = write_broker_auth(
+        tmp_path / "auth",
+        ["dev-a"],
+        [NODE],
+        CONTROLLER,
+        port=port,
+        bind="127.0.0.1",
+        tls=broker_auth.tls_files(cert, key, ca),
+        viewers=["dash"],  # fleet's own user: the controller's would knock it off
+    )
+    broker = AuthBroker(files, port).start()
+    configs = {}
+    for user in (CONTROLLER, "dash"):
+        configs[user] = tmp_path / f"{user}.toml"
+        secret = files.passwords_dir / f"{user}.pass"
+        configs[user].write_text(
+            f'[mqtt]\nurl = "mqtts://localhost:{port}"\nusername = "{user}"\n'
+            f'password_file = "{secret}"\nca_file = "{ca}"\nkeepalive_s = 20\n'
+        )
+    config = configs["dash"]
+    (tmp_path / "repo").mkdir()
+    controller = subprocess.Popen(
+        [*CLOUD_CLI, "controller", "--config", str(configs[CONTROLLER]), "--repository", str(tmp_path / "repo"),
+         "--http-port", "-1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert cloud_main(["fleet", "--config", str(config), "--json", "--wait-s", "0.2"]) == 0
+        assert "nodes" in json.loads(capsys.readouterr().out)
+        # the broker's own log: the controller in, as its user, with the keepalive asked for
+        _wait(
+            lambda: f"k20, u'{CONTROLLER}'" in broker.log.read_text(errors="replace"),
+            "the controller never connected through the TLS broker",
+            timeout=30,
+        )
+        assert cloud_main(["fleet", "--config", str(config), "--wait-s", "0.2"]) == 0
+        assert "closing old connection" not in broker.log.read_text(errors="replace")
+        config.write_text(config.read_text().replace(f"{ca}", f"{cert}"))  # not the CA
+        assert cloud_main(["fleet", "--config", str(config), "--wait-s", "0"]) == 2
+        assert "did not accept" in capsys.readouterr().err
+    finally:
+        controller.terminate()
+        out, _ = controller.communicate(timeout=30)
+        broker.stop()
+    assert "CERTIFICATE_VERIFY_FAILED" not in out and secret.read_text().strip() not in out
+
+
+def test_a_viewer_reads_the_fleet_and_writes_nothing_and_client_certs_can_be_required(
+    tmp_path,
+):
+    ca, cert, key = make_test_ca(tmp_path / "tls")
+    files = write_broker_auth(
+        tmp_path / "auth",
+        [],
+        [],
+        viewers=["dash"],
+        tls=broker_auth.tls_files(cert, key, ca, require_client_cert=True),
+    )
+    acl = files.acl.read_text().split("user dash\n")[1]
+    assert "topic read ferry/v1/placement" in acl and "write" not in acl
+    assert "require_certificate true" in files.conf.read_text()
+    with pytest.raises(ConfigError, match="needs --tls-ca"):
+        broker_auth.tls_files(cert, key, None, require_client_cert=True)
 
 
 def test_cli_writes_private_files_and_never_prints_a_password(tmp_path, capsys):

@@ -195,3 +195,19 @@ async def test_an_unreachable_broker_leaves_the_client_retrying_quietly() -> Non
     assert await ours.start(0.5) is False
     assert ours.publish("t", b"x") is None
     await ours.close()
+
+
+async def test_a_host_name_no_resolver_takes_leaves_the_client_retrying_not_dead() -> None:
+    """A UnicodeError from the resolver had ended the connection loop for good, while
+    start() said it was retrying in the background."""
+    label = "x" * 64  # a DNS label of over 63 characters: the idna codec refuses it
+    ours = MqttClient(
+        parse_broker_url(f"mqtt://{label}.example:1883"),
+        "nobody",
+        reconnect_min_s=0.05,
+        reconnect_max_s=0.05,
+    )
+    assert await ours.start(0.3) is False
+    await asyncio.sleep(0.2)
+    assert ours._runner is not None and not ours._runner.done()
+    await ours.close()
