@@ -35,10 +35,11 @@ class TensorSpec:
     ranked: bool = True
 
     def sample_dims(self) -> tuple[int, ...]:
-        """Dims for a made-up input (a warm-up, a profile): dynamic ones 1, any rank [1]."""
+        """Dims for a made-up input (a warm-up, a profile): dynamic ones 1, any rank [1]
+        (a fixed 0 stays 0: made 1, every warm-up of such a model failed)."""
         if not self.ranked:
             return (1,)
-        return tuple(d if d > 0 else 1 for d in self.dims)
+        return tuple(d if d >= 0 else 1 for d in self.dims)
 
     def shown_dims(self) -> list[int]:
         """Dims as V2 metadata and Triton configs show them: any rank as [-1]

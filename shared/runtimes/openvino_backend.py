@@ -129,9 +129,13 @@ class OpenVinoSession:
         self._out_index = {name: i for i, names in enumerate(out_names) for name in names}
         self._output_names = [s.name for s in self.outputs]
         self._bf16_inputs = {s.name for s in self.inputs if s.datatype == "BF16"}
-        # The CPU plugin computes INT64 as INT32 and wraps larger values silently.
+        # The CPU plugin computes INT64 and UINT64 as INT32 and wraps larger values
+        # silently (2**40 + 1 came back 1); UINT32 it keeps.  Results that leave the
+        # INT32 range wrap too, which no check of the inputs can see.
         self._int64_inputs = (
-            {s.name for s in self.inputs if s.datatype == "INT64"} if device == "CPU" else set()
+            {s.name for s in self.inputs if s.datatype in ("INT64", "UINT64")}
+            if device == "CPU"
+            else set()
         )
 
     def property(self, name: str) -> Any:
@@ -163,8 +167,9 @@ class OpenVinoSession:
             array = feed[name]
             if array.size and (array.min() < _INT32_MIN or array.max() > _INT32_MAX):
                 raise InvalidInput(
-                    f"input {name!r}: OpenVINO's CPU plugin computes INT64 as INT32, so values "
-                    f"outside the INT32 range [{_INT32_MIN}, {_INT32_MAX}] would be wrapped"
+                    f"input {name!r}: OpenVINO's CPU plugin computes {array.dtype.name.upper()} "
+                    f"as INT32, so values outside the INT32 range [{_INT32_MIN}, {_INT32_MAX}] "
+                    "would be wrapped"
                 )
         data: dict[int, Any] = {}
         for name, array in feed.items():

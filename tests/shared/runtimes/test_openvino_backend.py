@@ -120,6 +120,38 @@ def test_int64_values_beyond_int32_are_refused_on_cpu(numeric_onnx) -> None:
         session.run(x)
 
 
+def test_uint64_values_beyond_int32_are_refused_on_cpu_and_uint32_ones_kept(tmp_path) -> None:
+    """UINT64 is computed as INT32 too: 2**40 + 1 had come back 1 with a 200."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    for dtype, proto in ((np.uint64, TensorProto.UINT64), (np.uint32, TensorProto.UINT32)):
+        one = helper.make_tensor("one", proto, [1], [1])
+        graph = helper.make_graph(
+            [helper.make_node("Add", ["x", "one"], ["y"])],
+            "add1",
+            [helper.make_tensor_value_info("x", proto, [2])],
+            [helper.make_tensor_value_info("y", proto, [2])],
+            [one],
+        )
+        path = tmp_path / f"{dtype.__name__}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+        session = load(path, EXACT)
+        small = np.array([5, 2**31 - 2], dtype)
+        np.testing.assert_array_equal(session.run({"x": small})["y"], small + 1)
+        big = np.array([5, 2**32 - 2], dtype)
+        if dtype is np.uint64:
+            with pytest.raises(InvalidInput, match="UINT64 as INT32"):
+                session.run({"x": big})
+        else:
+            np.testing.assert_array_equal(session.run({"x": big})["y"], big + 1)
+
+
+def test_a_fixed_zero_dimension_stays_zero_in_a_made_up_input() -> None:
+    """Made 1, every warm-up of a model with a [N, 0] input failed and was logged."""
+    assert TensorSpec("x", "FP32", (-1, 0, 3)).sample_dims() == (1, 0, 3)
+
+
 def test_a_dynamic_rank_is_the_cpu_plugins_refusal_said_without_source_lines(
     anyrank_onnx,
 ) -> None:
