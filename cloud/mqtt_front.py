@@ -22,6 +22,7 @@ shuts down ("unavailable").
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -97,6 +98,10 @@ def offline_will(node: str) -> Will:
 #: user property a node puts on a request it forwards (such a request is not forwarded again)
 FORWARDED = "ferry-forwarded-by"
 _REQUEST_HEAD = f"{PREFIX}/models/"
+#: answers held across a broken connection to the broker: how many, how many bytes, how long
+HELD_REPLIES = 1024
+HELD_REPLY_BYTES = 64 << 20
+HELD_REPLY_S = 60.0
 #: Retry-After hint for a refused MQTT request when the model's own queue gives none
 _DEFAULT_RETRY_S = 0.1
 #: requests not served for their Response Topic that are logged a minute, at most
@@ -146,6 +151,15 @@ class MqttFront:
         self.refused = 0
         self.bad_reply_topics = 0  # requests not served for their Response Topic (or none)
         self._unserved_window, self._unserved_logged = -math.inf, 0
+        self.refused_replies = 0  # answers the broker refused (its ACL, its size limit)
+        self.resent_replies = 0  # answers sent again after the connection to the broker broke
+        #: answers whose connection ended before the broker took them: sent again on the
+        #: next one (at least once: an agent takes the first answer of a request only)
+        self._held: collections.deque[tuple[float, str, bytes, PublishProperties]] = (
+            collections.deque()
+        )
+        self._held_bytes = 0
+        self._refusal_logged = -math.inf
 
     # ---- lifecycle --------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> None:
@@ -345,10 +359,80 @@ class MqttFront:
     def _reply(self, props: PublishProperties, payload: bytes) -> None:
         if self._client is not None and props.response_topic:
             out = PublishProperties(correlation_data=props.correlation_data)
-            self._client.publish(props.response_topic, payload, properties=out, track=False)
+            self._send_reply(props.response_topic, payload, out, error=False)
+
+    def _send_reply(
+        self, topic: str, payload: bytes, props: PublishProperties, *, error: bool
+    ) -> None:
+        """Publish an answer and hear how the broker took it: a refusal is logged and,
+        for its size, answered with a short error; a connection that ends first holds
+        it for the next (an answer had been lost without a trace either way)."""
+        client = self._client
+        if client is None:
+            return
+        if not client.connected:
+            self._hold(topic, payload, props)
+            return
+
+        def acked(outcome: Any) -> None:
+            if isinstance(outcome, BaseException):
+                self._hold(topic, payload, props)
+            elif outcome >= 0x80:
+                self._refused_reply(topic, payload, props, outcome, error)
+
+        client.publish(topic, payload, properties=props, on_ack=acked)
+
+    def _refused_reply(
+        self, topic: str, payload: bytes, props: PublishProperties, reason: int, error: bool
+    ) -> None:
+        self.refused_replies += 1
+        why = {
+            0x87: "not authorized (the broker's ACL: a node writes ferry/v1/replies/#)",
+            0x95: "over the broker's message size limit (message_size_limit)",
+            0x97: "over the broker's quota",
+        }.get(reason, "refused")
+        now = time.monotonic()
+        if now - self._refusal_logged >= 10.0:  # (a refusing broker refuses them all)
+            self._refusal_logged = now
+            log.warning(
+                "the broker refused an answer on %s (%d bytes): reason 0x%02x, %s",
+                topic[:200],
+                len(payload),
+                reason,
+                why,
+            )
+        if reason in (0x95, 0x97) and not error:
+            request_id = envelope.peek_request_id(payload) or ""  # (a reply has the id too)
+            failure = PayloadTooLarge(
+                f"node {self.node}: the broker refused the answer ({len(payload)} bytes): "
+                f"{why}; ask for fewer items"
+            )
+            reply = envelope.encode_error_reply(request_id, failure)
+            self._send_reply(topic, reply, props, error=True)
+
+    def _hold(self, topic: str, payload: bytes, props: PublishProperties) -> None:
+        if self._client is None:
+            return
+        held = self._held
+        while held and (
+            len(held) >= HELD_REPLIES or self._held_bytes + len(payload) > HELD_REPLY_BYTES
+        ):
+            self._held_bytes -= len(held.popleft()[2])
+        if len(payload) <= HELD_REPLY_BYTES:
+            held.append((time.monotonic(), topic, payload, props))
+            self._held_bytes += len(payload)
+
+    def _resend_held(self) -> None:
+        held, self._held, self._held_bytes = self._held, collections.deque(), 0
+        stale = time.monotonic() - HELD_REPLY_S
+        for at, topic, payload, props in held:
+            if at >= stale:  # (older ones: their requesters' deadlines have passed)
+                self.resent_replies += 1
+                self._send_reply(topic, payload, props, error=False)
 
     # ---- on the event loop ----------------------------------------------------------
     def _after_connect(self) -> None:
+        self._resend_held()
         self._subscribed.clear()  # a new connection starts with no subscriptions
         if self._handlers:
             self._client.subscribe(*sorted(self._handlers))  # type: ignore[union-attr]
@@ -558,6 +642,7 @@ class MqttFront:
         # broker uses that only when a node serving the model says so, see request_topic)
         doc["user_topics"] = True
         doc["unserved_requests"] = self.bad_reply_topics  # (no Response Topic one may use)
+        doc["refused_answers"] = self.refused_replies  # (the broker's ACL or size limit)
         doc["interval_s"] = self.config.status_interval_s  # (silent for 3 of these: gone)
         self._client.publish(status_topic(self.node), json.dumps(doc).encode(), retain=True)
 

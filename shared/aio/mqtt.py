@@ -177,7 +177,7 @@ class MqttClient:
         self.on_connect = on_connect
         self.on_disconnect = on_disconnect
         self._conn: _Connection | None = None
-        self._waiters: dict[int, asyncio.Future[Any]] = {}
+        self._waiters: dict[int, asyncio.Future[Any] | _Callback] = {}
         self._connected = asyncio.Event()
         self._closing = False
         self._runner: asyncio.Task[None] | None = None
@@ -242,13 +242,16 @@ class MqttClient:
         retain: bool = False,
         properties: PublishProperties | None = None,
         track: bool = True,
+        on_ack: Callable[[Any], None] | None = None,
     ) -> asyncio.Future[Any] | None:
         """Send a message now; None when not connected (nothing is queued for later).
 
         With QoS 1 the future resolves on the broker's PUBACK and fails with
         :class:`EndpointUnavailable` if the connection ends first; nobody
         needs to await it, and ``track=False`` makes none (a hot path that
-        would never look at it).
+        would never look at it).  ``on_ack`` instead (no future: a hot path's
+        cheaper way to hear of a refusal) is called with the PUBACK's reason
+        code, or with the error when the connection ends first.
         """
         conn = self._conn
         if conn is None or not self._connected.is_set():
@@ -257,7 +260,12 @@ class MqttClient:
             topic, payload, qos=qos, retain=retain, properties=properties
         )
         conn.flush()
-        if packet_id is None or not track:
+        if packet_id is None:
+            return None
+        if on_ack is not None:
+            self._waiters[packet_id] = _Callback(on_ack)
+            return None
+        if not track:
             return None
         return self._waiter(packet_id)
 
@@ -422,6 +430,30 @@ class RefusedError(Exception):
     def __init__(self, reason: int) -> None:
         super().__init__(f"connection refused, reason 0x{reason:02x}")
         self.reason = reason
+
+
+class _Callback:
+    """An ``on_ack`` where a waiter's future would be (the same two ends)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[Any], None]) -> None:
+        self._fn = fn
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, value: Any) -> None:
+        self._call(value)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._call(error)
+
+    def _call(self, outcome: Any) -> None:
+        try:
+            self._fn(outcome)
+        except Exception:  # a listener's bug must not break the connection's reader
+            log.exception("MQTT publish listener failed")
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -564,3 +565,106 @@ def test_requests_not_served_for_their_reply_topic_are_logged_a_few_a_minute(cap
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == mqtt_front.UNSERVED_LOGS + 1
     assert "counted, not logged" in lines[-1]
+
+
+class _ReplyWatcher:
+    """A paho client on one reply topic, its session kept across a broker restart."""
+
+    def __init__(self, broker, topic: str) -> None:
+        self.messages: list[bytes] = []
+        self.client = mqtt.Client(
+            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+            client_id=f"watch-{uuid.uuid4().hex[:8]}",
+            protocol=mqtt.MQTTv5,
+        )
+        self.client.on_message = lambda c, u, m: self.messages.append(m.payload)
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 300
+        self.client.connect("127.0.0.1", broker.port, clean_start=False, properties=props)
+        self.client.subscribe(topic, qos=1)
+        self.client.loop_start()
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+async def _until(check, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_an_answer_the_broker_refuses_for_its_size_gets_a_short_error_instead(tmp_path):
+    """The answer was dropped without a word (PUBACK 0x95 unread): the requester waited
+    out its deadline, and the node counted a success."""
+    from cloud.config import MqttConfig
+    from cloud.dataplane import DataPlane
+    from cloud.mqtt_front import MqttFront
+    from shared.messages import InferResponse
+    from shared.mqtt.codec import PublishProperties
+    from shared.repository import ModelRepository
+    from shared.tensors import Limits
+    from tests.support import Broker
+
+    small = Broker(tmp_path / "broker")
+    small.conf.write_text(small.conf.read_text() + "message_size_limit 4000\n")
+    small.start()
+    (tmp_path / "repo").mkdir()
+    dp = DataPlane(ModelRepository(tmp_path / "repo"), "d")
+    front = MqttFront(dp, MqttConfig(broker=parse_broker_url(small.url)), Limits(), "d")
+    watcher = _ReplyWatcher(small, "ferry/v1/replies/x/#")
+    try:
+        await front.start()
+        await asyncio.sleep(0.3)
+        big = InferResponse("m", [Tensor.from_array("y", np.zeros(5000, np.float32))], "1", "r1")
+        props = PublishProperties(response_topic="ferry/v1/replies/x/1", correlation_data=b"c1")
+        front._reply(props, envelope.encode_reply(big))
+        await _until(lambda: watcher.messages, "no answer at all")
+        rid, answer = envelope.decode_reply(watcher.messages[0])
+        assert rid == "r1" and answer.code.value == "payload_too_large", answer
+        assert front.refused_replies == 1
+    finally:
+        watcher.close()
+        await front.close()
+        await dp.close()
+        small.stop()
+
+
+async def test_an_answer_whose_connection_broke_is_sent_on_the_next_one(tmp_path):
+    """An answer published while the broker was away was lost with no trace."""
+    from cloud.config import MqttConfig
+    from cloud.dataplane import DataPlane
+    from cloud.mqtt_front import MqttFront
+    from shared.mqtt.codec import PublishProperties
+    from shared.repository import ModelRepository
+    from shared.tensors import Limits
+    from tests.support import Broker
+
+    broker = Broker(tmp_path / "broker")
+    if os.geteuid() == 0:  # (Mosquitto drops to its own user, which cannot save the
+        # watcher's session under pytest's private folders: it would be gone after the restart)
+        broker.conf.write_text(broker.conf.read_text() + "user root\n")
+    broker.start()
+    (tmp_path / "repo").mkdir()
+    dp = DataPlane(ModelRepository(tmp_path / "repo"), "d")
+    front = MqttFront(dp, MqttConfig(broker=parse_broker_url(broker.url)), Limits(), "d")
+    watcher = _ReplyWatcher(broker, "ferry/v1/replies/x/#")
+    try:
+        await front.start()
+        await asyncio.sleep(0.3)
+        broker.stop()
+        await _until(lambda: not front.connected, "the front never saw the broker go")
+        props = PublishProperties(response_topic="ferry/v1/replies/x/1", correlation_data=b"c1")
+        answer = envelope.encode_error_reply("r2", InvalidInput("an answer"))
+        front._reply(props, answer)
+        broker.start()
+        await _until(lambda: front.connected, "the front never came back", 30)
+        await _until(lambda: watcher.messages, "the held answer never came", 30)
+        assert watcher.messages == [answer] and front.resent_replies == 1
+    finally:
+        watcher.close()
+        await front.close()
+        await dp.close()
+        broker.stop()
