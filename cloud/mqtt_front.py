@@ -160,6 +160,7 @@ class MqttFront:
         )
         self._held_bytes = 0
         self._refusal_logged = -math.inf
+        self._status_refusal_logged = -math.inf
 
     # ---- lifecycle --------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> None:
@@ -644,7 +645,28 @@ class MqttFront:
         doc["unserved_requests"] = self.bad_reply_topics  # (no Response Topic one may use)
         doc["refused_answers"] = self.refused_replies  # (the broker's ACL or size limit)
         doc["interval_s"] = self.config.status_interval_s  # (silent for 3 of these: gone)
-        self._client.publish(status_topic(self.node), json.dumps(doc).encode(), retain=True)
+        self._client.publish(
+            status_topic(self.node),
+            json.dumps(doc).encode(),
+            retain=True,
+            on_ack=self._status_acked,
+        )
+
+    def _status_acked(self, outcome: Any) -> None:
+        """A status the broker refuses leaves the node invisible to the fleet: said."""
+        if isinstance(outcome, BaseException) or outcome < 0x80:
+            return
+        now = time.monotonic()
+        if now - self._status_refusal_logged >= 60.0:
+            self._status_refusal_logged = now
+            log.error(
+                "the broker refused this node's status on %s (reason 0x%02x): the fleet and "
+                "the agents cannot see node %r (on a locked broker a node's name must be its "
+                "user name)",
+                status_topic(self.node),
+                outcome,
+                self.node,
+            )
 
     async def _status_loop(self) -> None:
         while True:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cloud.controller.catalogue import ModelEntry
 from cloud.controller.core import ControllerCore
@@ -112,6 +113,8 @@ class ControllerService(RoutedApp):
         self._republish_at: float | None = None
         self._retained_generation: int | None = None
         self._connections = 0
+        self.refused_publishes = 0
+        self._refusal_logged: dict[str, float] = {}
 
     async def start(self) -> None:
         self.core.started = time.monotonic()
@@ -198,7 +201,7 @@ class ControllerService(RoutedApp):
         if now - self._beat >= self.options.heartbeat_s:
             self._beat = now
             assert self._client is not None
-            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+            self._publish(CONTROLLER_TOPIC, self._status("online"))
         step = self.core.step(now)
         if step is not None:
             document = json.dumps(step.placement.to_dict()).encode()
@@ -219,7 +222,28 @@ class ControllerService(RoutedApp):
 
     def _publish(self, topic: str, payload: bytes) -> None:
         assert self._client is not None
-        self._client.publish(topic, payload, retain=True)
+        self._client.publish(
+            topic, payload, retain=True, on_ack=lambda outcome: self._acked(topic, outcome)
+        )
+
+    def _acked(self, topic: str, outcome: Any) -> None:
+        """A publish the broker refused is said (rate-limited per topic): a controller
+        without the ACL to publish had logged its placements as made, none reaching
+        a node."""
+        if isinstance(outcome, BaseException) or outcome < 0x80:
+            return
+        self.refused_publishes += 1
+        now = time.monotonic()
+        if now - self._refusal_logged.get(topic, -math.inf) >= 30.0:
+            self._refusal_logged[topic] = now
+            why = "not authorized by its ACL" if outcome == 0x87 else "refused"
+            log.error(
+                "the broker refused the controller's publish on %s: reason 0x%02x, %s "
+                "(a controller's user needs the controller role: ferry-cloud auth --controller)",
+                topic,
+                outcome,
+                why,
+            )
 
     async def close(self) -> None:
         client = self._client
@@ -256,7 +280,7 @@ class ControllerService(RoutedApp):
         self._leader_seen = time.monotonic()  # (a grace: its status arrives after this)
         if not self.active:
             return  # standing by: the active one's status and placement stay retained
-        self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+        self._publish(CONTROLLER_TOPIC, self._status("online"))
         # Back from a broker that may have lost its retained messages (restarted
         # without its store): the placement in force is retained again, so a node that
         # restarts while this controller is down still finds it; unless the broker holds
@@ -308,7 +332,7 @@ class ControllerService(RoutedApp):
         if document.get("state") == "online":
             if key is None or key > mine:
                 if self.active:  # a later one: it stands by once it reads ours
-                    self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+                    self._publish(CONTROLLER_TOPIC, self._status("online"))
                 return
             if self.active:
                 log.warning("controller %s is placing: standing by", other)
@@ -318,7 +342,7 @@ class ControllerService(RoutedApp):
             if self._leader == other:
                 self._leader_seen = time.monotonic()
         elif self.active:
-            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+            self._publish(CONTROLLER_TOPIC, self._status("online"))
         elif other == self._leader:
             log.warning("controller %s is gone: placing from its placement", other)
             self._take_over()
@@ -329,7 +353,7 @@ class ControllerService(RoutedApp):
         self.core.last_step = -math.inf
         self._beat = time.monotonic()
         if self._client is not None:
-            self._client.publish(CONTROLLER_TOPIC, self._status("online"), retain=True)
+            self._publish(CONTROLLER_TOPIC, self._status("online"))
 
     # ---- HTTP (a RoutedApp: /metrics, /fleet, /v2/health/live) ------------------------------
     async def _metrics(self, request: Request) -> Response:

@@ -723,3 +723,38 @@ def test_a_transitional_acl_also_grants_devices_the_plain_request_topics():
     own = f"topic write {request_topic('+', 'dev-a')}"
     assert own in strict and plain not in strict
     assert own in transitional and plain in transitional
+
+
+def test_a_node_named_other_than_its_user_and_a_controller_without_the_role_are_told(
+    locked, tmp_path
+):
+    """The broker refused their publishes (PUBACK 0x87) and neither said a word: the node
+    was invisible to the fleet, the controller logged placements no node ever read."""
+    write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
+    cfg = tmp_path / "cloud.toml"
+    cfg.write_text(
+        f'repository = "{tmp_path / "repo"}"\nnode = "elsewhere"\n[http]\nenabled = false\n'
+        f'[mqtt]\nurl = "mqtt://127.0.0.1:{locked.port}"\nusername = "{NODE}"\n'
+        f'password_file = "{locked.files.passwords_dir / f"{NODE}.pass"}"\n'
+    )
+    node = cloud_server(tmp_path / "repo", "--config", str(cfg)).start()
+    try:
+        _wait(lambda: "refused this node's status" in node.output(), node.output(), 20)
+    finally:
+        node.terminate()
+    ctl = tmp_path / "ctl.toml"
+    ctl.write_text(
+        f'[mqtt]\nurl = "mqtt://127.0.0.1:{locked.port}"\nusername = "{NODE}"\n'
+        f'password_file = "{locked.files.passwords_dir / f"{NODE}.pass"}"\n'
+    )
+    controller = subprocess.Popen(
+        [*CLOUD_CLI, "controller", "--config", str(ctl), "--repository", str(tmp_path / "repo"),
+         "--http-port", "-1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        time.sleep(4)
+    finally:
+        controller.terminate()
+        out, _ = controller.communicate(timeout=30)
+    assert "the broker refused the controller's publish" in out and "0x87" in out, out
