@@ -95,7 +95,12 @@ def build_transports(config: AgentConfig) -> dict[str, Transport]:
                 key_file=cloud.key_file,
                 section="cloud",
             )
-        transports["mqtt"] = MqttTransport(broker, tls_context=context)
+        transports["mqtt"] = MqttTransport(
+            broker,
+            tls_context=context,
+            client_id=cloud.mqtt_client_id,
+            keepalive_s=cloud.mqtt_keepalive_s,
+        )
     if cloud.http_url:
         from edge.transports.http import HttpTransport
 
@@ -538,6 +543,8 @@ class Agent:
             "transports": {
                 name: {
                     "connected": t.connected,
+                    # (why not: a broker's refusal said; it had been a bare false)
+                    **({"error": e} if (e := getattr(t, "last_error", None)) else {}),
                     "link": self.links[name].name,
                     "breaker": self.dataplane.breakers[name].state,
                     "up_mbps": round(est.link(name).up_bps / 1e6, 3),

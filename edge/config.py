@@ -10,6 +10,7 @@ profile, a bad broker URL, an unreadable credentials file).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ class CloudEndpoints:
     cert_file: str | None = None  # client certificate (mutual TLS), MQTT and HTTP
     key_file: str | None = None
     mqtt_password: str | None = field(default=None, repr=False)  # user name rides in the URL
+    mqtt_client_id: str | None = None  # (None: a fresh random one per start)
+    mqtt_keepalive_s: int = 30  # (a cellular NAT's idle timeout and the battery decide it)
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ _SCHEMA: dict[str, Any] = {
         "cert_file": str,
         "key_file": str,
         "password_file": str,
+        "client_id": str,
+        "keepalive_s": int,
     },
     "links": {"mqtt": str, "http": str},
     "store": {
@@ -331,6 +336,18 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
             )
     token = cloud.get("token_file")
     password = cloud.get("password_file")
+    client_id = cloud.get("client_id")
+    if client_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", client_id):
+        raise ConfigError(
+            f"{source}: key 'cloud.client_id': use 1-64 letters, digits, '.', '_' or '-' "
+            f"(it names the agent's reply topic), got {client_id!r}"
+        )
+    keepalive = cloud.get("keepalive_s", 30)
+    if not 0 <= keepalive <= 65535:
+        raise ConfigError(
+            f"{source}: key 'cloud.keepalive_s': expected seconds from 0 (none) to 65535, "
+            f"got {keepalive}"
+        )
     return CloudEndpoints(
         mqtt_url=mqtt_url,
         http_url=http_url,
@@ -342,6 +359,8 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
         mqtt_password=(
             _read_secret(base, password, "cloud.password_file", source) if password else None
         ),
+        mqtt_client_id=client_id,
+        mqtt_keepalive_s=keepalive,
     )
 
 

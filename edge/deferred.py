@@ -48,6 +48,11 @@ T = TypeVar("T")
 MAX_UNSAVED = 1000
 MAX_UNSAVED_BYTES = 64 << 20
 
+#: a model whose stored requests are refused (an ACL, a token's scope) waits this long,
+#: doubling to the most, before they are tried again
+REFUSED_FIRST_WAIT_S = 2.0
+REFUSED_MAX_WAIT_S = 300.0
+
 #: batches of stored requests one flush sends at most
 ROUNDS = 20
 
@@ -74,6 +79,10 @@ class Deferrer:
         self.ttl_s = ttl_s
         self.keep_results_s = keep_results_s
         self.max_attempts = max_attempts
+        #: model -> (monotonic time before which it is not tried, the wait after that):
+        #: a refusal by the broker's ACL or a token's scope waits longer each time (it
+        #: had been tried, and logged, every second for the whole ttl)
+        self._refused: dict[str, tuple[float, float]] = {}
         self.delivered = 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ferry-store")
         # Answers the store could not write (disk full): kept here, bounded, served
@@ -185,7 +194,7 @@ class Deferrer:
             for item in items:
                 if not can_send(None):
                     return done
-                if item.model in skip or not can_send(item.model):
+                if item.model in skip or not can_send(item.model) or self._waiting(item.model):
                     skip.add(item.model)
                     continue
                 tried += 1
@@ -214,7 +223,10 @@ class Deferrer:
         except _RETRY_LATER as exc:
             # The link or endpoint let this one down: keep it, try the next one
             # (can_send() ends the flush once the breaker opens).
-            log.info("deferred %s not sent yet: %s", item.request_id, exc.message)
+            if isinstance(exc, PermissionDenied | Unauthenticated):
+                self._refuse(item.model, exc)
+            else:
+                log.info("deferred %s not sent yet: %s", item.request_id, exc.message)
             await self._call(self.store.mark_pending, item.request_id)
             return 0
         except FerryError as exc:
@@ -223,10 +235,27 @@ class Deferrer:
         except Exception as exc:  # a bug must not strand the row in "sending"
             log.exception("deferred %s: sending failed", item.request_id)
             return await self._failed(item, f"internal: {exc!r}", False)
+        self._refused.pop(item.model, None)
         response.id = item.request_id
         await self._finish(item.request_id, envelope.encode_reply(response), None)
         self.delivered += 1
         return 1
+
+    def _waiting(self, model: str) -> bool:
+        held = self._refused.get(model)
+        return held is not None and time.monotonic() < held[0]
+
+    def _refuse(self, model: str, exc: FerryError) -> None:
+        """Hold ``model``'s stored requests back, twice as long as the last time."""
+        _, wait = self._refused.get(model, (0.0, REFUSED_FIRST_WAIT_S / 2))
+        wait = min(wait * 2, REFUSED_MAX_WAIT_S)
+        self._refused[model] = (time.monotonic() + wait, wait)
+        log.warning(
+            "deferred requests for %s refused (%s): kept, tried again in %.0f s",
+            model,
+            exc.message,
+            wait,
+        )
 
     async def _finish(self, request_id: str, reply: bytes | None, error: str | None) -> None:
         """Record an answer; one the store cannot write is kept in memory instead."""

@@ -150,6 +150,11 @@ class MqttTransport:
     def connected(self) -> bool:
         return self._ready.is_set()
 
+    @property
+    def last_error(self) -> str | None:
+        """Why the broker could not be reached (a refusal's reason), None when connected."""
+        return None if self._client is None or self.connected else self._client.last_error
+
     async def start(self, wait_s: float = 5.0) -> None:
         self._loop = asyncio.get_running_loop()
         tls = None

@@ -179,6 +179,8 @@ class MqttClient:
         self._conn: _Connection | None = None
         self._waiters: dict[int, asyncio.Future[Any] | _Callback] = {}
         self._connected = asyncio.Event()
+        #: why the last attempt to connect failed (None once connected): for status pages
+        self.last_error: str | None = None
         self._closing = False
         self._runner: asyncio.Task[None] | None = None
         self.connections = 0  # CONNACKs accepted so far
@@ -324,13 +326,15 @@ class MqttClient:
             try:
                 await self._connect_once()
             except (OSError, TimeoutError, ConnectionError, RefusedError) as exc:
+                self.last_error = str(exc) or type(exc).__name__
                 log.warning(
-                    "MQTT broker %s:%s: %s", self.broker.host, self.broker.port, exc or type(exc)
+                    "MQTT broker %s:%s: %s", self.broker.host, self.broker.port, self.last_error
                 )
                 if isinstance(exc, RefusedError) and exc.reason in (0x86, 0x87):
                     delay = self.reconnect_max_s  # bad credentials: no point hurrying
             except Exception as exc:  # (a host name no resolver takes: UnicodeError ...)
                 # the loop had ended for good on these while start() said "retrying"
+                self.last_error = f"{type(exc).__name__}: {exc}"
                 log.error(
                     "MQTT broker %s:%s: %s: %s",
                     self.broker.host,
@@ -384,6 +388,7 @@ class MqttClient:
             keepalive = connack.properties.get(codec.SERVER_KEEP_ALIVE, self.keepalive_s)
             self.connections += 1
             up = True
+            self.last_error = None
             self._connected.set()
             pinger = asyncio.create_task(self._keepalive(conn, keepalive))
             if self.on_connect is not None:
@@ -428,8 +433,28 @@ class RefusedError(Exception):
     """The broker answered CONNECT with a failure reason code."""
 
     def __init__(self, reason: int) -> None:
-        super().__init__(f"connection refused, reason 0x{reason:02x}")
+        why = _CONNACK_REASONS.get(reason)
+        super().__init__(
+            f"connection refused, reason 0x{reason:02x}" + (f": {why}" if why else "")
+        )
         self.reason = reason
+
+
+#: CONNACK reasons an operator meets, said as what to check
+_CONNACK_REASONS = {
+    0x80: "unspecified error",
+    0x84: "unsupported protocol version (the broker needs to speak MQTT v5)",
+    0x85: "client identifier not valid",
+    0x86: "bad user name or password (check the user name and the password file)",
+    0x87: "not authorized (the broker refuses this user)",
+    0x88: "server unavailable",
+    0x89: "server busy",
+    0x8A: "banned",
+    0x8C: "bad authentication method",
+    0x95: "packet too large",
+    0x97: "quota exceeded",
+    0x9F: "connection rate exceeded",
+}
 
 
 class _Callback:

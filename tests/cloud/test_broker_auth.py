@@ -758,3 +758,16 @@ def test_a_node_named_other_than_its_user_and_a_controller_without_the_role_are_
         controller.terminate()
         out, _ = controller.communicate(timeout=30)
     assert "the broker refused the controller's publish" in out and "0x87" in out, out
+
+
+async def test_a_refused_login_is_said_with_its_reason_where_the_agent_shows_its_links(locked):
+    """Only "connected": false had shown, and the log said a bare "reason 0x86"."""
+    address = BrokerAddress("127.0.0.1", locked.port, False, "dev-a", "wrong")
+    agent = MqttTransport(address)
+    try:
+        await agent.start(wait_s=1.0)
+        assert not agent.connected
+        assert agent.last_error is not None
+        assert "bad user name or password" in agent.last_error or "not authorized" in agent.last_error
+    finally:
+        await agent.close()

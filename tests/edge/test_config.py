@@ -56,6 +56,8 @@ def test_the_shipped_example_agent_config_parses():
         ('repository = "r"\n[cloud]\nca_file = "missing.pem"\n', "key 'cloud.ca_file'"),
         ('repository = "r"\n[cloud]\npassword_file = "missing"\n', "key 'cloud.password_file'"),
         ('repository = "r"\n[api]\nport = 99999\n', "key 'api.port'"),
+        ('repository = "r"\n[cloud]\nkeepalive_s = 70000\n', "key 'cloud.keepalive_s'"),
+        ('repository = "r"\n[cloud]\nclient_id = "a/b"\n', "key 'cloud.client_id'"),
         ('repository = "r"\nprobe_interval_s = 0\n', "key 'probe_interval_s'"),
         ('repository = "r"\nlocal_threads = -3\n', "key 'local_threads'"),
         ('repository = "r"\nlocal_inline_us = -1\n', "key 'local_inline_us'"),
@@ -303,3 +305,17 @@ async def test_a_reload_cannot_send_a_model_to_a_cloud_endpoint_the_agent_did_no
         assert agent.config.cloud.mqtt_url is None  # what runs, compared with next time
     finally:
         await agent.stop()
+
+
+def test_the_mqtt_client_id_and_keepalive_reach_the_transport(tmp_path: Path):
+    """A device on LTE picks its keepalive (a NAT's idle timeout, the battery): the keys
+    had been refused as unknown, though the transport takes both."""
+    from edge.agent import build_transports
+
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        'repository = "r"\n[cloud]\nmqtt = "mqtt://127.0.0.1:1883"\n'
+        'client_id = "edge-7.pump"\nkeepalive_s = 240\n'
+    )
+    transport = build_transports(load_agent_config(path))["mqtt"]
+    assert transport.client_id == "edge-7.pump" and transport.keepalive_s == 240

@@ -485,3 +485,38 @@ async def test_a_read_during_close_is_refused_and_does_not_reopen_the_store(tmp_
         await deferrer.result("a")
     await closing
     assert store._conn is None
+
+
+async def test_a_model_whose_requests_are_refused_waits_longer_each_time(tmp_path):
+    """A broker's ACL refusal was tried (and logged) every second for the whole ttl."""
+    import time
+
+    from edge import deferred
+    from edge.deferred import Deferrer
+    from shared.errors import PermissionDenied
+
+    store = DeferredStore(tmp_path / "d.db")
+    for name, model in (("a", "locked"), ("b", "open")):
+        store.put(model, _request_bytes(name), request_id=name, created_wall=time.time(),
+                  expires_wall=None)  # fmt: skip
+    deferrer = Deferrer(store)
+    echo, sent = _echo()
+    refused = []
+
+    async def send(model, request):
+        if model == "locked":
+            refused.append(request.id)
+            raise PermissionDenied("not authorized by its ACL")
+        return await echo(model, request)
+
+    assert await deferrer.flush(send, lambda model: True) == 1
+    assert refused == ["a"] and sent == ["b"]
+    await deferrer.flush(send, lambda model: True)
+    assert refused == ["a"]  # held back, not tried a second later
+    until, wait = deferrer._refused["locked"]
+    assert wait == deferred.REFUSED_FIRST_WAIT_S
+    deferrer._refused["locked"] = (time.monotonic() - 1, wait)  # the wait is over
+    await deferrer.flush(send, lambda model: True)
+    assert refused == ["a", "a"] and deferrer._refused["locked"][1] == 2 * wait
+    assert store.result("a").status == "pending"  # kept: the operator's to fix
+    await deferrer.close()
