@@ -434,9 +434,7 @@ class RefusedError(Exception):
 
     def __init__(self, reason: int) -> None:
         why = _CONNACK_REASONS.get(reason)
-        super().__init__(
-            f"connection refused, reason 0x{reason:02x}" + (f": {why}" if why else "")
-        )
+        super().__init__(f"connection refused, reason 0x{reason:02x}" + (f": {why}" if why else ""))
         self.reason = reason
 
 

@@ -768,6 +768,8 @@ async def test_a_refused_login_is_said_with_its_reason_where_the_agent_shows_its
         await agent.start(wait_s=1.0)
         assert not agent.connected
         assert agent.last_error is not None
-        assert "bad user name or password" in agent.last_error or "not authorized" in agent.last_error
+        assert (
+            "bad user name or password" in agent.last_error or "not authorized" in agent.last_error
+        )
     finally:
         await agent.close()

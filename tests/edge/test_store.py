@@ -513,7 +513,7 @@ async def test_a_model_whose_requests_are_refused_waits_longer_each_time(tmp_pat
     assert refused == ["a"] and sent == ["b"]
     await deferrer.flush(send, lambda model: True)
     assert refused == ["a"]  # held back, not tried a second later
-    until, wait = deferrer._refused["locked"]
+    _, wait = deferrer._refused["locked"]
     assert wait == deferred.REFUSED_FIRST_WAIT_S
     deferrer._refused["locked"] = (time.monotonic() - 1, wait)  # the wait is over
     await deferrer.flush(send, lambda model: True)
