@@ -40,11 +40,11 @@ from cloud.loading import (
 )
 from cloud.stats import OTHER, ModelStats
 from cloud.workers import NodeActivity
+from shared import v2
 from shared.aio.idempotency import IdempotencyCache, as_duplicate, response_bytes
 from shared.errors import (
     DeadlineExceeded,
     FerryError,
-    InvalidInput,
     ModelNotFound,
     ModelNotReady,
     ShuttingDown,
@@ -102,9 +102,7 @@ def with_timeout(params: dict[str, Any], start: float, deadline: float | None) -
     timeout_us = params.get("timeout")
     if timeout_us is None:
         return deadline
-    if type(timeout_us) is not int or timeout_us < 0:
-        raise InvalidInput(f"timeout must be a non-negative integer (us), got {timeout_us!r}")
-    if not timeout_us:
+    if not v2.checked_timeout_us(timeout_us):
         return deadline
     until = start + timeout_us / 1e6
     return until if deadline is None else min(deadline, until)
@@ -194,8 +192,10 @@ class DataPlane:
         validate_model_name(name)
         if self._closing:
             raise ShuttingDown("server is shutting down")
+        # ModelNotFound before anything is built, or a lock kept (each junk name a lock)
+        self.repository.model_dir(name)
         async with self._lock(name):
-            self.repository.model_dir(name)  # ModelNotFound before anything is built
+            self.repository.model_dir(name)  # (gone while it waited its turn)
             loop = asyncio.get_running_loop()
             # A failed hot reload leaves the versions already serving in place (and the
             # node ready); only a model with nothing loaded is marked failed.
@@ -349,6 +349,8 @@ class DataPlane:
     async def unload(self, name: str) -> None:
         """Unload ``name``; unloading a model whose load failed clears the failure."""
         validate_model_name(name)
+        if name not in self._locks and name not in self._models and name not in self._failed:
+            raise ModelNotFound(f"model {name!r} is not loaded")  # (no lock kept for it)
         async with self._lock(name):
             old = self._models.pop(name, None)
             self._idempotency.forget(lambda key: key[0] != name)
@@ -659,8 +661,8 @@ class DataPlane:
             classes = requested_classes(model.config, request)
             params = request.parameters
             priority = params.get("priority")
-            if priority is not None and (type(priority) is not int or priority < 0):
-                raise InvalidInput(f"priority must be a non-negative integer, got {priority!r}")
+            if priority is not None:
+                v2.checked_priority(priority)
             deadline = with_timeout(params, start, deadline)
             key = idempotency_key(params) if "idempotency_key" in params else None
         except FerryError:

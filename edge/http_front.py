@@ -62,8 +62,8 @@ def _json(data: Any, status: int = 200) -> Response:
 def _steering(params: dict[str, Any]) -> tuple[float | None, int | None, bool]:
     deadline_ms = params.pop("deadline_ms", None)
     timeout_us = params.pop("timeout", None)
-    if timeout_us is not None and (type(timeout_us) is not int or timeout_us < 0):
-        raise InvalidInput(f"timeout must be a non-negative integer (us), got {timeout_us!r}")
+    if timeout_us is not None:
+        v2.checked_timeout_us(timeout_us)
     if deadline_ms is None and timeout_us:
         deadline_ms = timeout_us / 1000.0
     if deadline_ms is not None and (
@@ -73,8 +73,8 @@ def _steering(params: dict[str, Any]) -> tuple[float | None, int | None, bool]:
     ):
         raise InvalidInput(f"deadline_ms must be a positive number, got {deadline_ms!r}")
     priority = params.pop("priority", None)
-    if priority is not None and (type(priority) is not int or priority < 0):
-        raise InvalidInput(f"priority must be a non-negative integer, got {priority!r}")
+    if priority is not None:
+        v2.checked_priority(priority)
     deferrable = params.pop("deferrable", False)
     if not isinstance(deferrable, bool):
         raise InvalidInput("deferrable must be true or false")

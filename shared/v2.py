@@ -307,6 +307,21 @@ def decode_request(
     return InferRequest(inputs=inputs, id=raw.id, outputs=outputs, parameters=parameters)
 
 
+def checked_timeout_us(value: object) -> int:
+    """A request's V2 ``timeout`` parameter (microseconds; 0: none), checked alike on
+    both tiers."""
+    if type(value) is not int or value < 0:
+        raise InvalidInput(f"timeout must be a non-negative integer (us), got {value!r}")
+    return value
+
+
+def checked_priority(value: object) -> int:
+    """A request's V2 ``priority`` parameter, checked alike on both tiers."""
+    if type(value) is not int or value < 0:
+        raise InvalidInput(f"priority must be a non-negative integer, got {value!r}")
+    return value
+
+
 def wants_binary(request: InferRequest, name: str) -> bool:
     """Whether output ``name`` goes back as binary (per-output flag wins)."""
     if request.outputs is not None:

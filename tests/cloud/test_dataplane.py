@@ -466,3 +466,17 @@ async def test_a_rescan_loads_new_models_reloads_changed_ones_and_leaves_the_res
     assert (await dp.rescan(every_model=True))["unloaded"] == ["d"]
     assert "d" not in dp.loaded_names() and "a" in dp.loaded_names()
     await dp.close()
+
+
+async def test_loads_and_unloads_of_names_the_repository_lacks_keep_nothing(repo):
+    """Each junk name sent to load or unload had kept a lock for good."""
+    from shared.errors import ModelNotFound
+
+    dp = DataPlane(ModelRepository(repo), "n", cores=2)
+    for i in range(50):
+        with pytest.raises(ModelNotFound):
+            await dp.load(f"junk{i}")
+        with pytest.raises(ModelNotFound):
+            await dp.unload(f"junk{i}")
+    assert not any(name.startswith("junk") for name in dp._locks)
+    await dp.close()
