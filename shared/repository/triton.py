@@ -69,8 +69,11 @@ def triton_model_config(config: ModelConfig, platform_hint: str | None = None) -
             "preferred_batch_size": list(batching.preferred_batch_sizes),
             "max_queue_delay_microseconds": batching.max_queue_delay_us,
             "preserve_ordering": False,
-            "priority_levels": batching.priority_levels,
-            "default_priority_level": batching.default_priority_level,
+            # (one level is Triton's 0: no priorities; a 1 read as one configured level)
+            "priority_levels": batching.priority_levels if batching.priority_levels > 1 else 0,
+            "default_priority_level": (
+                batching.default_priority_level if batching.priority_levels > 1 else 0
+            ),
             "default_queue_policy": {
                 "timeout_action": "REJECT",
                 "default_timeout_microseconds": batching.default_timeout_us,
