@@ -17,15 +17,15 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cloud.admission import FIRST_TAKE, ByteBudget
 from cloud.dataplane import DataPlane
+from shared.admission import ByteBudget
+from shared.aio.body_budget import BodyBudget
 from shared.aio.http_server import (
     Request,
     Response,
     RoutedApp,
     Router,
     add_v2_routes,
-    ferry_error_response,
     json_response,
 )
 from shared.aio.v2http import decode_infer, encode_infer
@@ -68,6 +68,7 @@ class HttpFront(RoutedApp):
         self.dataplane = dataplane
         self.limits = limits
         self.budget = budget or ByteBudget(0)
+        self.bodies = BodyBudget(self.budget, limits.max_body_bytes)
         self.tokens = tokens
         self.open_metrics = open_metrics
         self.metrics = metrics
@@ -84,46 +85,16 @@ class HttpFront(RoutedApp):
         self._authorize(request)
         if request.route == self.infer:  # an unknown model is refused before its body
             self.dataplane.check_servable(request.params["model"], request.params.get("version"))
-        if request.has_body:
-            declared = request.content_length
-            whole = declared if declared is not None else self.limits.max_body_bytes
-            # Refused from the head where the bytes that did come leave no room for it;
-            # charged only as its body arrives (see receiving).
-            if not self.budget.fits(whole):
-                return ferry_error_response(self.budget.overloaded(whole))
-            taken = min(whole, FIRST_TAKE)
-            if not self.budget.try_take(taken):
-                return ferry_error_response(self.budget.overloaded(taken))
-            request.state["taken"] = taken
-            if taken < whole:
-                request.state["whole"] = whole
-                request.allowance = taken
-        return None
+        return self.bodies.admit(request)
 
     def receiving(self, request: Request, received: int) -> Response | None:
-        """Takes the budget ahead of the body, a few times per body (x4 each time)."""
-        state = request.state
-        whole, taken = state["whole"], state["taken"]
-        more = min(whole, max(4 * taken, 2 * received)) - taken
-        if not self.budget.try_take(more, held=taken):
-            return ferry_error_response(self.budget.overloaded(more))
-        state["taken"] = taken = taken + more
-        request.allowance = taken if taken < whole else None
-        return None
+        return self.bodies.receiving(request, received)
 
     def _inflated(self, request: Request, size: int) -> None:
-        """A compressed body's inflated bytes are charged too (they are what memory holds)."""
-        held = request.state.get("taken", 0)
-        more = size - held
-        if more > 0:
-            if not self.budget.try_take(more, held=held):
-                raise self.budget.overloaded(more)
-            request.state["taken"] += more
+        self.bodies.inflated(request, size)
 
     def finished(self, request: Request) -> None:
-        taken = request.state.pop("taken", 0)
-        if taken:
-            self.budget.give(taken)
+        self.bodies.finished(request)
 
     # ---- access -------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from cloud.admission import ByteBudget
 from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
+from shared.admission import ByteBudget
 from shared.aio.mqtt import MqttClient
 from shared.errors import (
     FerryError,

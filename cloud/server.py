@@ -21,7 +21,6 @@ import signal
 import sys
 import time
 
-from cloud.admission import ByteBudget
 from cloud.config import CloudConfig
 from cloud.cpu import CpuMonitor
 from cloud.dataplane import DataPlane
@@ -30,6 +29,7 @@ from cloud.gpu import GpuMonitor
 from cloud.http_front import HttpFront
 from cloud.metrics import make_registry, render_metrics
 from cloud.mqtt_front import MqttFront
+from shared.admission import ByteBudget
 from shared.aio.http_server import HttpServer, ServerOptions, default_max_connections
 from shared.errors import FerryError
 from shared.repository import ModelRepository

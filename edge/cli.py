@@ -107,7 +107,13 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     ]
     if config.api_port is not None:
         try:
-            server = await start_local_api(agent, config.api_host, config.api_port, tokens=tokens)
+            server = await start_local_api(
+                agent,
+                config.api_host,
+                config.api_port,
+                tokens=tokens,
+                max_inflight_bytes=config.api_max_inflight_bytes,
+            )
         except FerryError:
             await agent.stop()
             raise

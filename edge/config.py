@@ -65,6 +65,8 @@ class AgentConfig:
     api_host: str = "127.0.0.1"
     api_port: int | None = 8080  # None: no local HTTP API
     api_tokens_file: Path | None = None  # bearer tokens for the local API (health stays open)
+    #: request bytes the local API holds at once (0: no bound): past it "overloaded"
+    api_max_inflight_bytes: int = 64 << 20
     cloud: CloudEndpoints = field(default_factory=CloudEndpoints)
     links: dict[str, str] = field(default_factory=lambda: {"mqtt": "wifi", "http": "wifi"})
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -92,6 +94,7 @@ RESTART_KEYS = (
     "api_host",
     "api_port",
     "api_tokens_file",
+    "api_max_inflight_bytes",
     "cloud",
     "local_threads",
     "local_inline_us",
@@ -105,7 +108,13 @@ _SCHEMA: dict[str, Any] = {
     "local_threads": int,
     "local_inline_us": _NUM,
     "probe_interval_s": _NUM,
-    "api": {"host": str, "port": int, "enabled": bool, "tokens_file": str},
+    "api": {
+        "host": str,
+        "port": int,
+        "enabled": bool,
+        "tokens_file": str,
+        "max_inflight_bytes": int,
+    },
     "cloud": {
         "mqtt": str,
         "http": str,
@@ -414,6 +423,9 @@ def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:
         api_host=api.get("host", "127.0.0.1"),
         api_port=port if api.get("enabled", True) else None,
         api_tokens_file=(base / api["tokens_file"]).resolve() if api.get("tokens_file") else None,
+        api_max_inflight_bytes=int(
+            _range(source, "api.max_inflight_bytes", api.get("max_inflight_bytes", 64 << 20), 0)
+        ),
         cloud=cloud,
         links=links,
         policy=policy,

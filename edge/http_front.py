@@ -26,6 +26,8 @@ from typing import Any
 
 from edge.agent import Agent
 from shared import v2
+from shared.admission import ByteBudget
+from shared.aio.body_budget import BodyBudget
 from shared.aio.http_server import (
     HttpServer,
     Request,
@@ -85,11 +87,18 @@ class LocalApi(RoutedApp):
     """The V2 routes bound to one agent (an ``HttpApp`` for the HTTP server)."""
 
     def __init__(
-        self, agent: Agent, limits: Limits | None = None, tokens: Tokens | None = None
+        self,
+        agent: Agent,
+        limits: Limits | None = None,
+        tokens: Tokens | None = None,
+        max_inflight_bytes: int = 64 << 20,
     ) -> None:
         self.agent = agent
         self.limits = limits or Limits()
         self.tokens = tokens
+        # bodies in flight bounded as a node's are: the connection cap times 16 MiB
+        # was all that had bounded them, more than a device holds
+        self.bodies = BodyBudget(ByteBudget(max_inflight_bytes), self.limits.max_body_bytes)
         r = self.router = Router()
         add_v2_routes(r, self)
         r.add("GET", "/v2/agent/status", self.status)
@@ -100,7 +109,13 @@ class LocalApi(RoutedApp):
     def check(self, request: Request) -> Response | None:
         if self.tokens is not None:
             self._authorize(request, self.tokens)
-        return None
+        return self.bodies.admit(request)
+
+    def receiving(self, request: Request, received: int) -> Response | None:
+        return self.bodies.receiving(request, received)
+
+    def finished(self, request: Request) -> None:
+        self.bodies.finished(request)
 
     @staticmethod
     def _authorize(request: Request, tokens: Tokens) -> None:
@@ -201,7 +216,7 @@ class LocalApi(RoutedApp):
         name, version = request.params["model"], request.params.get("version")
         if version is not None:
             self.agent.dataplane.resolve(name, version)
-        decoded = await decode_infer(request, self.limits)
+        decoded = await decode_infer(request, self.limits, self.bodies.inflated)
         decoded.model_version = version
         deadline_ms, priority, deferrable = _steering(decoded.parameters)
         response = await self.agent.dataplane.infer(
@@ -222,9 +237,10 @@ async def start_local_api(
     *,
     tokens: Tokens | None = None,
     limits: Limits | None = None,
+    max_inflight_bytes: int = 64 << 20,
 ) -> HttpServer:
     """Serve ``agent``'s local API; ``server.port`` says where (port 0 picks one)."""
-    api = LocalApi(agent, limits, tokens)
+    api = LocalApi(agent, limits, tokens, max_inflight_bytes)
     # no pool of request bodies on a device: each would stay resident between requests
     options = ServerOptions(
         max_body_bytes=api.limits.max_body_bytes,

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud.admission import ByteBudget
 from shared import envelope
+from shared.admission import ByteBudget
 from shared.messages import InferRequest, InferResponse
 from shared.tensors import Tensor
 from tests.cloud.conftest import http_call, infer_body

@@ -39,9 +39,7 @@ async def test_the_local_api_takes_an_optional_token_and_keeps_health_open(tmp_p
         assert (await client.get("/v2/agent/status")).status == 401
         ok = await client.get("/v2/agent/status", headers={"Authorization": "Bearer app"})
         assert ok.status == 200
-        link = await client.post(
-            "/v2/agent/link", json={}, headers={"Authorization": "Bearer app"}
-        )
+        link = await client.post("/v2/agent/link", json={}, headers={"Authorization": "Bearer app"})
         assert link.status == 403 and (await link.json())["code"] == "permission_denied"
     await server.close()
 
@@ -72,5 +70,40 @@ async def test_the_local_api_caps_its_connections_below_the_descriptor_limit(mon
         writer.write(b"GET /v2/health/live HTTP/1.1\r\n\r\n")
         assert (await reader.read(100)).startswith(b"HTTP/1.1 200")
         writer.close()
+    finally:
+        await server.close()
+
+
+async def test_the_local_api_bounds_the_request_bytes_it_holds_at_once():
+    """Only the connection cap times 16 MiB had bounded them: more than a device holds.
+    Two uploads that trickle hold the budget; a third is refused from its head."""
+    import asyncio
+
+    from edge import http_front
+
+    class _Agent:
+        ready = True
+
+    server = await http_front.start_local_api(
+        _Agent(), "127.0.0.1", 0, max_inflight_bytes=256 << 10
+    )
+    try:
+        path = b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n"
+        held = []
+        for _ in range(2):  # each declares 10 MB and sends 100 KB: charged as it comes
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(path % (10 << 20) + b"x" * (100 << 10))
+            held.append(writer)
+        await asyncio.sleep(0.2)
+        assert server.app.bodies.budget.used > 0
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(path % (1 << 20))
+        head = await asyncio.wait_for(reader.read(400), 5)
+        assert head.startswith(b"HTTP/1.1 503") and b"overloaded" in head
+        writer.close()
+        for w in held:
+            w.close()
+        await asyncio.sleep(0.2)
+        assert server.app.bodies.budget.used == 0  # given back as the uploads ended
     finally:
         await server.close()

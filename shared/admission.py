@@ -1,4 +1,4 @@
-"""What a node lets in: request bytes in flight and connections.
+"""What a node (or an agent's local API) lets in: request bytes in flight and connections.
 
 :class:`ByteBudget` bounds the bytes of every request received but not yet
 answered, HTTP and MQTT together.  A request past it is refused before its
