@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -131,6 +132,9 @@ class Agent:
                 f"key 'state_dir': cannot use {config.state_dir} as the agent's state folder: "
                 f"{exc.strerror or exc}"
             ) from None
+        # one agent per state folder: two had shared the deferred store (both delivered
+        # one row) and overwritten each other's estimates
+        self._state_lock = _lock_state_dir(config.state_dir)
         self.state_file = config.state_dir / "estimates.json"
         self.estimators = Estimators.load(
             self.state_file, time.monotonic(), config.policy.deadline_quantile
@@ -176,6 +180,7 @@ class Agent:
         self._rapl = RaplReader()
         self.started_at: float | None = None
         self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it started on
         self.ready = False
         self._stopping: asyncio.Future[None] | None = None
 
@@ -195,6 +200,7 @@ class Agent:
         if self._started:
             return
         self._started = True
+        self._loop = asyncio.get_running_loop()
         try:
             async with self._reloading:  # (a SIGHUP while starting waits for this)
                 await self._load_local_models(self.config)
@@ -233,7 +239,7 @@ class Agent:
     async def _stop(self, drain_s: float) -> None:
         self.ready = False
         if not await self.dataplane.drain(drain_s):
-            log.warning("stopping with requests still in flight after %.1f s", drain_s)
+            log.warning("stopping with requests still in flight after %g s", drain_s)
         for task in (*self._tasks, *self._reloads):
             task.cancel()
         for task in (*self._tasks, *self._reloads):
@@ -251,6 +257,7 @@ class Agent:
             # the local API's drain still needs to write its answers)
             await asyncio.to_thread(self.local.close)
             await self.deferrer.close()
+            self._state_lock.close()
 
     async def __aenter__(self) -> Agent:
         await self.start()
@@ -451,7 +458,11 @@ class Agent:
         """
         if transport not in self.transports:
             raise InvalidInput(f"no transport {transport!r}; configured: {sorted(self.transports)}")
-        if signal_dbm is not None and not -150.0 <= signal_dbm <= 0.0:
+        if signal_dbm is not None and (
+            isinstance(signal_dbm, bool)
+            or not isinstance(signal_dbm, int | float | np.integer | np.floating)
+            or not -150.0 <= signal_dbm <= 0.0
+        ):
             raise InvalidInput(f"signal_dbm must be between -150 and 0 dBm, got {signal_dbm}")
         if not isinstance(link, str) or not _LINK_NAME.fullmatch(link):
             # a profile name (devices/links/*.toml), never a path a caller picks
@@ -497,15 +508,14 @@ class Agent:
         idempotency_key: str | None = None,
     ) -> InferResponse:
         """``idempotency_key``: the app's retries of one request (same key, same inputs)
-        are run once by the cloud and deferred once (the same receipt)."""
-        tensors = (
-            list(inputs)
-            if isinstance(inputs, list)
-            else [Tensor.from_array(name, array) for name, array in inputs.items()]
-        )
-        request = InferRequest(
-            inputs=tensors, outputs=[RequestedOutput(n) for n in outputs] if outputs else None
-        )
+        are run once by the cloud and deferred once (the same receipt).  Call it on the
+        loop the agent started on (from another thread: run_coroutine_threadsafe)."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise InvalidInput(
+                "the agent runs on the event loop it was started on: from another loop or "
+                "thread, use asyncio.run_coroutine_threadsafe(agent.infer(...), its loop)"
+            )
+        request = InferRequest(inputs=_tensors(inputs), outputs=_requested(outputs))
         if idempotency_key is not None:
             request.parameters["idempotency_key"] = idempotency_key
         return await self.dataplane.infer(
@@ -562,6 +572,67 @@ class Agent:
             "uptime_s": round(now - (self.started_at or now), 1),
             "where_options": [LOCAL, *(f"cloud-{t}" for t in self.transports)],
         }
+
+
+def _lock_state_dir(state_dir: Path) -> Any:
+    """An open file holding an exclusive lock on ``state_dir`` (released when closed, or
+    when the process ends however it ends); ConfigError while another agent holds it."""
+    path = state_dir / "agent.lock"
+    try:
+        handle = open(path, "a+")
+    except OSError as exc:
+        raise ConfigError(f"key 'state_dir': cannot open {path}: {exc.strerror}") from None
+    try:
+        import fcntl
+
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # (no flock on this system: one agent per folder is on trust)
+        return handle
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        raise ConfigError(
+            f"key 'state_dir': {state_dir} is in use by another agent"
+            + (f" (pid {holder})" if holder else "")
+            + ": give each agent a state folder of its own"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _tensors(inputs: object) -> list[Tensor]:
+    """An app's inputs as tensors: a mapping of names to arrays (or what numpy makes
+    arrays of), or a list of Tensors; anything else an InvalidInput, not a TypeError."""
+    if isinstance(inputs, list) and all(isinstance(t, Tensor) for t in inputs):
+        return list(inputs)
+    if not isinstance(inputs, Mapping):
+        raise InvalidInput(
+            "inputs must be a mapping of input names to arrays (or a list of Tensors), "
+            f"got {type(inputs).__name__}"
+        )
+    tensors = []
+    for name, array in inputs.items():
+        if array is None:
+            raise InvalidInput(f"input {name!r}: no data (None)")
+        try:
+            tensors.append(Tensor.from_array(name, array))
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"input {name!r}: not an array of one datatype: {exc}") from None
+    return tensors
+
+
+def _requested(outputs: object) -> list[RequestedOutput] | None:
+    if not outputs:
+        return None
+    if isinstance(outputs, str):  # (iterated, its characters were asked for)
+        outputs = [outputs]
+    if not isinstance(outputs, list | tuple) or not all(isinstance(n, str) for n in outputs):
+        raise InvalidInput(f"outputs must be a list of output names, got {outputs!r}")
+    return [RequestedOutput(n) for n in outputs]
 
 
 def open_agent(path: Path) -> Agent:

@@ -42,9 +42,11 @@ from edge.core.scores import confidence
 from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
+from shared import v2
 from shared.aio.idempotency import IdempotencyCache, as_duplicate, response_bytes
 from shared.errors import (
     DeadlineExceeded,
+    EndpointUnavailable,
     FerryError,
     InvalidInput,
     ModelNotFound,
@@ -343,9 +345,17 @@ class EdgeDataPlane:
         if self._closing:
             raise ShuttingDown("the agent is stopping: not taking new requests")
         if deadline_ms is not None and (
-            isinstance(deadline_ms, bool) or not 0 < deadline_ms < math.inf  # NaN too
+            isinstance(deadline_ms, bool)
+            or not isinstance(deadline_ms, int | float | np.integer | np.floating)
+            or not 0 < deadline_ms < math.inf  # NaN too
         ):
             raise InvalidInput(f"deadline_ms must be a positive number, got {deadline_ms!r}")
+        if priority is not None:  # (checked wherever it runs: the cloud refused a bad one)
+            v2.checked_priority(priority)
+        if not isinstance(deferrable, bool | np.bool_) and not (
+            isinstance(deferrable, int | np.integer) and deferrable in (0, 1)
+        ):  # ("no" had been read as true)
+            raise InvalidInput(f"deferrable must be true or false, got {deferrable!r}")
         if deadline_ms is not None:
             deadline_ms = float(deadline_ms)  # (numpy scalars too: the core takes floats)
         self._inflight += 1
@@ -353,6 +363,12 @@ class EdgeDataPlane:
             return await self._infer(
                 model, request, deadline_ms, priority, bool(deferrable), principal
             )
+        except EndpointUnavailable:
+            if self._closing:  # the agent closed its own transport under it, not the cloud
+                raise ShuttingDown(
+                    "the agent stopped before this request's answer came back"
+                ) from None
+            raise
         finally:
             self._left()
 

@@ -167,13 +167,16 @@ class LocalModels:
                     model.thread = SessionThread(f"local-{name}", loop)
                 handed = time.perf_counter_ns()
                 run = model.run_sync
+                started: list[bool] = []
                 if deadline is not None:
 
                     def run(i: Any, o: Any, c: Any, w: int = waiting) -> Any:
+                        started.append(True)
                         _check_deadline(name, deadline, w)  # (in the thread, as it starts)
                         return model.run_sync(i, o, c)
 
-                result, seconds = await model.thread.run(run, inputs, outputs, cancel)
+                future = model.thread.run(run, inputs, outputs, cancel)
+                result, seconds = await _queued(future, name, deadline, waiting, started)
                 if not waiting:  # a lone run's hand-off: what running it in place saves
                     model.gate.record_hop(time.perf_counter_ns() - handed - int(seconds * 1e9))
             model.gate.record(int(seconds * 1e9), nbytes)
@@ -212,6 +215,33 @@ class LocalModels:
             self._models.clear()
         for model in models:
             model.close()
+
+
+async def _queued(
+    future: asyncio.Future[Any],
+    name: str,
+    deadline: float | None,
+    ahead: int,
+    started: list[bool],
+) -> Any:
+    """A queued run's outcome; DeadlineExceeded at ``deadline`` if the run has not
+    started by then (it is taken off the queue: it had been made anyway, and its caller
+    told only once the thread reached it, seconds late)."""
+    if deadline is None:
+        return await future  # (a cancelled caller cancels it: the thread skips it)
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        if started:
+            return await future  # under way: its answer (a started run is not abandoned)
+        future.cancel()
+        raise DeadlineExceeded(
+            f"local model {name!r}: the deadline passed before the run could start "
+            f"({ahead} request(s) ahead of it)"
+        ) from None
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
 
 
 def _check_deadline(name: str, deadline: float | None, ahead: int) -> None:

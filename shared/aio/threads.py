@@ -39,6 +39,7 @@ def favour_the_loop(interval_s: float = LOOP_SWITCH_S) -> None:
     """
     sys.setswitchinterval(interval_s)
 
+
 #: every live session thread, for the exit hook
 _LIVE: weakref.WeakSet[SessionThread] = weakref.WeakSet()
 _HOOKED: list[bool] = []
@@ -66,9 +67,9 @@ class SessionThread:
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Done] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[
+            tuple[Callable[..., Any], tuple, Done, asyncio.Future[Any] | None] | None
+        ] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -78,10 +79,14 @@ class SessionThread:
 
     def submit(self, fn: Callable[..., Any], args: tuple, done: Done) -> None:
         """``done(result, None)`` or ``done(None, error)`` is called on the loop."""
-        self._queue.put((fn, args, done))
+        self._queue.put((fn, args, done, None))
 
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        """``fn(*args)`` on this thread; a future of its result, resolved on the loop."""
+        """``fn(*args)`` on this thread; a future of its result, resolved on the loop.
+
+        Cancelling the future before the thread reaches the run skips it: a caller
+        that gave up (cancelled, past its deadline) had still had its run made, in
+        the place of the requests queued behind it."""
         future: asyncio.Future[Any] = self._loop.create_future()
 
         def done(result: Any, error: BaseException | None) -> None:
@@ -92,7 +97,7 @@ class SessionThread:
             else:
                 future.set_result(result)
 
-        self.submit(fn, args, done)
+        self._queue.put((fn, args, done, future))
         return future
 
     def stop(self) -> None:
@@ -107,7 +112,10 @@ class SessionThread:
             item = self._queue.get()
             if item is None:
                 return
-            fn, args, done = item
+            fn, args, done, future = item
+            if future is not None and future.cancelled():
+                del item, fn, args, done, future
+                continue
             try:
                 result, error = fn(*args), None
             except BaseException as exc:  # delivered to the loop, which answers the requests
@@ -118,4 +126,4 @@ class SessionThread:
                 return
             # Let go of this run while waiting for the next: the requests it held (and the
             # body buffers their tensors view) must be free to be reused or released now.
-            del item, fn, args, done, result, error
+            del item, fn, args, done, future, result, error

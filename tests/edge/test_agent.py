@@ -783,3 +783,74 @@ def test_sigterm_lets_a_request_in_flight_finish_and_answers_it(tmp_path, edge_r
         assert agent.proc.wait(30) == 0
     finally:
         agent.terminate()
+
+
+LIN_LOCAL = LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "local"')
+
+
+async def test_misuse_of_the_python_api_is_a_typed_error_not_a_python_one(
+    tmp_path, edge_repos, cloud
+):
+    """Each of these had raised a bare TypeError or AttributeError (no code), and a bad
+    priority was refused offloaded but taken when run locally."""
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN_LOCAL)
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        for call in (
+            lambda: agent.infer("lin", {"x": x}, deadline_ms="100"),
+            lambda: agent.infer("lin", {"x": x}, priority="hi"),
+            lambda: agent.infer("lin", {"x": x}, priority=-5),
+            lambda: agent.infer("lin", {"x": x}, deferrable="no"),
+            lambda: agent.infer("lin", None),
+            lambda: agent.infer("lin", (x,)),
+            lambda: agent.infer("lin", [x]),
+            lambda: agent.infer("lin", {"x": None}),
+            lambda: agent.infer("lin", {"x": x}, outputs=[3]),
+        ):
+            with pytest.raises(InvalidInput):
+                await call()
+        with pytest.raises(InvalidInput):
+            agent.set_link("http", "lte", "-80")
+        name = (await agent.model_metadata("lin"))["outputs"][0]["name"]
+        reply = await agent.infer("lin", {"x": x}, outputs=name)  # one name, not its letters
+        assert [o.name for o in reply.outputs] == [name]
+
+
+async def test_an_agent_used_from_another_loop_says_so(tmp_path, edge_repos, cloud):
+    """A local run failed with "attached to a different loop" (no code) while offloads
+    quietly shared the transport across loops."""
+    import threading
+
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=LIN_LOCAL)
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        seen: list[BaseException] = []
+
+        def other_loop() -> None:
+            try:
+                asyncio.run(agent.infer("lin", {"x": x}))
+            except BaseException as exc:
+                seen.append(exc)
+
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        await asyncio.to_thread(thread.join)
+        assert len(seen) == 1 and isinstance(seen[0], InvalidInput), seen
+        assert "run_coroutine_threadsafe" in str(seen[0])
+        assert (await agent.infer("lin", {"x": x})).outputs  # its own loop still works
+
+
+async def test_one_state_folder_holds_one_agent_at_a_time(tmp_path, edge_repos):
+    """Two agents on one state folder shared the deferred store and overwrote each
+    other's estimates, silently."""
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LIN_LOCAL.replace('cloud = "lin"\n', ""))
+    first = Agent(load_agent_config(cfg))
+    await first.start()
+    try:
+        with pytest.raises(ConfigError, match="in use by another agent"):
+            Agent(load_agent_config(cfg))
+    finally:
+        await first.stop()
+    second = Agent(load_agent_config(cfg))  # free again once the first stopped
+    await second.start()
+    await second.stop()

@@ -124,3 +124,47 @@ def test_a_load_that_finishes_after_close_is_closed_not_kept(tmp_path):
     with pytest.raises(ModelNotReady, match="stopping"):
         local.load("lin")
     assert local.names() == []
+
+
+async def test_a_cancelled_queued_run_is_skipped_and_a_deadline_is_met_while_queued(tmp_path):
+    """A cancelled caller's run was still made, in the place of the requests behind it
+    (a later 1-row request waited 1.75 s), and a queued request heard of its deadline
+    only once the thread reached it (1.02 s for a 0.7 s deadline)."""
+    import time
+
+    from shared.errors import DeadlineExceeded
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx")
+    local = LocalModels(ModelRepository(tmp_path))
+    model = local.load("lin")
+    ran = []
+    run_sync = model.run_sync
+
+    def slow(inputs, outputs, cancel=None):
+        ran.append(float(inputs["x"][0, 0]))
+        time.sleep(1.0 if ran[-1] == 6.0 else 0.2)
+        return run_sync(inputs, outputs, cancel)
+
+    model.run_sync = slow
+
+    def x(v: float) -> dict[str, np.ndarray]:
+        return {"x": np.full((1, 4), v, np.float32)}
+
+    first = asyncio.ensure_future(local.run("lin", x(1)))
+    queued = [asyncio.ensure_future(local.run("lin", x(v))) for v in (2, 3, 4)]
+    await asyncio.sleep(0.05)
+    for task in queued:
+        task.cancel()
+    last = await local.run("lin", x(5))
+    assert not isinstance(await first, BaseException) and last
+    assert ran == [1.0, 5.0]  # the cancelled ones never ran
+    assert local.backlog("lin") == 0
+    blocker = asyncio.ensure_future(local.run("lin", x(6)))
+    await asyncio.sleep(0.02)
+    with pytest.raises(DeadlineExceeded, match="before the run could start"):
+        await local.run("lin", x(7), deadline=time.monotonic() + 0.05)
+    assert not blocker.done()  # told at its deadline, not once the thread got to it
+    await blocker
+    await asyncio.sleep(0.05)
+    assert 7.0 not in ran and local.backlog("lin") == 0
+    local.close()
