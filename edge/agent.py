@@ -566,6 +566,9 @@ class Agent:
             "local_latency_ms": {
                 name: round((est.local(name).mean or 0) * 1000, 3) for name in self.local.names()
             },
+            # what is under way now: requests taken and not answered, local runs queued
+            "inflight": self.dataplane.inflight,
+            "local_backlog": {name: self.local.backlog(name) for name in self.local.names()},
             "deferred": await self.deferrer.counts(),
             "data_used_mb_today": round(self.dataplane.usage.today(), 3),
             "power": [{k: v for k, v in asdict(r).items() if v not in (None, "")} for r in power],

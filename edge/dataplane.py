@@ -372,6 +372,11 @@ class EdgeDataPlane:
         finally:
             self._left()
 
+    @property
+    def inflight(self) -> int:
+        """Requests taken and not yet answered."""
+        return self._inflight
+
     def _left(self) -> None:
         """One request (or a keyed run that outlives its caller) is done: drain may end."""
         self._inflight -= 1

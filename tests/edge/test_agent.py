@@ -814,6 +814,8 @@ async def test_misuse_of_the_python_api_is_a_typed_error_not_a_python_one(
         name = (await agent.model_metadata("lin"))["outputs"][0]["name"]
         reply = await agent.infer("lin", {"x": x}, outputs=name)  # one name, not its letters
         assert [o.name for o in reply.outputs] == [name]
+        status = await agent.status()  # nothing left counted as under way
+        assert status["inflight"] == 0 and set(status["local_backlog"].values()) == {0}
 
 
 async def test_an_agent_used_from_another_loop_says_so(tmp_path, edge_repos, cloud):
