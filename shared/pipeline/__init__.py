@@ -47,6 +47,17 @@ def open_session(backend: str, path: Path, options: RuntimeOptions, config: Mode
     model file elsewhere still finds them.
     """
     session = load_session(backend, path, options)
+    if any(t.reshape is not None for t in (*config.inputs, *config.outputs)):
+        from shared.runtimes.reshape import reshaped
+
+        where = str(config.source) if config.source else f"model {config.name!r}"
+        try:
+            session = reshaped(
+                session, [*config.inputs, *config.outputs], config.max_batch_size, where
+            )
+        except BaseException:
+            session.close()
+            raise
     if not config.preprocess and not config.postprocess:
         return session
     from shared.pipeline.session import wrap

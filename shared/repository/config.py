@@ -270,7 +270,7 @@ def _tensors(value: object, source: str, key: str) -> tuple[TensorSpec, ...]:
     specs = []
     for i, item in enumerate(value):
         at = f"{key}[{i}]"
-        table = check_table(item, source, at, _TENSOR)
+        table = check_table(item, source, at, (*_TENSOR, "reshape"))
         for required in _TENSOR:
             if required not in table:
                 raise ConfigError(f"{source}: key '{at}.{required}' is required")
@@ -281,6 +281,11 @@ def _tensors(value: object, source: str, key: str) -> tuple[TensorSpec, ...]:
                     table["datatype"], source, f"{at}.datatype", tuple(sorted(DATATYPES))
                 ),
                 dims=check_dims(table["dims"], source, f"{at}.dims"),
+                reshape=(
+                    check_dims(table["reshape"], source, f"{at}.reshape")
+                    if "reshape" in table
+                    else None
+                ),
             )
         )
     result = tuple(specs)

@@ -7,14 +7,15 @@ found only in production.  So each field Ferry has a meaning for is mapped to
 the ``config.toml`` key that means the same, and checked by the same code;
 every other field is either refused (it changes what a request computes or
 how requests relate: ``sequence_batching``, ``ensemble_scheduling``,
-``reshape``, ``batch_input``, decoupled models, optional inputs) or named in
+``batch_input``, decoupled models, optional inputs) or named in
 a warning as ignored (tuning only: ``optimization``, ``model_warmup``,
 ``parameters``, ``response_cache``; Ferry warms every model up itself).
 
 Mapping: ``platform``/``backend`` -> ``backend`` (``onnxruntime_onnx`` and
 ``onnxruntime``, ``openvino``, ``tensorrt_plan`` and ``tensorrt``,
 ``tflite``); ``max_batch_size``; ``input``/``output`` ``name``,
-``data_type`` (``TYPE_FP32`` ...; ``TYPE_STRING`` is ``BYTES``), ``dims``;
+``data_type`` (``TYPE_FP32`` ...; ``TYPE_STRING`` is ``BYTES``), ``dims``,
+``reshape`` (:mod:`shared.runtimes.reshape`);
 an output's ``label_filename`` -> a ``[[postprocess]]`` stage with
 ``labels`` (Triton's classification extension reads it);
 ``dynamic_batching`` (``preferred_batch_size``,
@@ -289,11 +290,9 @@ def _tensor(item: Any, source: str, at: str, output: bool) -> tuple[dict[str, An
     known = ("name", "data_type", "dims", "format", "label_filename", "reshape", "optional")
     known += ("is_shape_tensor", "allow_ragged_batch", "is_non_linear_format_io")
     _check_fields(item, known, source, at + ".")
-    for key in ("reshape", "is_shape_tensor", "allow_ragged_batch", "optional"):
+    for key in ("is_shape_tensor", "allow_ragged_batch", "optional"):
         value = _one(item, key)
-        # (any reshape, ``shape: [ ]`` too: its empty list reads as no field, but the
-        # tensor is still fed in another shape than its dims)
-        if value not in (None, False, {}) or (key == "reshape" and key in item):
+        if value not in (None, False, {}):
             raise ConfigError(f"{source}: key '{at}.{key}': not supported by Ferry")
     for required in ("name", "data_type", "dims"):
         if required not in item:
@@ -303,6 +302,10 @@ def _tensor(item: Any, source: str, at: str, output: bool) -> tuple[dict[str, An
         "datatype": legacy_datatype(_one(item, "data_type"), source, at + ".data_type"),
         "dims": list(item["dims"]),
     }
+    if "reshape" in item:  # (``shape: [ ]`` reads as no field: an empty shape, a scalar)
+        reshape = _msg(item, "reshape", source, at + ".")
+        _check_fields(reshape, ("shape",), source, at + ".reshape.")
+        spec["reshape"] = list(reshape.get("shape", []))
     labels = _one(item, "label_filename")
     if labels is not None and not output:
         raise ConfigError(f"{source}: key '{at}.label_filename': only an output has labels")

@@ -357,7 +357,7 @@ def _merge(
                 f"in the model file, not {spec.datatype}"
             )
         if not actual.ranked:  # the file allows any rank: the declared dims fix it
-            merged.append(TensorSpec(spec.name, spec.datatype, spec.dims))
+            merged.append(replace(spec, ranked=True))
             continue
         mismatch = len(spec.dims) != len(actual.dims) or any(
             c != a and c != -1 and a != -1 for c, a in zip(spec.dims, actual.dims, strict=False)
@@ -368,7 +368,7 @@ def _merge(
                 f"in the model file{note}, not {list(spec.dims)}"
             )
         dims = tuple(c if c != -1 else a for c, a in zip(spec.dims, actual.dims, strict=True))
-        merged.append(TensorSpec(spec.name, spec.datatype, dims))
+        merged.append(replace(spec, dims=dims))
     if exhaustive:
         undeclared = [n for n in by_name if n not in {t.name for t in declared}]
         if undeclared:

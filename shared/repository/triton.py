@@ -30,11 +30,14 @@ def triton_datatype(datatype: str) -> str:
 
 
 def _tensor(spec: TensorSpec) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "name": spec.name,
         "data_type": triton_datatype(spec.datatype),
         "dims": spec.shown_dims(),
     }
+    if spec.reshape is not None:
+        out["reshape"] = {"shape": list(spec.reshape)}
+    return out
 
 
 def triton_model_config(config: ModelConfig, platform_hint: str | None = None) -> dict[str, Any]:

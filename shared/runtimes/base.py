@@ -33,6 +33,9 @@ class TensorSpec:
     datatype: str
     dims: tuple[int, ...]
     ranked: bool = True
+    #: a config's only: the shape the model file takes it in (Triton's ``reshape``;
+    #: :mod:`shared.runtimes.reshape`), None where it is the dims
+    reshape: tuple[int, ...] | None = None
 
     def sample_dims(self) -> tuple[int, ...]:
         """Dims for a made-up input (a warm-up, a profile): dynamic ones 1, any rank [1]

@@ -480,3 +480,26 @@ async def test_loads_and_unloads_of_names_the_repository_lacks_keep_nothing(repo
             await dp.unload(f"junk{i}")
     assert not any(name.startswith("junk") for name in dp._locks)
     await dp.close()
+
+
+async def test_a_model_served_through_a_triton_reshape_batches_in_the_declared_shape(tmp_path):
+    """A Triton repository's ``dims: [1] reshape: { shape: [ ] }`` model: requests of
+    [n, 1] merged into one batch, the model fed [N], each answer [n, 1] again."""
+    from tests.shared.repository import write_identity_model
+
+    write_identity_model(tmp_path / "r" / "1" / "model.onnx", [("x", "FP32", ["N"])])
+    (tmp_path / "r" / "config.pbtxt").write_text(
+        "max_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 20000 }\n"
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]\n'
+        'output [ { name: "x_out" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]\n'
+    )
+    dp = DataPlane(ModelRepository(tmp_path), "n", cores=2)
+    await dp.load("r")
+    assert dp.metadata("r")["inputs"][0]["shape"] == [-1, 1]
+    assert dp.model_config("r")["input"][0]["reshape"] == {"shape": []}
+    xs = [np.full((n, 1), n, np.float32) for n in (1, 2, 3)]
+    replies = await asyncio.gather(*(dp.infer("r", _request(x)) for x in xs))
+    for x, reply in zip(xs, replies, strict=True):
+        np.testing.assert_array_equal(reply.outputs[0].data, x)
+    assert any(r.parameters["batch_size"] > 1 for r in replies)  # merged, and cut back
+    await dp.close()

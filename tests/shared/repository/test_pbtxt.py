@@ -166,12 +166,9 @@ def test_string_escapes_are_bytes_read_as_utf8_as_protobuf_writes_them() -> None
         ("sequence_batching { }", "sequence batching"),
         ("ensemble_scheduling { step [] }", "ensembles"),
         (
-            'input [ { name: "x" data_type: TYPE_FP32 dims: [3] reshape { shape: [1, 3] } } ]',
-            "reshape",
-        ),
-        (  # Triton's idiom for a scalar fed as [1]: an empty shape is a reshape too
-            'input [ { name: "x" data_type: TYPE_FP32 dims: [1] reshape { shape: [ ] } } ]',
-            "reshape",
+            'input [ { name: "x" data_type: TYPE_FP32 dims: [3] reshape { shape: [1, 3] } '
+            "is_shape_tensor: true } ]",
+            "is_shape_tensor",
         ),
         ('name: "other"', "not the folder's name"),
         ('platform: "tensorflow_savedmodel"', "not a runtime Ferry runs"),
@@ -203,3 +200,45 @@ def test_a_config_toml_beside_the_pbtxt_wins(tmp_path: Path) -> None:
     write(tmp_path, "m", "max_batch_size: 8\n")
     (tmp_path / "m" / "config.toml").write_text("max_batch_size = 4\n")
     assert ModelRepository(tmp_path).read_config("m").max_batch_size == 4
+
+
+def test_a_reshape_serves_the_declared_dims_and_feeds_the_model_its_own_shape(
+    tmp_path: Path,
+) -> None:
+    """Triton's idiom for one value per batch item: clients send [N, 1], the model takes
+    [N] (``reshape: { shape: [ ] }``, an empty shape); and [N, 6] fed as [N, 2, 3].
+    Ferry had refused any reshape, then read an empty one as none."""
+    import numpy as np
+
+    from shared.pipeline import open_session as open_pipeline
+    from shared.runtimes.base import RuntimeOptions
+
+    write_identity_model(
+        tmp_path / "m" / "1" / "model.onnx", [("x", "FP32", ["N"]), ("grid", "INT64", ["N", 2, 3])]
+    )
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        "max_batch_size: 8\n"
+        'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } },\n'
+        '  { name: "grid" data_type: TYPE_INT64 dims: [ 6 ] reshape { shape: [ 2, 3 ] } } ]\n'
+        'output [ { name: "x_out" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]\n'
+    )
+    repo = ModelRepository(tmp_path)
+    config = repo.read_config("m")
+    assert config.inputs[0].reshape == () and config.inputs[1].reshape == (2, 3)
+    session = open_pipeline("onnxruntime", tmp_path / "m" / "1" / "model.onnx",
+                            RuntimeOptions(threads=1), config)  # fmt: skip
+    done = complete_config(config, session)
+    assert [list(t.dims) for t in done.inputs] == [[1], [6]] and done.max_batch_size == 8
+    x = np.arange(3, dtype=np.float32).reshape(3, 1)
+    grid = np.arange(18, dtype=np.int64).reshape(3, 6)
+    out = session.run({"x": x, "grid": grid})
+    assert out["x_out"].shape == (3, 1) and np.array_equal(out["x_out"], x)
+    assert out["grid_out"].shape == (3, 2, 3)  # (not declared: the file's own shape)
+    session.close()
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'max_batch_size: 8\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] '
+        "reshape: { shape: [ ] } } ]\n"
+    )
+    with pytest.raises(ConfigError, match=r"reshape.*hold 2 values"):
+        open_pipeline("onnxruntime", tmp_path / "m" / "1" / "model.onnx",
+                      RuntimeOptions(threads=1), repo.read_config("m"))  # fmt: skip

@@ -1,0 +1,125 @@
+"""Triton's ``reshape``: a tensor served in one shape and fed to the model in another.
+
+A Triton config writes ``dims: [1]  reshape: { shape: [ ] }`` for a model whose
+input is one value per batch item (``[N]`` in the file) while clients send
+``[N, 1]``; or ``dims: [784]  reshape: { shape: [28, 28] }``.  The session
+here shows the config's dims (what clients send and the metadata says) and
+reshapes on the way in and out (a view, no copy, for contiguous arrays).  The
+batch axis, where the model has one, stays in front untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ConfigError, InvalidInput
+from shared.runtimes.base import Cancel, Session, TensorSpec, cancellable
+
+
+def reshaped(
+    inner: Session,
+    declared: list[TensorSpec],
+    max_batch_size: int | None,
+    where: str,
+) -> Session:
+    """``inner`` behind the reshapes ``declared`` asks for (itself when none does)."""
+    wanted = {t.name: t for t in declared if t.reshape is not None}
+    if not wanted:
+        return inner
+    found = {t.name: t for t in (*inner.inputs, *inner.outputs)}
+    batched = max_batch_size > 0 if max_batch_size is not None else None
+    for name, spec in wanted.items():
+        actual = found.get(name)
+        if actual is None or not actual.ranked:
+            continue  # (the completion names a tensor the file lacks; any rank takes it)
+        assert spec.reshape is not None
+        rank, shape = len(actual.dims), spec.reshape
+        if batched is None:  # max_batch_size left to infer: the file's rank tells
+            batched = rank == len(shape) + 1 and actual.dims[0] == -1
+        file_dims = actual.dims[1:] if batched else actual.dims
+        key = f"{where}: key '{name}.reshape'"
+        if len(file_dims) != len(shape) or any(
+            f != s and f != -1 and s != -1 for f, s in zip(file_dims, shape, strict=False)
+        ):
+            raise ConfigError(
+                f"{key}: the model file's {name!r} has dims {list(actual.dims)}"
+                f"{' (a batch axis first)' if batched else ''}, not the reshape {list(shape)}"
+            )
+        if sum(d == -1 for d in shape) > 1 or sum(d == -1 for d in spec.dims) > 1:
+            raise ConfigError(f"{key}: at most one -1 in dims and in the reshape")
+        if -1 not in shape and -1 not in spec.dims and math.prod(shape) != math.prod(spec.dims):
+            raise ConfigError(
+                f"{key}: dims {list(spec.dims)} hold {math.prod(spec.dims)} values, the "
+                f"reshape {list(shape)} {math.prod(shape)}"
+            )
+    return ReshapedSession(inner, wanted, bool(batched))
+
+
+class ReshapedSession:
+    """``inner`` fed and read in the shapes its config declares."""
+
+    def __init__(self, inner: Session, wanted: dict[str, TensorSpec], batched: bool) -> None:
+        self.inner = inner
+        self.backend = inner.backend
+        self._batched = batched
+        lead = (-1,) if batched else ()
+
+        def shown(t: TensorSpec) -> TensorSpec:
+            spec = wanted.get(t.name)
+            return t if spec is None else TensorSpec(t.name, t.datatype, lead + spec.dims)
+
+        self.inputs = [shown(t) for t in inner.inputs]
+        self.outputs = [shown(t) for t in inner.outputs]
+        names = {t.name for t in inner.inputs}
+        self._in = {n: s.reshape for n, s in wanted.items() if n in names}
+        self._out = {n: s.dims for n, s in wanted.items() if n not in names}
+
+    @property
+    def cancellable(self) -> bool:
+        return cancellable(self.inner)
+
+    def run(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        return self._back(self.inner.run(self._feed(inputs), outputs))
+
+    def run_cancellable(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None, cancel: Cancel
+    ) -> dict[str, np.ndarray]:
+        run = self.inner.run_cancellable  # type: ignore[attr-defined]
+        return self._back(run(self._feed(inputs), outputs, cancel))
+
+    def _shape(self, array: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+        lead = array.shape[:1] if self._batched else ()
+        try:
+            return array.reshape(lead + shape)
+        except ValueError:
+            raise InvalidInput(
+                f"tensor {name!r}: shape {list(array.shape)} cannot be reshaped to "
+                f"{list(lead + shape)}"
+            ) from None
+
+    def _feed(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self._in:
+            return inputs
+        feed = dict(inputs)
+        for name, shape in self._in.items():
+            if name in feed:
+                assert shape is not None
+                feed[name] = self._shape(np.asarray(feed[name]), shape, name)
+        return feed
+
+    def _back(self, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for name, dims in self._out.items():
+            if name in result:
+                result[name] = self._shape(result[name], dims, name)
+        return result
+
+    def __getattr__(self, name: str) -> Any:  # the runtime's own (properties, options ...)
+        return getattr(self.inner, name)
+
+    def close(self) -> None:
+        self.inner.close()
