@@ -363,9 +363,10 @@ class DataPlane:
 
     async def rescan(self, every_model: bool) -> dict[str, list[str]]:
         """Read the repository again, as Triton's poll mode does, on demand: a model
-        whose files changed is reloaded (a failed one tried again), one whose folder
-        is gone unloaded, and with ``every_model`` a new folder loaded; unchanged files
-        are left alone (a rescan never reloads for nothing)."""
+        whose files changed is reloaded, a failed one tried again (what failed it may
+        have been fixed outside its files), one whose folder is gone unloaded, and with
+        ``every_model`` a new folder loaded; a model serving from unchanged files is
+        left alone (a rescan never reloads for nothing)."""
         loop = asyncio.get_running_loop()
         names, marks = await loop.run_in_executor(None, self._scan)
         done: dict[str, list[str]] = {"loaded": [], "reloaded": [], "unloaded": [], "failed": []}
@@ -378,8 +379,8 @@ class DataPlane:
             loaded = name in self._models
             if not (loaded or every_model or name in self._failed):
                 continue
-            if self._marks.get(name) == marks[name]:
-                continue
+            if self._marks.get(name) == marks[name] and name not in self._failed:
+                continue  # (a failed one is tried again: the fix may be outside its files)
             try:
                 await self.load(name)
             except FerryError as exc:

@@ -172,8 +172,8 @@ class HttpFront(RoutedApp):
                 what = "model files" if key.startswith("file:") else f"parameter {key!r}"
                 raise InvalidInput(f"load request: {what} not supported; only 'config' is")
         if "config" in params:
-            config, triton = parse_load_config(params["config"], name)
-            if triton:  # Ferry's own sections, which Triton's JSON cannot hold, stay
+            config, keep = parse_load_config(params["config"], name)
+            if keep:  # Ferry's own sections, which the override does not name, stay
                 base = await self._repository_config(name)
                 if base is not None:
                     config = keep_ferry_sections(config, base)

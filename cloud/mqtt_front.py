@@ -363,25 +363,44 @@ class MqttFront:
             self._send_reply(props.response_topic, payload, out, error=False)
 
     def _send_reply(
-        self, topic: str, payload: bytes, props: PublishProperties, *, error: bool
+        self,
+        topic: str,
+        payload: bytes,
+        props: PublishProperties,
+        *,
+        error: bool,
+        since: float | None = None,
     ) -> None:
         """Publish an answer and hear how the broker took it: a refusal is logged and,
         for its size, answered with a short error; a connection that ends first holds
-        it for the next (an answer had been lost without a trace either way)."""
+        it for the next (an answer had been lost without a trace either way).
+        ``since``: when it was first held (a resend keeps its age)."""
         client = self._client
         if client is None:
             return
+        at = time.monotonic() if since is None else since
         if not client.connected:
-            self._hold(topic, payload, props)
+            self._hold(at, topic, payload, props)
             return
 
         def acked(outcome: Any) -> None:
             if isinstance(outcome, BaseException):
-                self._hold(topic, payload, props)
+                self._hold(at, topic, payload, props)
             elif outcome >= 0x80:
                 self._refused_reply(topic, payload, props, outcome, error)
 
-        client.publish(topic, payload, properties=props, on_ack=acked)
+        try:
+            client.publish(topic, payload, properties=props, on_ack=acked)
+        except PacketTooLarge as exc:  # over the broker's maximum packet size
+            log.warning("an answer on %s not sent: %s", topic[:200], exc)
+            if not error:  # the requester still gets an answer: a short error
+                request_id = envelope.peek_request_id(payload) or ""  # (a reply has it too)
+                failure = InternalError(
+                    f"node {self.node}: the answer ({len(payload)} bytes) is over the "
+                    "broker's maximum packet size: ask for fewer items"
+                )
+                reply = envelope.encode_error_reply(request_id, failure)
+                self._send_reply(topic, reply, props, error=True, since=since)
 
     def _refused_reply(
         self, topic: str, payload: bytes, props: PublishProperties, reason: int, error: bool
@@ -404,24 +423,29 @@ class MqttFront:
             )
         if reason in (0x95, 0x97) and not error:
             request_id = envelope.peek_request_id(payload) or ""  # (a reply has the id too)
-            failure = PayloadTooLarge(
-                f"node {self.node}: the broker refused the answer ({len(payload)} bytes): "
-                f"{why}; ask for fewer items"
+            failure: FerryError = (
+                PayloadTooLarge(
+                    f"node {self.node}: the broker refused the answer ({len(payload)} "
+                    f"bytes): {why}; ask for fewer items"
+                )
+                if reason == 0x95
+                else Overloaded(
+                    f"node {self.node}: the broker refused the answer: {why}", retry_after=1.0
+                )
             )
             reply = envelope.encode_error_reply(request_id, failure)
             self._send_reply(topic, reply, props, error=True)
 
-    def _hold(self, topic: str, payload: bytes, props: PublishProperties) -> None:
-        if self._client is None:
-            return
+    def _hold(self, at: float, topic: str, payload: bytes, props: PublishProperties) -> None:
+        if self._client is None or len(payload) > HELD_REPLY_BYTES:
+            return  # (one too big to hold must not empty the queue of the others)
         held = self._held
         while held and (
             len(held) >= HELD_REPLIES or self._held_bytes + len(payload) > HELD_REPLY_BYTES
         ):
             self._held_bytes -= len(held.popleft()[2])
-        if len(payload) <= HELD_REPLY_BYTES:
-            held.append((time.monotonic(), topic, payload, props))
-            self._held_bytes += len(payload)
+        held.append((at, topic, payload, props))
+        self._held_bytes += len(payload)
 
     def _resend_held(self) -> None:
         held, self._held, self._held_bytes = self._held, collections.deque(), 0
@@ -429,16 +453,19 @@ class MqttFront:
         for at, topic, payload, props in held:
             if at >= stale:  # (older ones: their requesters' deadlines have passed)
                 self.resent_replies += 1
-                self._send_reply(topic, payload, props, error=False)
+                try:
+                    self._send_reply(topic, payload, props, error=False, since=at)
+                except Exception:  # (never at the cost of the subscriptions after it)
+                    log.exception("a held answer on %s not sent again", topic[:200])
 
     # ---- on the event loop ----------------------------------------------------------
     def _after_connect(self) -> None:
-        self._resend_held()
         self._subscribed.clear()  # a new connection starts with no subscriptions
         if self._handlers:
             self._client.subscribe(*sorted(self._handlers))  # type: ignore[union-attr]
         self._sync_subscriptions()
         self._publish_status()
+        self._resend_held()  # (last: a failure here must not cost the subscriptions)
         for listener in self._connect_listeners:
             listener()
 
@@ -624,15 +651,7 @@ class MqttFront:
             # the exception's text stays in the node's log: it may name paths or internals
             error = InternalError(f"internal error on node {self.node} (logged)")
             reply = envelope.encode_error_reply(request_id, error)
-        try:
-            self._reply(props, reply)
-        except PacketTooLarge as exc:  # the answer itself: the requester still gets one
-            log.warning("request %s: answer not sent: %s", request_id, exc)
-            error = InternalError(
-                f"node {self.node}: the answer ({len(reply)} bytes) is over the broker's "
-                "maximum packet size: ask for fewer items"
-            )
-            self._reply(props, envelope.encode_error_reply(request_id, error))
+        self._reply(props, reply)  # (one over the broker's packet size: a short error)
         self.replies_sent += 1
 
     def _publish_status(self) -> None:

@@ -135,6 +135,13 @@ class Agent:
         # one agent per state folder: two had shared the deferred store (both delivered
         # one row) and overwritten each other's estimates
         self._state_lock = _lock_state_dir(config.state_dir)
+        try:
+            self._build(config, journal)
+        except BaseException:  # (the folder is free again for a corrected config)
+            self._state_lock.close()
+            raise
+
+    def _build(self, config: AgentConfig, journal: int) -> None:
         self.state_file = config.state_dir / "estimates.json"
         self.estimators = Estimators.load(
             self.state_file, time.monotonic(), config.policy.deadline_quantile
@@ -237,6 +244,12 @@ class Agent:
         await asyncio.shield(self._stopping)
 
     async def _stop(self, drain_s: float) -> None:
+        try:
+            await self._close(drain_s)
+        finally:  # (however closing went: the state folder is free for the next agent)
+            self._state_lock.close()
+
+    async def _close(self, drain_s: float) -> None:
         self.ready = False
         if not await self.dataplane.drain(drain_s):
             log.warning("stopping with requests still in flight after %g s", drain_s)
@@ -257,7 +270,6 @@ class Agent:
             # the local API's drain still needs to write its answers)
             await asyncio.to_thread(self.local.close)
             await self.deferrer.close()
-            self._state_lock.close()
 
     async def __aenter__(self) -> Agent:
         await self.start()

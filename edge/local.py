@@ -77,6 +77,8 @@ class LocalModels:
         self.latency_floor_s = latency_floor_s
         self._models: dict[str, LocalModel] = {}
         self._backlog: dict[str, int] = {}
+        #: runs handed to each model's thread and not yet run or skipped by it
+        self._queued: dict[str, int] = {}
         self._emulated: dict[str, asyncio.Lock] = {}
         self._lock = threading.Lock()  # (load runs in a worker thread, close on the loop)
         self._closed = False
@@ -150,7 +152,9 @@ class LocalModels:
         loop = asyncio.get_running_loop()
         waiting = self._backlog.get(name, 0)
         _check_deadline(name, deadline, waiting)
-        if self.max_backlog and waiting >= self.max_backlog:
+        # (runs whose callers gave up stay queued on the thread, holding their inputs,
+        # until it skips them: counted against the bound until then)
+        if self.max_backlog and max(waiting, self._queued.get(name, 0)) >= self.max_backlog:
             # The session thread's queue is bounded here: past it a request is refused at once
             # instead of queueing work the device cannot finish in anyone's deadline.
             raise Overloaded(
@@ -175,7 +179,12 @@ class LocalModels:
                         _check_deadline(name, deadline, w)  # (in the thread, as it starts)
                         return model.run_sync(i, o, c)
 
-                future = model.thread.run(run, inputs, outputs, cancel)
+                self._queued[name] = self._queued.get(name, 0) + 1
+
+                def finished() -> None:
+                    self._queued[name] = self._queued.get(name, 1) - 1
+
+                future = model.thread.run(run, inputs, outputs, cancel, finished=finished)
                 result, seconds = await _queued(future, name, deadline, waiting, started)
                 if not waiting:  # a lone run's hand-off: what running it in place saves
                     model.gate.record_hop(time.perf_counter_ns() - handed - int(seconds * 1e9))
@@ -201,10 +210,11 @@ class LocalModels:
         start on it after this.  Call on the event loop, where runs start; then
         :meth:`LocalModel.close` it (blocking: off the loop)."""
         model = self._models.get(name)
-        if model is None or self._backlog.get(name, 0):
+        if model is None or self._backlog.get(name, 0) or self._queued.get(name, 0):
             return None
         del self._models[name]
         self._backlog.pop(name, None)
+        self._queued.pop(name, None)
         self._emulated.pop(name, None)
         return model
 

@@ -43,13 +43,14 @@ def _broker_arguments(parser: Any) -> None:
     parser.add_argument(
         "--config",
         type=Path,
-        help="a TOML file whose [mqtt] table says how to reach the broker, as a node's "
-        "cloud.toml does (username, password_file, ca_file, cert_file, key_file, "
-        "tls_insecure, client_id, keepalive_s; a node's own file works)",
+        help="a TOML file whose [mqtt] table says how to reach the broker, with a node's "
+        "keys (url, username, password_file, ca_file, cert_file, key_file, tls_insecure, "
+        "client_id, keepalive_s); give it a user of its own: a node's name would knock "
+        "that node off a locked broker",
     )
 
 
-def _mqtt_settings(args: argparse.Namespace) -> Any:
+def _mqtt_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The broker and how to reach it: ``--config``'s [mqtt] table, ``--broker`` over
     its url (a password stays in a file, out of the process list)."""
     from cloud.config import _SCHEMA, parse_mqtt_section
@@ -67,7 +68,7 @@ def _mqtt_settings(args: argparse.Namespace) -> Any:
     settings = parse_mqtt_section(table, source, base)
     if settings is None:
         raise ConfigError(f"{source}: a broker is needed: --broker URL, or [mqtt] url")
-    return settings
+    return settings, table
 
 
 def run_fleet_command(args: argparse.Namespace) -> int:
@@ -108,7 +109,7 @@ def _controller(args: argparse.Namespace) -> int:
     core = ControllerCore(catalogue, profiles, settings)
     for name, why in sorted(problems.items()):
         print(f"ferry-cloud controller: model {name} not placed: {why}", file=sys.stderr)
-    mqtt = _mqtt_settings(args)
+    mqtt, table = _mqtt_settings(args)
     options = ControllerOptions(
         broker=mqtt.broker,
         **({"client_id": mqtt.client_id} if mqtt.client_id else {}),
@@ -116,7 +117,8 @@ def _controller(args: argparse.Namespace) -> int:
         cert_file=mqtt.cert_file,
         key_file=mqtt.key_file,
         tls_insecure=mqtt.tls_insecure,
-        keepalive_s=mqtt.keepalive_s,
+        # (15 s unless set: a standby takes over 1.5 keepalives after the active one died)
+        **({"keepalive_s": mqtt.keepalive_s} if "keepalive_s" in table else {}),
         http_host=args.http_host,
         http_port=None if args.http_port < 0 else args.http_port,
         rescan=lambda: read_catalogue(repository),
@@ -133,7 +135,7 @@ def _fleet(args: argparse.Namespace) -> int:
     from shared.mqtt import ALERTS_TOPIC, PLACEMENT_TOPIC, node_from_status_topic
     from shared.mqtt.documents import decode_document
 
-    mqtt = _mqtt_settings(args)
+    mqtt, _ = _mqtt_settings(args)
     broker = mqtt.broker
     view = FleetView()
     alerts: list[Any] = []

@@ -39,6 +39,11 @@ T = TypeVar("T")
 Key = Hashable
 
 
+#: bytes an entry holds beyond its answer's tensors (measured: ~3.5 KB of RSS a keyed
+#: request on a node, most of it the response and its parameters)
+ENTRY_OVERHEAD = 2048
+
+
 @dataclass
 class _Entry(Generic[T]):
     task: asyncio.Future[T]
@@ -112,11 +117,18 @@ class IdempotencyCache(Generic[T]):
             self.bytes -= entry.size
 
     def _trim(self) -> None:
-        while len(self._entries) > self.max_entries or (
-            self.bytes > self.max_bytes and self._entries
-        ):
-            _, entry = self._entries.popitem(last=False)
+        entries = self._entries
+        while len(entries) > self.max_entries or (self.bytes > self.max_bytes and entries):
+            _, entry = entries.popitem(last=False)
             self.bytes -= entry.size
+        # Expired ones at the old end go too: the ttl had bounded nothing (a node held
+        # max_entries answers whatever the ttl, growing for as long as it took to fill)
+        now = time.monotonic()
+        while entries:
+            key, entry = next(iter(entries.items()))
+            if entry.expires is None or entry.expires > now:
+                break
+            self._drop(key)
 
     def _settle(self, key: Key, entry: _Entry[T], task: asyncio.Future[T]) -> None:
         failed = task.cancelled() or task.exception() is not None  # also marks it retrieved
@@ -126,7 +138,9 @@ class IdempotencyCache(Generic[T]):
             self._drop(key)
             return
         entry.expires = time.monotonic() + self.ttl_s
-        entry.size = self.sizeof(task.result())
+        # (what an entry costs beside its answer's tensors: the key, the entry, the
+        # response object; counted, or small answers' entries passed the byte bound)
+        entry.size = self.sizeof(task.result()) + ENTRY_OVERHEAD
         self.bytes += entry.size
         if entry.size > self.max_bytes:
             self._drop(key)  # bigger than the whole cache: a late duplicate runs again

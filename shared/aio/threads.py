@@ -81,15 +81,21 @@ class SessionThread:
         """``done(result, None)`` or ``done(None, error)`` is called on the loop."""
         self._queue.put((fn, args, done, None))
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, finished: Callable[[], None] | None = None
+    ) -> asyncio.Future[Any]:
         """``fn(*args)`` on this thread; a future of its result, resolved on the loop.
 
         Cancelling the future before the thread reaches the run skips it: a caller
         that gave up (cancelled, past its deadline) had still had its run made, in
-        the place of the requests queued behind it."""
+        the place of the requests queued behind it.  ``finished()`` is called on the
+        loop once the thread is done with it, run or skipped (what it holds is
+        freed then: a queue bound counts it until that moment)."""
         future: asyncio.Future[Any] = self._loop.create_future()
 
         def done(result: Any, error: BaseException | None) -> None:
+            if finished is not None:
+                finished()
             if future.cancelled():
                 return
             if error is not None:
@@ -114,7 +120,12 @@ class SessionThread:
                 return
             fn, args, done, future = item
             if future is not None and future.cancelled():
-                del item, fn, args, done, future
+                del item, fn, args, future
+                try:  # (its caller is gone; its ``finished`` still hears it)
+                    self._loop.call_soon_threadsafe(done, None, None)
+                except RuntimeError:
+                    return
+                del done
                 continue
             try:
                 result, error = fn(*args), None

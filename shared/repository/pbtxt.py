@@ -500,12 +500,26 @@ def parse_load_config(
 ) -> tuple[ModelConfig, bool]:
     """A load request's ``config``: Triton's ``ModelConfig`` JSON (what Triton's
     clients send, and what ``GET /v2/models/{m}/config`` answers), or the keys of
-    Ferry's ``config.toml``.  True with a Triton one: it cannot say what Ferry's own
-    sections (``[[preprocess]]``, ``[runtime]``, ``[placement]``) hold, so the
-    caller keeps the repository's."""
+    Ferry's ``config.toml`` (tried as Triton's where they do not read as Ferry's).
+    True where it names none of Ferry's own sections (``[[preprocess]]``,
+    ``[[postprocess]]``, ``[runtime]``, ``[placement]``): Triton's cannot, and a
+    partial override (``{"max_batch_size": 4}``) means none of them, so the caller
+    keeps the repository's."""
     data = json_object(text, source)
+    keep = not (
+        any(k in data for k in ("preprocess", "postprocess", "placement"))
+        or isinstance(data.get("runtime"), dict)
+    )
     if not _looks_triton(data):
-        return parse_config_dict(data, source, name), False
+        try:
+            return parse_config_dict(data, source, name), keep
+        except ConfigError as ferry_error:  # (a uint64 as a string, a nested camelCase)
+            try:
+                fields = _proto_fields(data)
+                triton = triton_config_dict(fields, source, name)
+                return parse_config_dict(triton, source, name), True
+            except ConfigError:
+                raise ferry_error from None
     fields = _proto_fields(data)
     return parse_config_dict(triton_config_dict(fields, source, name), source, name), True
 

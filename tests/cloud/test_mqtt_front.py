@@ -31,7 +31,7 @@ from shared.messages import InferRequest
 from shared.mqtt import parse_broker_url
 from shared.tensors import Tensor
 from tests.cloud.conftest import build_slow_repository
-from tests.support import SecuredBroker, cloud_server
+from tests.support import SecuredBroker, cloud_server, write_linear_model
 
 
 @pytest.fixture
@@ -664,6 +664,54 @@ async def test_an_answer_whose_connection_broke_is_sent_on_the_next_one(tmp_path
         await _until(lambda: watcher.messages, "the held answer never came", 30)
         assert watcher.messages == [answer] and front.resent_replies == 1
     finally:
+        watcher.close()
+        await front.close()
+        await dp.close()
+        broker.stop()
+
+
+async def test_a_held_answer_over_the_new_brokers_packet_size_costs_no_subscription(tmp_path):
+    """Resent first thing on reconnect, an answer over a smaller broker's packet size
+    raised there: the node stayed connected and subscribed to nothing for good."""
+    from cloud.config import MqttConfig
+    from cloud.dataplane import DataPlane
+    from cloud.mqtt_front import MqttFront
+    from shared.mqtt.codec import PublishProperties
+    from shared.repository import ModelRepository
+    from shared.tensors import Limits
+    from tests.support import Broker
+
+    broker = Broker(tmp_path / "broker")
+    if os.geteuid() == 0:  # (see above: the watcher's session must survive the restart)
+        broker.conf.write_text(broker.conf.read_text() + "user root\n")
+    broker.start()
+    write_linear_model(tmp_path / "repo" / "lin" / "1" / "model.onnx")
+    dp = DataPlane(ModelRepository(tmp_path / "repo"), "d")
+    await dp.load("lin")
+    front = MqttFront(dp, MqttConfig(broker=parse_broker_url(broker.url)), Limits(), "d")
+    watcher = _ReplyWatcher(broker, "ferry/v1/replies/x/#")
+    raw = None
+    try:
+        await front.start()
+        await asyncio.sleep(0.3)
+        broker.stop()
+        await _until(lambda: not front.connected, "the front never saw the broker go")
+        props = PublishProperties(response_topic="ferry/v1/replies/x/1", correlation_data=b"c1")
+        big = envelope.encode_error_reply("r3", InvalidInput("x" * 20000))
+        front._reply(props, big)
+        broker.conf.write_text(
+            broker.conf.read_text().replace("max_packet_size 67108864", "max_packet_size 8000")
+        )
+        broker.start()
+        await _until(lambda: watcher.messages, "the requester got no answer at all", 30)
+        rid, answer = envelope.decode_reply(watcher.messages[0])
+        assert rid == "r3" and "maximum packet size" in str(answer)
+        raw = await asyncio.to_thread(RawClient, broker)
+        sent = raw.publish("lin", np.ones((1, 4), np.float32))
+        await asyncio.to_thread(raw.wait_replies, [sent], 20)  # still subscribed
+    finally:
+        if raw is not None:
+            raw.close()
         watcher.close()
         await front.close()
         await dp.close()

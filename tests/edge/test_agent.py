@@ -856,3 +856,12 @@ async def test_one_state_folder_holds_one_agent_at_a_time(tmp_path, edge_repos):
     second = Agent(load_agent_config(cfg))  # free again once the first stopped
     await second.start()
     await second.stop()
+    # an agent whose construction failed after the lock lets the folder go too
+    (tmp_path / "bad.pem").write_text("not a certificate")
+    broken = cfg.read_text() + '[cloud]\nmqtt = "mqtts://127.0.0.1:8883"\nca_file = "bad.pem"\n'
+    (tmp_path / "broken.toml").write_text(broken)
+    with pytest.raises(ConfigError):
+        Agent(load_agent_config(tmp_path / "broken.toml"))
+    third = Agent(load_agent_config(cfg))
+    await third.start()
+    await third.stop()

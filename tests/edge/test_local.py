@@ -168,3 +168,39 @@ async def test_a_cancelled_queued_run_is_skipped_and_a_deadline_is_met_while_que
     await asyncio.sleep(0.05)
     assert 7.0 not in ran and local.backlog("lin") == 0
     local.close()
+
+
+async def test_runs_given_up_while_queued_count_against_the_bound_until_the_thread_drops_them(
+    tmp_path,
+):
+    """Past their deadline they were uncounted at once while they stayed queued on the
+    thread, each holding its inputs: 490 of them (8 MB) behind one 2 s run."""
+    import time
+
+    from shared.errors import DeadlineExceeded
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx")
+    local = LocalModels(ModelRepository(tmp_path), max_backlog=4)
+    model = local.load("lin")
+    run_sync = model.run_sync
+
+    def slow(inputs, outputs, cancel=None):
+        time.sleep(0.5)
+        return run_sync(inputs, outputs, cancel)
+
+    model.run_sync = slow
+    x = {"x": np.ones((1, 4), np.float32)}
+    blocker = asyncio.ensure_future(local.run("lin", x))
+    await asyncio.sleep(0.05)
+    outcomes = await asyncio.gather(
+        *(local.run("lin", x, deadline=time.monotonic() + 0.02) for _ in range(10)),
+        return_exceptions=True,
+    )
+    late = [o for o in outcomes if isinstance(o, DeadlineExceeded)]
+    refused = [o for o in outcomes if isinstance(o, Overloaded)]
+    assert len(late) == 3 and len(refused) == 7, outcomes  # the blocker + 3 fill the 4
+    await blocker
+    await asyncio.sleep(0.1)  # the thread has dropped the three
+    assert local._queued["lin"] == 0
+    assert await local.run("lin", x)  # room again
+    local.close()

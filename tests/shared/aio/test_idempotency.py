@@ -119,16 +119,41 @@ async def test_a_reused_key_with_other_inputs_is_a_conflict_not_another_answer()
 
 
 async def test_the_cache_is_bounded_by_the_bytes_of_its_answers():
-    cache: IdempotencyCache[str] = IdempotencyCache(60, 1000, max_bytes=100, sizeof=lambda r: 40)
+    from shared.aio.idempotency import ENTRY_OVERHEAD
+
+    each = 40 + ENTRY_OVERHEAD  # (an entry's own cost is counted too)
+    cache: IdempotencyCache[str] = IdempotencyCache(
+        60, 1000, max_bytes=2 * each + 20, sizeof=lambda r: 40
+    )
     work = Counter()
     work.release.set()
     for key in ("a", "b", "c"):
         await cache.run(key, work)
-    assert len(cache) == 2 and cache.bytes == 80  # the oldest went to stay under 100
+    assert len(cache) == 2 and cache.bytes == 2 * each  # the oldest went to stay under
     assert (await cache.run("a", work))[1] is False
     huge: IdempotencyCache[str] = IdempotencyCache(60, 1000, max_bytes=10, sizeof=lambda r: 40)
     await huge.run("x", work)
     assert len(huge) == 0 and huge.bytes == 0  # bigger than the cache: not kept
+
+
+async def test_expired_entries_are_let_go_not_kept_until_the_bounds_push_them_out():
+    """The ttl had bounded nothing: 3000 keys with a 10 ms ttl were all still held."""
+    import time
+
+    cache: IdempotencyCache[str] = IdempotencyCache(0.01, 4096)
+    work = Counter()
+    work.release.set()
+    for i in range(300):
+        await cache.run(f"k{i}", work)
+    time.sleep(0.05)
+    await cache.run("last", work)
+    assert len(cache) == 1 and cache.bytes == cache.sizeof("") + _overhead()
+
+
+def _overhead() -> int:
+    from shared.aio.idempotency import ENTRY_OVERHEAD
+
+    return ENTRY_OVERHEAD
 
 
 async def test_keys_are_scoped_by_principal_and_checked_against_the_inputs(tmp_path):

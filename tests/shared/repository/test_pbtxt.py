@@ -242,3 +242,23 @@ def test_a_reshape_serves_the_declared_dims_and_feeds_the_model_its_own_shape(
     with pytest.raises(ConfigError, match=r"reshape.*hold 2 values"):
         open_pipeline("onnxruntime", tmp_path / "m" / "1" / "model.onnx",
                       RuntimeOptions(threads=1), repo.read_config("m"))  # fmt: skip
+
+
+def test_a_load_override_reads_as_ferrys_or_tritons_and_says_which_sections_stay() -> None:
+    import json
+
+    from shared.repository.pbtxt import parse_load_config
+
+    # protobuf's JSON: a uint64 as a string, a nested camelCase name (read as Triton's)
+    config, keep = parse_load_config(
+        json.dumps({"max_batch_size": 8, "dynamic_batching": {"priorityLevels": "2"}}), "m"
+    )
+    assert config.dynamic_batching.priority_levels == 2 and keep
+    # a partial override, valid in both: the repository's own sections stay
+    config, keep = parse_load_config(json.dumps({"max_batch_size": 4}), "m")
+    assert config.max_batch_size == 4 and keep
+    # one that names a Ferry section replaces them all, as written
+    _, keep = parse_load_config(json.dumps({"runtime": {"threads": 2}}), "m")
+    assert not keep
+    with pytest.raises(ConfigError, match="unknown key 'bogus'"):  # Ferry's error, not Triton's
+        parse_load_config(json.dumps({"max_batch_size": 4, "bogus": 1}), "m")
