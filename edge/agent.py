@@ -41,6 +41,7 @@ from edge.local import LocalModels
 from edge.store import DeferredStore
 from edge.transports.base import Transport
 from shared.errors import ConfigError, FerryError, InvalidInput, ModelNotFound, ShuttingDown
+from shared.heap import trim_heap
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.pipeline import sample_inputs
@@ -287,9 +288,11 @@ class Agent:
         return sorted(names)
 
     async def _load_local_models(self, config: AgentConfig) -> None:
+        loaded = False
         for name in self._wanted_local(config):
             if self.local.has(name):
                 continue
+            loaded = True
             try:
                 model = await asyncio.to_thread(self.local.load, name)
             except ModelNotFound as exc:  # a typo in the file: say where
@@ -301,6 +304,8 @@ class Agent:
                 where = f"{config.source or 'agent config'}: key {keys[0]!r}: " if keys else ""
                 raise ConfigError(f"{where}{exc.message}") from None
             await self._warm_up(model.name)
+        if loaded:  # what loading and warming up freed goes back to the system
+            await asyncio.to_thread(trim_heap)
         for name, mp in config.policy.models.items():
             # (a name the model lacks failed every request with a 500 at run time)
             if mp.cascade_output and mp.local_model and self.local.has(mp.local_model):

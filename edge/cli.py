@@ -143,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "run":
+            # A device counts its RSS: one malloc arena (the agent's few threads each
+            # held their own freed memory), set before any thread starts
+            from shared.heap import limit_arenas
+
+            limit_arenas(1)
             return asyncio.run(_run(args.config, args.api_port))
         if args.command == "evaluate":
             from edge.evaluation.cli import run_evaluate
