@@ -310,7 +310,26 @@ class EdgeDataPlane:
         else:
             self.resolve(name, version)
             names = [name]
-        return {"model_stats": [self.stats.to_triton(n) for n in names]}
+        return {"model_stats": [self.stats.to_triton(n, self._version(n)) for n in names]}
+
+    def _version(self, name: str) -> str:
+        """The local variant's version ("" for a model the cloud alone serves)."""
+        try:
+            model = self.resolve(name)
+        except FerryError:
+            return ""
+        return str(model.version) if model is not None else ""
+
+    def _items(self, name: str, request: InferRequest) -> int:
+        """Batch items of a request, where the model batches (its local variant says)."""
+        try:
+            model = self.resolve(name)
+        except FerryError:
+            return 1
+        if model is None or not model.config.max_batch_size or not request.inputs:
+            return 1
+        shape = request.inputs[0].data.shape
+        return int(shape[0]) if shape else 1
 
     async def _cloud_json(self, name: str, what: str, version: str | None = None) -> dict[str, Any]:
         """Metadata or config of a model (a version) the cloud serves, from its own V2 API."""
@@ -478,7 +497,7 @@ class EdgeDataPlane:
             raise
         # (a shared answer ran nothing: counted apart, no queue or compute time again)
         shown = {"where": "duplicate"} if duplicate else response.parameters
-        self.stats.success(model, shown, time.monotonic() - start)
+        self.stats.success(model, shown, time.monotonic() - start, self._items(model, request))
         response.id = client_id
         return response
 

@@ -21,6 +21,7 @@ from typing import Any
 @dataclass
 class _ModelCounters:
     success: int = 0
+    items: int = 0  # batch items answered (Triton's inference_count)
     success_ns: int = 0
     fail: int = 0
     fail_ns: int = 0
@@ -41,10 +42,12 @@ class AgentStats:
             found = self._models[model] = _ModelCounters()
         return found
 
-    def success(self, model: str, params: dict[str, Any], seconds: float) -> None:
-        """One answered request; ``params`` is its provenance (where, queue_us, compute_us)."""
+    def success(self, model: str, params: dict[str, Any], seconds: float, items: int = 1) -> None:
+        """One answered request of ``items`` batch items; ``params`` is its provenance
+        (where, queue_us, compute_us)."""
         c = self._get(model)
         c.success += 1
+        c.items += items
         c.success_ns += int(seconds * 1e9)
         c.queue_ns += int(params.get("queue_us", 0) or 0) * 1000
         c.compute_ns += int(params.get("compute_us", 0) or 0) * 1000
@@ -67,7 +70,7 @@ class AgentStats:
             "name": model,
             "version": version,
             "last_inference": c.last_ms,
-            "inference_count": c.success,
+            "inference_count": c.items,  # (batch items, as Triton counts them)
             "execution_count": c.success,
             "inference_stats": {
                 "success": {"count": c.success, "ns": c.success_ns},

@@ -184,7 +184,12 @@ def decode_request(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS)
     try:
         raw = _request_decoder.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:
-        raise InvalidInput(f"malformed MQTT request: {exc}") from None
+        hint = (
+            " (an MQTT request is the MessagePack envelope, not V2 JSON: see docs)"
+            if bytes(payload[:1]) in (b"{", b"[")
+            else ""
+        )
+        raise InvalidInput(f"malformed MQTT request: {exc}{hint}") from None
     except RecursionError:  # msgspec's guard against deeply nested arrays and maps
         raise InvalidInput("malformed MQTT request: nested too deeply") from None
     if not raw.inputs:

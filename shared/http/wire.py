@@ -21,6 +21,7 @@ obsolete folded header line or a control character in a header is refused
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import deque
 
@@ -31,6 +32,8 @@ from shared.buffered import TAIL, FeedsBuffers, let_go
 _SCRATCH = 16 * 1024
 #: bodies at least this long get a buffer of their own
 LARGE_BODY = 16 * 1024
+#: the blank line ending a head whose lines end in a bare LF (or a mix)
+_BARE_HEAD_END = re.compile(rb"\r?\n\r?\n")
 #: A longer body's buffer starts this long and grows (x4) as its bytes come: memory held
 #: follows what arrived, not what a head declared (a client that declares 16 MB and
 #: trickles holds this much, where a zero-filled buffer of the whole length had been
@@ -321,10 +324,22 @@ class _Reader(FeedsBuffers):
         while buf[:2] == b"\r\n":  # RFC 9112 2.2: ignore empty lines before a request
             del buf[:2]
         end = buf.find(b"\r\n\r\n")
+        if end >= 0 and (buf.find(b"\n\n", 0, end) >= 0 or buf.find(b"\n\r\n", 0, end) >= 0):
+            end = -1  # a head of bare LFs before it (a CRLF one has no blank line inside)
         if end < 0:
-            if len(buf) > self.max_head:
-                raise HttpError(431, f"header section longer than {self.max_head} bytes")
-            return False
+            # RFC 9112 2.2: a bare LF may end a line (printf | nc): such a head had waited
+            # out the header timeout with no answer
+            bare = _BARE_HEAD_END.search(buf) if b"\n" in buf else None
+            if bare is None or bare.start() > self.max_head:
+                if len(buf) > self.max_head:
+                    raise HttpError(431, f"header section longer than {self.max_head} bytes")
+                return False
+            lines = [line.rstrip(b"\r") for line in bytes(buf[: bare.start()]).split(b"\n")]
+            del buf[: bare.end()]
+            head = self._start_line(lines[0])
+            _parse_fields(lines[1:], head, self.max_fields)
+            self._frame(head)
+            return True
         if end > self.max_head:
             raise HttpError(431, f"header section longer than {self.max_head} bytes")
         lines = bytes(buf[:end]).split(b"\r\n")

@@ -263,9 +263,14 @@ def test_the_local_api_answers_triton_config_stats_and_index_like_the_cloud(
         inp.set_data_from_numpy(np.ones((1, 4), np.float32))
         for _ in range(3):
             client.infer("lin", [inp])
+        five = triton.InferInput("x", [5, 4], "FP32")
+        five.set_data_from_numpy(np.ones((5, 4), np.float32))
+        client.infer("lin", [five])
         stats = client.get_inference_statistics("lin")["model_stats"][0]
-        assert stats["inference_stats"]["success"]["count"] == 3
-        assert sum(stats["where"].values()) == 3
+        assert stats["inference_stats"]["success"]["count"] == 4
+        assert sum(stats["where"].values()) == 4
+        # batch items, as Triton counts them (it had counted requests), and the version
+        assert stats["inference_count"] == 8 and stats["version"] == "1"
         index = {e["name"]: e["state"] for e in client.get_model_repository_index()}
         # (a local variant answers under its own name too: it is listed)
         assert index == {"lin": "READY", "c": "READY", "lin-local": "READY"}

@@ -333,3 +333,9 @@ def test_an_output_asked_twice_is_answered_once():
     request = InferRequest(inputs=[x], id="r", outputs=[RequestedOutput("y"), RequestedOutput("y")])
     decoded = envelope.decode_request(envelope.encode_request(request))
     assert [o.name for o in decoded.outputs] == ["y"]
+
+
+def test_a_v2_json_body_sent_over_mqtt_is_told_what_the_payload_is():
+    """It had read 'Expected `object`, got `int`' (the '{' read as a MessagePack int)."""
+    with pytest.raises(InvalidInput, match="MessagePack envelope, not V2 JSON"):
+        envelope.decode_request(b'{"inputs": []}')

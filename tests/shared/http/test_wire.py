@@ -129,6 +129,22 @@ def test_headers_are_case_insensitive_and_repeated_ones_joined() -> None:
     assert head.keep_alive
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"GET /v2/health/ready HTTP/1.1\nHost: x\n\n",  # printf | nc
+        b"GET /v2/health/ready HTTP/1.1\r\nHost: x\n\r\n",  # a mix
+    ],
+)
+def test_a_head_whose_lines_end_in_a_bare_lf_is_read(data: bytes) -> None:
+    """It had waited out the header timeout and was closed with no answer at all."""
+    got = requests_of(RequestParser(), data + post("/next", b"abc"), [5, 9])
+    assert [(h.target, h.headers.get("host"), b) for h, b in got] == [
+        ("/v2/health/ready", "x", b""),
+        ("/next", "x", b"abc"),
+    ]
+
+
 def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:
     parser = RequestParser()
     parser.feed(b"GET / HTTP/1.0\r\n\r\n")
