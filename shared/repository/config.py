@@ -169,7 +169,8 @@ class ModelConfig:
 
 # ---- config.toml -------------------------------------------------------------------------
 
-_TOP = (
+#: config.toml's top-level keys (a load override's, in Ferry's form)
+TOP_KEYS = (
     "backend",
     "max_batch_size",
     "input",
@@ -208,7 +209,7 @@ def parse_config(path: Path, name: str) -> ModelConfig:
 
 def parse_config_dict(data: dict, source: str, name: str) -> ModelConfig:
     """Check an already-decoded config; ``source`` names it in error messages."""
-    check_table(data, source, "", _TOP)
+    check_table(data, source, "", TOP_KEYS)
     backend = None
     if "backend" in data:
         backend = check_choice(data["backend"], source, "backend", tuple(BACKENDS))

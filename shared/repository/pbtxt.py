@@ -37,7 +37,7 @@ from typing import Any
 
 from shared.errors import ConfigError
 from shared.repository.checks import fail
-from shared.repository.config import ModelConfig, json_object, parse_config_dict
+from shared.repository.config import TOP_KEYS, ModelConfig, json_object, parse_config_dict
 from shared.repository.legacy import legacy_datatype
 
 log = logging.getLogger(__name__)
@@ -482,17 +482,9 @@ _INTEGERS = frozenset(
         "max_queue_size",
     )
 )
-#: keys that only Triton's ModelConfig has (Ferry's own keys never look like these)
-_TRITON_ONLY = frozenset((*_KNOWN, *_IGNORED, *_REFUSED)) - {
-    "backend",
-    "max_batch_size",
-    "input",
-    "output",
-    "dynamic_batching",
-    "instance_group",
-    "version_policy",
-    "runtime",  # (Triton's names a backend library; Ferry's is a table: told apart below)
-}
+#: keys that only Triton's ModelConfig has (``runtime`` is both's: Triton's names a
+#: backend library, Ferry's is a table, told apart below)
+_TRITON_ONLY = frozenset((*_KNOWN, *_IGNORED, *_REFUSED)) - set(TOP_KEYS)
 
 
 def parse_load_config(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -596,73 +597,35 @@ async def _until(check, what: str, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_an_answer_the_broker_refuses_for_its_size_gets_a_short_error_instead(tmp_path):
-    """The answer was dropped without a word (PUBACK 0x95 unread): the requester waited
-    out its deadline, and the node counted a success."""
+@contextlib.asynccontextmanager
+async def _front_and_watcher(tmp_path, extra_conf: str = "", model: bool = False):
+    """An in-process MQTT front on a broker of its own (``extra_conf`` appended; its
+    sessions saved across a restart), and a watcher of the replies under x/."""
     from cloud.config import MqttConfig
     from cloud.dataplane import DataPlane
     from cloud.mqtt_front import MqttFront
-    from shared.messages import InferResponse
-    from shared.mqtt.codec import PublishProperties
-    from shared.repository import ModelRepository
-    from shared.tensors import Limits
-    from tests.support import Broker
-
-    small = Broker(tmp_path / "broker")
-    small.conf.write_text(small.conf.read_text() + "message_size_limit 4000\n")
-    small.start()
-    (tmp_path / "repo").mkdir()
-    dp = DataPlane(ModelRepository(tmp_path / "repo"), "d")
-    front = MqttFront(dp, MqttConfig(broker=parse_broker_url(small.url)), Limits(), "d")
-    watcher = _ReplyWatcher(small, "ferry/v1/replies/x/#")
-    try:
-        await front.start()
-        await asyncio.sleep(0.3)
-        big = InferResponse("m", [Tensor.from_array("y", np.zeros(5000, np.float32))], "1", "r1")
-        props = PublishProperties(response_topic="ferry/v1/replies/x/1", correlation_data=b"c1")
-        front._reply(props, envelope.encode_reply(big))
-        await _until(lambda: watcher.messages, "no answer at all")
-        rid, answer = envelope.decode_reply(watcher.messages[0])
-        assert rid == "r1" and answer.code.value == "payload_too_large", answer
-        assert front.refused_replies == 1
-    finally:
-        watcher.close()
-        await front.close()
-        await dp.close()
-        small.stop()
-
-
-async def test_an_answer_whose_connection_broke_is_sent_on_the_next_one(tmp_path):
-    """An answer published while the broker was away was lost with no trace."""
-    from cloud.config import MqttConfig
-    from cloud.dataplane import DataPlane
-    from cloud.mqtt_front import MqttFront
-    from shared.mqtt.codec import PublishProperties
     from shared.repository import ModelRepository
     from shared.tensors import Limits
     from tests.support import Broker
 
     broker = Broker(tmp_path / "broker")
     if os.geteuid() == 0:  # (Mosquitto drops to its own user, which cannot save the
-        # watcher's session under pytest's private folders: it would be gone after the restart)
-        broker.conf.write_text(broker.conf.read_text() + "user root\n")
+        # watcher's session under pytest's private folders: it would be gone after a restart)
+        extra_conf += "user root\n"
+    broker.conf.write_text(broker.conf.read_text() + extra_conf)
     broker.start()
     (tmp_path / "repo").mkdir()
+    if model:
+        write_linear_model(tmp_path / "repo" / "lin" / "1" / "model.onnx")
     dp = DataPlane(ModelRepository(tmp_path / "repo"), "d")
+    if model:
+        await dp.load("lin")
     front = MqttFront(dp, MqttConfig(broker=parse_broker_url(broker.url)), Limits(), "d")
     watcher = _ReplyWatcher(broker, "ferry/v1/replies/x/#")
     try:
         await front.start()
         await asyncio.sleep(0.3)
-        broker.stop()
-        await _until(lambda: not front.connected, "the front never saw the broker go")
-        props = PublishProperties(response_topic="ferry/v1/replies/x/1", correlation_data=b"c1")
-        answer = envelope.encode_error_reply("r2", InvalidInput("an answer"))
-        front._reply(props, answer)
-        broker.start()
-        await _until(lambda: front.connected, "the front never came back", 30)
-        await _until(lambda: watcher.messages, "the held answer never came", 30)
-        assert watcher.messages == [answer] and front.resent_replies == 1
+        yield broker, front, watcher
     finally:
         watcher.close()
         await front.close()
@@ -670,35 +633,46 @@ async def test_an_answer_whose_connection_broke_is_sent_on_the_next_one(tmp_path
         broker.stop()
 
 
+def _x_props():
+    from shared.mqtt.codec import PublishProperties
+
+    return PublishProperties(response_topic="ferry/v1/replies/x/1", correlation_data=b"c1")
+
+
+async def test_an_answer_the_broker_refuses_for_its_size_gets_a_short_error_instead(tmp_path):
+    """The answer was dropped without a word (PUBACK 0x95 unread): the requester waited
+    out its deadline, and the node counted a success."""
+    from shared.messages import InferResponse
+
+    async with _front_and_watcher(tmp_path, "message_size_limit 4000\n") as (_, front, watcher):
+        big = InferResponse("m", [Tensor.from_array("y", np.zeros(5000, np.float32))], "1", "r1")
+        front._reply(_x_props(), envelope.encode_reply(big))
+        await _until(lambda: watcher.messages, "no answer at all")
+        rid, answer = envelope.decode_reply(watcher.messages[0])
+        assert rid == "r1" and answer.code.value == "payload_too_large", answer
+        assert front.refused_replies == 1
+
+
+async def test_an_answer_whose_connection_broke_is_sent_on_the_next_one(tmp_path):
+    """An answer published while the broker was away was lost with no trace."""
+    async with _front_and_watcher(tmp_path) as (broker, front, watcher):
+        broker.stop()
+        await _until(lambda: not front.connected, "the front never saw the broker go")
+        answer = envelope.encode_error_reply("r2", InvalidInput("an answer"))
+        front._reply(_x_props(), answer)
+        broker.start()
+        await _until(lambda: watcher.messages, "the held answer never came", 30)
+        assert watcher.messages == [answer] and front.resent_replies == 1
+
+
 async def test_a_held_answer_over_the_new_brokers_packet_size_costs_no_subscription(tmp_path):
     """Resent first thing on reconnect, an answer over a smaller broker's packet size
     raised there: the node stayed connected and subscribed to nothing for good."""
-    from cloud.config import MqttConfig
-    from cloud.dataplane import DataPlane
-    from cloud.mqtt_front import MqttFront
-    from shared.mqtt.codec import PublishProperties
-    from shared.repository import ModelRepository
-    from shared.tensors import Limits
-    from tests.support import Broker
-
-    broker = Broker(tmp_path / "broker")
-    if os.geteuid() == 0:  # (see above: the watcher's session must survive the restart)
-        broker.conf.write_text(broker.conf.read_text() + "user root\n")
-    broker.start()
-    write_linear_model(tmp_path / "repo" / "lin" / "1" / "model.onnx")
-    dp = DataPlane(ModelRepository(tmp_path / "repo"), "d")
-    await dp.load("lin")
-    front = MqttFront(dp, MqttConfig(broker=parse_broker_url(broker.url)), Limits(), "d")
-    watcher = _ReplyWatcher(broker, "ferry/v1/replies/x/#")
-    raw = None
-    try:
-        await front.start()
-        await asyncio.sleep(0.3)
+    async with _front_and_watcher(tmp_path, model=True) as (broker, front, watcher):
         broker.stop()
         await _until(lambda: not front.connected, "the front never saw the broker go")
-        props = PublishProperties(response_topic="ferry/v1/replies/x/1", correlation_data=b"c1")
         big = envelope.encode_error_reply("r3", InvalidInput("x" * 20000))
-        front._reply(props, big)
+        front._reply(_x_props(), big)
         broker.conf.write_text(
             broker.conf.read_text().replace("max_packet_size 67108864", "max_packet_size 8000")
         )
@@ -707,12 +681,8 @@ async def test_a_held_answer_over_the_new_brokers_packet_size_costs_no_subscript
         rid, answer = envelope.decode_reply(watcher.messages[0])
         assert rid == "r3" and "maximum packet size" in str(answer)
         raw = await asyncio.to_thread(RawClient, broker)
-        sent = raw.publish("lin", np.ones((1, 4), np.float32))
-        await asyncio.to_thread(raw.wait_replies, [sent], 20)  # still subscribed
-    finally:
-        if raw is not None:
+        try:
+            sent = raw.publish("lin", np.ones((1, 4), np.float32))
+            await asyncio.to_thread(raw.wait_replies, [sent], 20)  # still subscribed
+        finally:
             raw.close()
-        watcher.close()
-        await front.close()
-        await dp.close()
-        broker.stop()
