@@ -49,7 +49,6 @@ from shared.errors import (
     ModelNotReady,
     ShuttingDown,
 )
-from shared.heap import trim_heap
 from shared.idempotency import fingerprint, idempotency_key
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline import open_session
@@ -222,9 +221,6 @@ class DataPlane:
             log.info("loaded %s versions %s", name, sorted(built))
             self._changed()
             await self._retire(old.values())
-            # what building, checking and warming it up freed goes back to the system (a
-            # node packed with models counts its memory)
-            await loop.run_in_executor(None, trim_heap)
 
     def _other_sessions(self, name: str) -> int:
         """Sessions loaded for other models (read from a worker thread: snapshot first)."""

@@ -176,7 +176,7 @@ class HttpFront(RoutedApp):
             if keep:  # Ferry's own sections, which the override does not name, stay
                 base = await self._repository_config(name)
                 if base is not None:
-                    config = keep_ferry_sections(config, base)
+                    config = keep_ferry_sections(config, base, keep)
         await self.dataplane.load(name, config)
         return json_response({})
 

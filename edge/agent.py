@@ -304,7 +304,8 @@ class Agent:
                 where = f"{config.source or 'agent config'}: key {keys[0]!r}: " if keys else ""
                 raise ConfigError(f"{where}{exc.message}") from None
             await self._warm_up(model.name)
-        if loaded:  # what loading and warming up freed goes back to the system
+        if loaded and not self.ready:  # what loading freed goes back to the system, at
+            # start only: a trim holds the allocator's lock, which requests would wait on
             await asyncio.to_thread(trim_heap)
         for name, mp in config.policy.models.items():
             # (a name the model lacks failed every request with a 500 at run time)

@@ -158,7 +158,8 @@ class LocalModels:
             # The session thread's queue is bounded here: past it a request is refused at once
             # instead of queueing work the device cannot finish in anyone's deadline.
             raise Overloaded(
-                f"local model {name!r} has {waiting} requests waiting (max {self.max_backlog})",
+                f"local model {name!r} has {max(waiting, self._queued.get(name, 0))} requests "
+                f"waiting (max {self.max_backlog})",
                 retry_after=1.0,
             )
         self._backlog[name] = waiting + 1

@@ -40,8 +40,8 @@ Key = Hashable
 
 
 #: bytes an entry holds beyond its answer's tensors (measured: ~3.5 KB of RSS a keyed
-#: request on a node, most of it the response and its parameters)
-ENTRY_OVERHEAD = 2048
+#: request on a node, the response, its parameters and the allocator's share)
+ENTRY_OVERHEAD = 3584
 
 
 @dataclass

@@ -21,7 +21,6 @@ obsolete folded header line or a control character in a header is refused
 
 from __future__ import annotations
 
-import re
 import sys
 from collections import deque
 
@@ -32,8 +31,6 @@ from shared.buffered import TAIL, FeedsBuffers, let_go
 _SCRATCH = 16 * 1024
 #: bodies at least this long get a buffer of their own
 LARGE_BODY = 16 * 1024
-#: the blank line ending a head whose lines end in a bare LF (or a mix)
-_BARE_HEAD_END = re.compile(rb"\r?\n\r?\n")
 #: A longer body's buffer starts this long and grows (x4) as its bytes come: memory held
 #: follows what arrived, not what a head declared (a client that declares 16 MB and
 #: trickles holds this much, where a zero-filled buffer of the whole length had been
@@ -197,6 +194,7 @@ class _Reader(FeedsBuffers):
         self._scratch = bytearray(_SCRATCH)
         self._view = memoryview(self._scratch)
         self._buf = bytearray()  # bytes read and not yet consumed (heads, small bodies)
+        self._scanned = 0  # how far an unfinished head was searched for its end
         self._body: bytearray | None = None  # a fixed-length body being filled
         self._length = 0  # its declared length (its buffer may be shorter yet: _grow)
         self._filled = 0
@@ -323,27 +321,41 @@ class _Reader(FeedsBuffers):
         buf = self._buf
         while buf[:2] == b"\r\n":  # RFC 9112 2.2: ignore empty lines before a request
             del buf[:2]
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0 and (buf.find(b"\n\n", 0, end) >= 0 or buf.find(b"\n\r\n", 0, end) >= 0):
-            end = -1  # a head of bare LFs before it (a CRLF one has no blank line inside)
-        if end < 0:
-            # RFC 9112 2.2: a bare LF may end a line (printf | nc): such a head had waited
-            # out the header timeout with no answer
-            bare = _BARE_HEAD_END.search(buf) if b"\n" in buf else None
-            if bare is None or bare.start() > self.max_head:
+            self._scanned = 0
+        # (a head arriving in pieces is searched from where the last search ended, less
+        # the few bytes a blank line may straddle: each piece had cost a scan of it all)
+        start = max(0, self._scanned - 3)
+        end = buf.find(b"\r\n\r\n", start)
+        # RFC 9112 2.2: a bare LF may end a line (printf | nc): such a head had waited out
+        # the header timeout unanswered.  Its blank line is "\n\n" or "\n\r\n" (one that
+        # may end just past a CRLF one's start: "4\n\r\n\r\n"); a CRLF head has neither.
+        limit = len(buf) if end < 0 else end + 2
+        lf = buf.find(b"\n\n", start, limit)
+        lfcr = buf.find(b"\n\r\n", start, limit)
+        if lf < 0 and lfcr < 0:
+            if end < 0:
+                self._scanned = len(buf)
                 if len(buf) > self.max_head:
                     raise HttpError(431, f"header section longer than {self.max_head} bytes")
                 return False
-            lines = [line.rstrip(b"\r") for line in bytes(buf[: bare.start()]).split(b"\n")]
-            del buf[: bare.end()]
-            head = self._start_line(lines[0])
-            _parse_fields(lines[1:], head, self.max_fields)
-            self._frame(head)
-            return True
-        if end > self.max_head:
-            raise HttpError(431, f"header section longer than {self.max_head} bytes")
-        lines = bytes(buf[:end]).split(b"\r\n")
-        del buf[: end + 4]
+            if end > self.max_head:
+                raise HttpError(431, f"header section longer than {self.max_head} bytes")
+            lines = bytes(buf[:end]).split(b"\r\n")
+            del buf[: end + 4]
+        else:
+            if lf >= 0 and (lfcr < 0 or lf < lfcr):
+                stop, after = lf, lf + 2
+            else:
+                stop, after = lfcr, lfcr + 3
+            if stop > self.max_head:
+                raise HttpError(431, f"header section longer than {self.max_head} bytes")
+            # (one CR before each LF goes; another is a bare CR, refused as a control)
+            lines = [
+                line[:-1] if line.endswith(b"\r") else line
+                for line in bytes(buf[:stop]).split(b"\n")
+            ]
+            del buf[:after]
+        self._scanned = 0
         head = self._start_line(lines[0])
         _parse_fields(lines[1:], head, self.max_fields)
         self._frame(head)

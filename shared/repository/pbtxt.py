@@ -487,21 +487,25 @@ _INTEGERS = frozenset(
 _TRITON_ONLY = frozenset((*_KNOWN, *_IGNORED, *_REFUSED)) - set(TOP_KEYS)
 
 
+#: what only Ferry's config can say: a load override that leaves one out keeps the
+#: repository's (Triton's JSON never names them)
+FERRY_SECTIONS = ("preprocess", "postprocess", "runtime", "placement")
+
+
 def parse_load_config(
     text: object, name: str, source: str = "load request: parameter 'config'"
-) -> tuple[ModelConfig, bool]:
+) -> tuple[ModelConfig, frozenset[str]]:
     """A load request's ``config``: Triton's ``ModelConfig`` JSON (what Triton's
     clients send, and what ``GET /v2/models/{m}/config`` answers), or the keys of
     Ferry's ``config.toml`` (tried as Triton's where they do not read as Ferry's).
-    True where it names none of Ferry's own sections (``[[preprocess]]``,
-    ``[[postprocess]]``, ``[runtime]``, ``[placement]``): Triton's cannot, and a
-    partial override (``{"max_batch_size": 4}``) means none of them, so the caller
-    keeps the repository's."""
+    With it, the :data:`FERRY_SECTIONS` it does not name, which the caller keeps
+    from the repository: Triton's JSON names none, and a partial override
+    (``{"max_batch_size": 4}``) means to change only what it says."""
     data = json_object(text, source)
-    keep = not (
-        any(k in data for k in ("preprocess", "postprocess", "placement"))
-        or isinstance(data.get("runtime"), dict)
-    )
+    named = {k for k in FERRY_SECTIONS if k in data}
+    if not isinstance(data.get("runtime"), dict):
+        named.discard("runtime")  # (Triton's runtime: a backend library's name)
+    keep = frozenset(FERRY_SECTIONS) - named
     if not _looks_triton(data):
         try:
             return parse_config_dict(data, source, name), keep
@@ -509,22 +513,23 @@ def parse_load_config(
             try:
                 fields = _proto_fields(data)
                 triton = triton_config_dict(fields, source, name)
-                return parse_config_dict(triton, source, name), True
+                return parse_config_dict(triton, source, name), frozenset(FERRY_SECTIONS)
             except ConfigError:
                 raise ferry_error from None
     fields = _proto_fields(data)
-    return parse_config_dict(triton_config_dict(fields, source, name), source, name), True
+    triton = triton_config_dict(fields, source, name)
+    return parse_config_dict(triton, source, name), frozenset(FERRY_SECTIONS)
 
 
-def keep_ferry_sections(override: ModelConfig, base: ModelConfig) -> ModelConfig:
-    """``override`` (read from Triton's JSON) with what only Ferry's config says."""
-    return replace(
-        override,
-        preprocess=base.preprocess,
-        runtime=base.runtime,
-        placement=base.placement,
-        postprocess=override.postprocess or base.postprocess,
-    )
+def keep_ferry_sections(
+    override: ModelConfig, base: ModelConfig, keep: frozenset[str]
+) -> ModelConfig:
+    """``override`` with the repository's ``keep`` sections (a Triton override's labels
+    files make post-processing stages of its own, which stand)."""
+    kept = {k: getattr(base, k) for k in keep if k != "postprocess"}
+    if "postprocess" in keep and not override.postprocess:
+        kept["postprocess"] = base.postprocess
+    return replace(override, **kept)
 
 
 def _snake(key: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import ConfigError, InvalidInput
+from shared.errors import ConfigError, InternalError, InvalidInput
 from shared.runtimes.base import Cancel, Session, TensorSpec, cancellable
 
 
@@ -92,12 +92,21 @@ class ReshapedSession:
         run = self.inner.run_cancellable  # type: ignore[attr-defined]
         return self._back(run(self._feed(inputs), outputs, cancel))
 
-    def _shape(self, array: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    def _shape(
+        self, array: np.ndarray, shape: tuple[int, ...], name: str, output: bool = False
+    ) -> np.ndarray:
         lead = array.shape[:1] if self._batched else ()
+        if -1 in shape:  # worked out here: numpy cannot when the batch is empty
+            items = math.prod(array.shape[len(lead) :])
+            fixed = math.prod(d for d in shape if d != -1)
+            shape = tuple((items // fixed if fixed else 0) if d == -1 else d for d in shape)
         try:
             return array.reshape(lead + shape)
         except ValueError:
-            raise InvalidInput(
+            # an input the client sent in the wrong size; an output the model made in one
+            # its config does not describe (the server's fault, not the client's)
+            error = InternalError if output else InvalidInput
+            raise error(
                 f"tensor {name!r}: shape {list(array.shape)} cannot be reshaped to "
                 f"{list(lead + shape)}"
             ) from None
@@ -115,7 +124,7 @@ class ReshapedSession:
     def _back(self, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         for name, dims in self._out.items():
             if name in result:
-                result[name] = self._shape(result[name], dims, name)
+                result[name] = self._shape(result[name], dims, name, output=True)
         return result
 
     def __getattr__(self, name: str) -> Any:  # the runtime's own (properties, options ...)

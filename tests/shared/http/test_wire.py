@@ -134,6 +134,7 @@ def test_headers_are_case_insensitive_and_repeated_ones_joined() -> None:
     [
         b"GET /v2/health/ready HTTP/1.1\nHost: x\n\n",  # printf | nc
         b"GET /v2/health/ready HTTP/1.1\r\nHost: x\n\r\n",  # a mix
+        b"GET /v2/health/ready HTTP/1.1\nHost: x\n\r\n\r\n",  # then an empty CRLF line
     ],
 )
 def test_a_head_whose_lines_end_in_a_bare_lf_is_read(data: bytes) -> None:
@@ -143,6 +144,14 @@ def test_a_head_whose_lines_end_in_a_bare_lf_is_read(data: bytes) -> None:
         ("/v2/health/ready", "x", b""),
         ("/next", "x", b"abc"),
     ]
+
+
+def test_a_bare_lf_head_with_a_body_starting_in_crlf_and_a_bare_cr_are_told_apart() -> None:
+    # the blank line straddles where a CRLF one would start: "4\n\r\n" then "\r\nab"
+    got = requests_of(RequestParser(), b"POST / HTTP/1.1\nContent-Length: 4\n\r\n\r\nab")
+    assert [b for _, b in got] == [b"\r\nab"]
+    with pytest.raises(HttpError):  # one CR goes with its LF; a second is a bare CR
+        RequestParser().feed(b"GET / HTTP/1.1\nHost: x\r\r\n\n")
 
 
 def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:

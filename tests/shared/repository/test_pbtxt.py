@@ -253,12 +253,12 @@ def test_a_load_override_reads_as_ferrys_or_tritons_and_says_which_sections_stay
     config, keep = parse_load_config(
         json.dumps({"max_batch_size": 8, "dynamic_batching": {"priorityLevels": "2"}}), "m"
     )
-    assert config.dynamic_batching.priority_levels == 2 and keep
+    assert config.dynamic_batching.priority_levels == 2 and len(keep) == 4
     # a partial override, valid in both: the repository's own sections stay
     config, keep = parse_load_config(json.dumps({"max_batch_size": 4}), "m")
-    assert config.max_batch_size == 4 and keep
-    # one that names a Ferry section replaces them all, as written
+    assert config.max_batch_size == 4 and len(keep) == 4
+    # one that names a Ferry section replaces that one only (the rest stay)
     _, keep = parse_load_config(json.dumps({"runtime": {"threads": 2}}), "m")
-    assert not keep
+    assert keep == {"preprocess", "postprocess", "placement"}
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):  # Ferry's error, not Triton's
         parse_load_config(json.dumps({"max_batch_size": 4, "bogus": 1}), "m")
