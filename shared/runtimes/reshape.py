@@ -10,7 +10,6 @@ batch axis, where the model has one, stays in front untouched.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -48,14 +47,37 @@ def reshaped(
                 f"{key}: the model file's {name!r} has dims {list(actual.dims)}"
                 f"{' (a batch axis first)' if batched else ''}, not the reshape {list(shape)}"
             )
-        if sum(d == -1 for d in shape) > 1 or sum(d == -1 for d in spec.dims) > 1:
-            raise ConfigError(f"{key}: at most one -1 in dims and in the reshape")
-        if -1 not in shape and -1 not in spec.dims and math.prod(shape) != math.prod(spec.dims):
+        if _pieces(spec.dims) != _pieces(shape):
+            # Triton's rule: the same variable (-1) dimensions, in order, and the same
+            # number of values in each fixed run around them
             raise ConfigError(
-                f"{key}: dims {list(spec.dims)} hold {math.prod(spec.dims)} values, the "
-                f"reshape {list(shape)} {math.prod(shape)}"
+                f"{key}: dims {list(spec.dims)} and the reshape {list(shape)} do not hold "
+                "the same values: each needs the same -1 dimensions, and the fixed "
+                "dimensions around them the same products"
             )
     return ReshapedSession(inner, wanted, bool(batched))
+
+
+def _pieces(shape: tuple[int, ...]) -> list[int]:
+    """The products of the fixed runs around each -1 ([2, -1, 3, 4] -> [2, 12])."""
+    pieces, run = [], 1
+    for d in shape:
+        if d == -1:
+            pieces.append(run)
+            run = 1
+        else:
+            run *= d
+    return [*pieces, run]
+
+
+def _target(item: tuple[int, ...], source: tuple[int, ...], shape: tuple[int, ...]) -> tuple:
+    """``shape`` with each -1 given the size its counterpart has in ``item`` (an array's
+    shape after the batch axis, described by ``source``), in order; what numpy cannot
+    do with two -1s, or one in an empty batch."""
+    if -1 not in shape:
+        return shape
+    sizes = iter([n for n, d in zip(item, source, strict=False) if d == -1])
+    return tuple(next(sizes, 0) if d == -1 else d for d in shape)
 
 
 class ReshapedSession:
@@ -74,8 +96,9 @@ class ReshapedSession:
         self.inputs = [shown(t) for t in inner.inputs]
         self.outputs = [shown(t) for t in inner.outputs]
         names = {t.name for t in inner.inputs}
-        self._in = {n: s.reshape for n, s in wanted.items() if n in names}
-        self._out = {n: s.dims for n, s in wanted.items() if n not in names}
+        # name -> (the shape it comes in, the shape it goes on in)
+        self._in = {n: (s.dims, s.reshape) for n, s in wanted.items() if n in names}
+        self._out = {n: (s.reshape, s.dims) for n, s in wanted.items() if n not in names}
 
     @property
     def cancellable(self) -> bool:
@@ -93,13 +116,15 @@ class ReshapedSession:
         return self._back(run(self._feed(inputs), outputs, cancel))
 
     def _shape(
-        self, array: np.ndarray, shape: tuple[int, ...], name: str, output: bool = False
+        self,
+        array: np.ndarray,
+        source: tuple[int, ...],
+        shape: tuple[int, ...],
+        name: str,
+        output: bool = False,
     ) -> np.ndarray:
         lead = array.shape[:1] if self._batched else ()
-        if -1 in shape:  # worked out here: numpy cannot when the batch is empty
-            items = math.prod(array.shape[len(lead) :])
-            fixed = math.prod(d for d in shape if d != -1)
-            shape = tuple((items // fixed if fixed else 0) if d == -1 else d for d in shape)
+        shape = _target(array.shape[len(lead) :], source, shape)
         try:
             return array.reshape(lead + shape)
         except ValueError:
@@ -115,16 +140,17 @@ class ReshapedSession:
         if not self._in:
             return inputs
         feed = dict(inputs)
-        for name, shape in self._in.items():
+        for name, (source, shape) in self._in.items():
             if name in feed:
                 assert shape is not None
-                feed[name] = self._shape(np.asarray(feed[name]), shape, name)
+                feed[name] = self._shape(np.asarray(feed[name]), source, shape, name)
         return feed
 
     def _back(self, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        for name, dims in self._out.items():
+        for name, (source, dims) in self._out.items():
             if name in result:
-                result[name] = self._shape(result[name], dims, name, output=True)
+                assert source is not None
+                result[name] = self._shape(result[name], source, dims, name, output=True)
         return result
 
     def __getattr__(self, name: str) -> Any:  # the runtime's own (properties, options ...)

@@ -239,7 +239,7 @@ def test_a_reshape_serves_the_declared_dims_and_feeds_the_model_its_own_shape(
         'max_batch_size: 8\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] '
         "reshape: { shape: [ ] } } ]\n"
     )
-    with pytest.raises(ConfigError, match=r"reshape.*hold 2 values"):
+    with pytest.raises(ConfigError, match=r"reshape \[\] do not hold the same values"):
         open_pipeline("onnxruntime", tmp_path / "m" / "1" / "model.onnx",
                       RuntimeOptions(threads=1), repo.read_config("m"))  # fmt: skip
 
