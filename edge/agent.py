@@ -35,7 +35,7 @@ from edge.core import NATIVE, STALE_BUILD
 from edge.core.breaker import CircuitBreaker
 from edge.core.estimators import Estimators
 from edge.core.policy import LOCAL, Policy
-from edge.dataplane import EdgeDataPlane
+from edge.dataplane import EdgeDataPlane, cascade_output
 from edge.deferred import Deferrer
 from edge.local import LocalModels
 from edge.store import DeferredStore
@@ -308,19 +308,24 @@ class Agent:
             # start only: a trim holds the allocator's lock, which requests would wait on
             await asyncio.to_thread(trim_heap)
         for name, mp in config.policy.models.items():
-            # (a name the model lacks failed every request with a 500 at run time)
-            if mp.cascade_output and mp.local_model and self.local.has(mp.local_model):
-                declared = {t.name: t for t in self.local.get(mp.local_model).config.outputs}
+            # (a name the model lacks failed every request with a 500 at run time, and
+            # a default output that holds no scores failed every request with a 400)
+            wanted = mp.cascade_output or mp.mode == "cascade"
+            if wanted and mp.local_model and self.local.has(mp.local_model):
+                local_config = self.local.get(mp.local_model).config
+                declared = {t.name: t for t in local_config.outputs}
                 outputs = sorted(declared)
-                if mp.cascade_output not in outputs:
+                if mp.cascade_output and mp.cascade_output not in outputs:
                     raise ConfigError(
                         f"key 'models.{name}.cascade_output': local model {mp.local_model!r} "
                         f"has no output {mp.cascade_output!r}; its outputs are {outputs}"
                     )
-                kind = declared[mp.cascade_output].datatype
+                output = cascade_output(mp, local_config)
+                kind = declared[output].datatype
                 if kind in ("BYTES", "BOOL"):  # (a label: every request had failed, 400)
+                    said = "" if mp.cascade_output else " (the default: its first output)"
                     raise ConfigError(
-                        f"key 'models.{name}.cascade_output': output {mp.cascade_output!r} of "
+                        f"key 'models.{name}.cascade_output': output {output!r}{said} of "
                         f"{mp.local_model!r} is {kind}, not scores to read a confidence from"
                     )
 

@@ -56,7 +56,7 @@ from shared.errors import (
 from shared.idempotency import fingerprint, idempotency_key, receipt_id, scoped_key
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline.classification import requested_classes, top_k
-from shared.repository import triton_model_config, v2_model_metadata
+from shared.repository import ModelConfig, triton_model_config, v2_model_metadata
 from shared.repository.validation import output_tensor, validated_inputs, validated_outputs
 from shared.runtimes.base import Cancel
 from shared.tensors import Tensor
@@ -467,13 +467,6 @@ class EdgeDataPlane:
                     deferrable=deferrable,
                     cloud_only=cloud_version,
                 )
-                wanted, output = request.output_names(), flow.mp.cascade_output
-                if flow.wants_confidence and wanted is not None and output:
-                    if output not in wanted:
-                        raise InvalidInput(
-                            f"model {model!r} cascades on output {output!r}: request it too, "
-                            "or leave the outputs unset"
-                        )
                 return await self._drive(flow, request, start, principal)
 
             duplicate = False
@@ -521,7 +514,8 @@ class EdgeDataPlane:
                 confidence = None
                 if flow.wants_confidence:
                     # (from the raw scores: a classification answer is top-k strings)
-                    confidence = _cascade_confidence(local_answer, raw, flow.mp.cascade_output)
+                    config = self.local.get(flow.mp.local_model or "").config
+                    confidence = _cascade_confidence(raw, cascade_output(flow.mp, config))
                 action = flow.local_done(time.monotonic(), seconds, confidence)
             elif isinstance(action, Hedge):
                 action, local_answer, cloud = await self._hedge(flow, request, action)
@@ -689,7 +683,13 @@ class EdgeDataPlane:
         inputs = validated_inputs(asked, request)
         wanted = validated_outputs(asked, request)
         classes = requested_classes(config, request)
-        outputs, seconds = await self.local.run(name, inputs, wanted, cancel, flow.deadline)
+        run = wanted
+        if flow.wants_confidence and wanted is not None:
+            # the scores are read whatever the app asked for (dropped from its answer):
+            # where a request runs never changes whether it is refused
+            scores = cascade_output(flow.mp, config)
+            run = wanted if scores in wanted else [*wanted, scores]
+        outputs, seconds = await self.local.run(name, inputs, run, cancel, flow.deadline)
         tensors = []
         for n in wanted or list(outputs):
             if classes and n in classes:
@@ -767,18 +767,25 @@ def _reply_event(flow: RequestFlow, result: TransferResult) -> Action | None:
     )
 
 
-def _cascade_confidence(
-    answer: InferResponse, raw: dict[str, np.ndarray], output: str | None
-) -> float:
-    """The least top-1 confidence over the batch's rows of the scores output."""
-    name = output or answer.outputs[0].name
-    scores = np.asarray(raw[name]) if name in raw else answer.output(name).data
-    if scores.dtype.kind not in "iuf" or scores.size == 0:
+def cascade_output(mp: ModelPolicy, config: ModelConfig) -> str:
+    """The output a cascade reads its confidence from: the policy's, or the local
+    model's first declared output (not the first the app asked for: which outputs a
+    request names must not move it between tiers)."""
+    return mp.cascade_output or config.outputs[0].name
+
+
+def _cascade_confidence(raw: dict[str, np.ndarray], name: str) -> float:
+    """The least top-1 confidence over the batch's rows of the scores output (an
+    empty batch has no row to doubt: it is answered where it ran)."""
+    scores = np.asarray(raw[name])
+    if scores.dtype.kind not in "iuf":  # (the load refuses such a config; a safeguard)
         raise InvalidInput(
             f"output {name!r} ({scores.dtype}, shape {list(scores.shape)}) holds no scores "
             "to read a confidence from; set cascade_output to the model's score output"
         )
-    rows = np.asarray(scores).reshape(scores.shape[0] if scores.ndim > 1 else 1, -1)
+    if scores.size == 0:
+        return 1.0
+    rows = scores.reshape(scores.shape[0] if scores.ndim > 1 else 1, -1)
     return min(confidence(row) for row in rows)
 
 

@@ -280,16 +280,29 @@ def edge_agent(config: Path, *extra: str) -> ServerProcess:
     )
 
 
-def write_softmax_model(path: Path, n: int = 4) -> None:
-    """probs = softmax(x): the input sets the top-1 confidence exactly (cascade tests)."""
+def write_softmax_model(path: Path, n: int = 4, flags: str = "") -> None:
+    """probs = softmax(x): the input sets the top-1 confidence exactly (cascade tests).
+
+    ``flags`` "first" or "last" adds a BOOL output ``pos`` = x > 0 before or after
+    ``probs`` (a cascade's default output is the model's first)."""
     import onnx
     from onnx import TensorProto, helper
 
+    nodes = [helper.make_node("Softmax", ["x"], ["probs"], axis=1)]
+    outputs = [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["N", n])]
+    if flags:
+        zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+        nodes += [
+            helper.make_node("Constant", [], ["z"], value=zero),
+            helper.make_node("Greater", ["x", "z"], ["pos"]),
+        ]
+        pos = helper.make_tensor_value_info("pos", TensorProto.BOOL, ["N", n])
+        outputs = [pos, *outputs] if flags == "first" else [*outputs, pos]
     graph = helper.make_graph(
-        [helper.make_node("Softmax", ["x"], ["probs"], axis=1)],
+        nodes,
         "softmax",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", n])],
-        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["N", n])],
+        outputs,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

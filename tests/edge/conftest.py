@@ -15,6 +15,10 @@ def build_edge_repositories(root: Path) -> tuple[Path, Path]:
     write_linear_model(cloud / "cloudonly" / "1" / "model.onnx", seed=5)
     write_softmax_model(cloud / "soft" / "1" / "model.onnx")
     write_softmax_model(local / "soft-local" / "1" / "model.onnx")
+    # (a cascade's scores: its first output, or one named; "pos" is BOOL)
+    write_softmax_model(cloud / "two" / "1" / "model.onnx", flags="last")
+    write_softmax_model(local / "two-local" / "1" / "model.onnx", flags="last")
+    write_softmax_model(local / "flags-local" / "1" / "model.onnx", flags="first")
     return cloud, local
 
 

@@ -15,6 +15,7 @@ from edge.agent import Agent
 from edge.config import load_agent_config
 from edge.netem.linkemu import LinkEmulator
 from edge.netem.traces import steady
+from shared.errors import ConfigError, InvalidInput
 from tests.edge.conftest import PRICED_ENERGY, agent_toml
 from tests.support import cloud_server
 
@@ -265,33 +266,48 @@ async def _local_lin(agent, edge_repos, x):
         session.close()
 
 
-async def test_a_cascade_on_an_output_the_request_left_out_is_a_clear_error(
+async def test_a_cascade_reads_its_scores_whatever_outputs_the_request_names(
     tmp_path, edge_repos, cloud
 ):
-    from shared.errors import InvalidInput
-
-    models = (
-        '[models.soft]\nlocal = "soft-local"\ncloud = "soft"\nmode = "cascade"\n'
-        'cascade_output = "probs"\n'
-    )
+    """Which outputs an app asks for must not move a request between tiers nor refuse
+    it: the scores are read from the model's first declared output (it had been the
+    first the app named: a 400 for a BOOL one), run beside the ones asked for and left
+    out of the answer (it had been a 400 here and a 200 at the cloud)."""
+    models = '[models.two]\nlocal = "two-local"\ncloud = "two"\nmode = "cascade"\n'
     cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=models)
+    sure = np.array([[6.0, 0, 0, 0]], np.float32)  # softmax top-1 ~0.99
+    unsure = np.array([[0.2, 0.1, 0, 0]], np.float32)  # ~0.28
     async with Agent(load_agent_config(cfg)) as agent:
-        x = np.array([[0.2, 0.1, 0, 0]], np.float32)
-        with pytest.raises(InvalidInput, match="cascades on output 'probs'"):
-            await agent.infer("soft", {"x": x}, outputs=["nope"])
-        ok = await agent.infer("soft", {"x": x}, outputs=["probs"])
-        assert ok.parameters["where"] == "cloud-http"
-    # an output the local model lacks is the policy file's fault, said when it loads
-    # (every request failed with a 500 KeyError)
-    from shared.errors import ConfigError
+        for outputs in (["pos"], ["pos", "probs"], ["probs"], None):
+            got = [await agent.infer("two", {"x": x}, outputs=outputs) for x in (sure, unsure)]
+            assert [g.parameters["where"] for g in got] == ["local", "cloud-http"], outputs
+            for answer in got:
+                assert [t.name for t in answer.outputs] == (outputs or ["probs", "pos"])
+        # an empty batch has no row to doubt: answered where it ran, as the cloud would
+        empty = await agent.infer("two", {"x": np.zeros((0, 4), np.float32)})
+        assert empty.parameters["where"] == "local"
+        assert empty.output("probs").data.shape == (0, 4)
+        with pytest.raises(InvalidInput, match="nope"):  # (not a cascade's fault)
+            await agent.infer("two", {"x": sure}, outputs=["nope"])
 
-    (tmp_path / "bad").mkdir()
-    bad = agent_toml(
-        tmp_path / "bad", edge_repos[1], http=cloud.http_url, models=models.replace("probs", "nope")
-    )
-    with pytest.raises(ConfigError, match=r"models\.soft\.cascade_output.*no output 'nope'"):
-        async with Agent(load_agent_config(bad)):
-            pass
+
+async def test_a_cascade_whose_scores_are_not_scores_is_refused_when_it_loads(
+    tmp_path, edge_repos, cloud
+):
+    """An output the local model lacks, or one holding labels or flags, is the policy
+    file's fault, said when it loads (every request had failed: a 500 KeyError, or a
+    400 after its local run when the default first output was a BOOL)."""
+    cases = {
+        "bad": ('local = "soft-local"\ncascade_output = "nope"', r"cascade_output.*no output"),
+        "flags": ('local = "flags-local"', r"cascade_output.*'pos' \(the default.*BOOL"),
+    }
+    for folder, (local, refusal) in cases.items():
+        (tmp_path / folder).mkdir()
+        models = f'[models.soft]\n{local}\ncloud = "soft"\nmode = "cascade"\n'
+        cfg = agent_toml(tmp_path / folder, edge_repos[1], http=cloud.http_url, models=models)
+        with pytest.raises(ConfigError, match=rf"models\.soft\.{refusal}"):
+            async with Agent(load_agent_config(cfg)):
+                pass
 
 
 async def test_a_network_change_survives_an_unrelated_config_reload(tmp_path, edge_repos, cloud):
