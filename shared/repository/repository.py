@@ -29,7 +29,7 @@ from shared.repository.config import (
 )
 from shared.repository.legacy import parse_legacy_config
 from shared.repository.pbtxt import TRITON_CONFIG_FILE, parse_triton_config
-from shared.runtimes import BACKENDS, MODEL_FILES
+from shared.runtimes import ALSO_READS, BACKENDS, MODEL_FILES
 from shared.runtimes.base import Session, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,10 @@ class ModelRepository:
         for found_backend, path in present:
             if found_backend == backend:
                 return found_backend, path
+        for found_backend, path in present:
+            # OpenVINO reads ONNX itself, as Triton's OpenVINO backend and OVMS do
+            if backend in ALSO_READS.get(found_backend, ()):
+                return backend, path
         files = ", ".join(f"{p.name} ({b})" for b, p in present)
         raise ConfigError(
             f"model {name!r}: the config says backend {backend!r} but version {version} "

@@ -29,6 +29,11 @@ MODEL_FILES: dict[str, str] = {
     "model.plan": "tensorrt",
 }
 
+#: a model file's own backend -> other backends that load it too, where the config
+#: names one of them (OpenVINO reads ONNX: Triton's OpenVINO backend and OVMS serve
+#: a model.onnx; it is not converted first)
+ALSO_READS: dict[str, tuple[str, ...]] = {"onnxruntime": ("openvino",)}
+
 
 #: backend name -> the module its runtime is imported from (any one is enough)
 _RUNTIME_MODULES: dict[str, tuple[str, ...]] = {
@@ -66,6 +71,7 @@ def load_session(backend: str, path: Path, options: RuntimeOptions | None = None
 
 
 __all__ = [
+    "ALSO_READS",
     "BACKENDS",
     "MODEL_FILES",
     "RuntimeOptions",

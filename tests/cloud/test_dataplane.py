@@ -504,3 +504,22 @@ async def test_a_model_served_through_a_triton_reshape_batches_in_the_declared_s
         np.testing.assert_array_equal(reply.outputs[0].data, x)
     assert any(r.parameters["batch_size"] > 1 for r in replies)  # merged, and cut back
     await dp.close()
+
+
+async def test_a_bare_onnx_file_is_served_by_openvino_where_the_config_says_so(repo):
+    """OpenVINO reads ONNX itself, as Triton's OpenVINO backend and OVMS serve a
+    model.onnx: the load had failed ("has only model.onnx"), asking for a conversion."""
+    (repo / "a" / "config.toml").write_text('backend = "openvino"\n')
+    dp = DataPlane(ModelRepository(repo), "n")
+    await dp.load("a")
+    assert dp.get("a").config.backend == "openvino"
+    assert type(dp.get("a").sessions[0]).__module__ == "shared.runtimes.openvino_backend"
+    x = np.random.default_rng(0).random((2, 4), dtype=np.float32)
+    got = (await dp.infer("a", _request(x))).outputs[0].data
+    reference = DataPlane(ModelRepository(repo), "ref")
+    (repo / "a" / "config.toml").unlink()
+    await reference.load("a")
+    want = (await reference.infer("a", _request(x))).outputs[0].data
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    await dp.close()
+    await reference.close()

@@ -302,6 +302,8 @@ def test_a_model_file_in_a_folder_of_its_name_is_found_as_triton_lays_out_onnx(
 
 def test_a_backend_without_its_file_is_a_config_error(repo: ModelRepository) -> None:
     model(repo.root, "m")
+    # (OpenVINO reads the ONNX file itself: not an error)
+    assert repo.model_file("m", 1, "openvino") == ("openvino", repo.root / "m" / "1" / "model.onnx")
     with pytest.raises(ConfigError, match=r"backend 'tensorrt' but version 1 has only model.onnx"):
         repo.model_file("m", 1, "tensorrt")
     with pytest.raises(ConfigError, match="unknown backend"):
