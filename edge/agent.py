@@ -30,7 +30,13 @@ import numpy as np
 
 from devices.power import RaplReader, read_all, read_battery
 from devices.profiles import LinkProfile, list_links, load_device, load_link
-from edge.config import RESTART_KEYS, AgentConfig, check_reachable, load_agent_config
+from edge.config import (
+    RESTART_KEYS,
+    AgentConfig,
+    check_reachable,
+    load_agent_config,
+    unreachable_transports,
+)
 from edge.core import NATIVE, STALE_BUILD
 from edge.core.breaker import CircuitBreaker
 from edge.core.estimators import Estimators
@@ -288,6 +294,10 @@ class Agent:
         return sorted(names)
 
     async def _load_local_models(self, config: AgentConfig) -> None:
+        cloud = self.config.cloud  # (the endpoints in force: [cloud] waits for a restart)
+        endpoints = [t for t, url in (("http", cloud.http_url), ("mqtt", cloud.mqtt_url)) if url]
+        for note in unreachable_transports(config.policy, endpoints or None):
+            log.warning("%s: %s", config.source or "agent config", note)
         loaded = False
         for name in self._wanted_local(config):
             if self.local.has(name):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,6 +393,29 @@ def check_reachable(policy: PolicyConfig, cloud: CloudEndpoints, source: str) ->
                 f"endpoint ({have}): model {name!r} needs the cloud (mode {mp.mode!r}"
                 f"{'' if mp.local_model else ', no local model'})"
             )
+
+
+def unreachable_transports(
+    policy: PolicyConfig, endpoints: Iterable[str] | None, model: str | None = None
+) -> list[str]:
+    """Why each cost-mode model (of ``model``, or all) with a local variant will never
+    offload: none of its transports has an endpoint (``endpoints``; None: any has).
+    Legal, as the local variant answers everything, so said rather than refused: the
+    agent and the replay both went on silently, always local."""
+    if endpoints is None:
+        return []
+    have = set(endpoints)
+    notes = []
+    for name, mp in policy.models.items():
+        if model is not None and name != model:
+            continue
+        if mp.mode == "cost" and mp.local_model and mp.cloud_model:
+            if not have.intersection(mp.transports):
+                notes.append(
+                    f"model {name!r}: its transports {list(mp.transports)} have no endpoint "
+                    f"(there are {sorted(have)}): it never offloads"
+                )
+    return notes
 
 
 def parse_agent_config(text: str, source: str, base: Path) -> AgentConfig:

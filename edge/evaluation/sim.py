@@ -231,11 +231,13 @@ class Simulator:
         return a
 
     def cloud_outcome(self, i: int, t: float, a: Attempt, where: str) -> Outcome:
-        """A cloud answer (delivered) or the error the caller gets when it gives up."""
+        """A cloud answer (delivered) or the error the caller gets when it gives up
+        (no answer: "none", so an attempt that never came back is not counted as
+        offloaded in the report, as ours' fallbacks are not)."""
         deadline = float(self.requests.deadlines_s[i])
         latency = a.end - float(self.requests.arrivals[i])
         return Outcome(
-            where,
+            where if a.delivered else "none",
             latency,
             a.energy_j,
             a.up_bytes,

@@ -353,10 +353,57 @@ def test_the_link_comes_from_the_files_links_unless_given(tmp_path):
     assert proc.returncode == 2 and "one radio" in proc.stderr, proc.stderr
 
 
+def test_the_report_says_what_its_comparison_leaves_out(tmp_path):
+    """A model whose transports have no endpoint never offloads, and a data cap binds
+    ours alone: both went unsaid (ours at 3.2x an oracle that broke the cap)."""
+    args = _inputs(tmp_path)
+    policy = Path(args[args.index("--policy") + 1])
+    policy.write_text(
+        policy.read_text().replace('cloud = "m"\n', 'cloud = "m"\ntransports = ["mqtt"]\n')
+        + "[policy]\ndata_cap_mb_per_day = 5\n"
+    )
+    proc = _cli(*args, "--up", "steady:5", "--transports", "http")
+    assert proc.returncode == 0, proc.stderr
+    assert "transports ['mqtt'] have no endpoint (there are ['http']): it never offloads" in (
+        proc.stdout
+    )
+    assert "keeps the data cap (5 MB a day)" in proc.stdout
+    proc = _cli(*args, "--up", "steady:5")  # (every transport reachable)
+    assert "never offloads" not in proc.stdout
+
+
+def test_an_agent_warns_of_a_model_whose_transports_have_no_endpoint(caplog):
+    from edge.config import parse_agent_config
+
+    config = parse_agent_config(
+        'repository = "r"\n[cloud]\nhttp = "http://c:8000"\n'
+        '[models.m]\nlocal = "m-int8"\ncloud = "m"\ntransports = ["mqtt"]\n',
+        "agent.toml",
+        Path("."),
+    )
+    from edge.config import unreachable_transports
+
+    assert unreachable_transports(config.policy, ["http"]) == [
+        "model 'm': its transports ['mqtt'] have no endpoint (there are ['http']): it never "
+        "offloads"
+    ]
+    assert unreachable_transports(config.policy, None) == []  # no [cloud]: local by design
+
+
 def test_an_unanswered_request_counts_its_deadline_in_the_latency_figures():
     ev = _run(steady(8, 30), steady(20, 30), count=5)
     stats = summarize(ev.sim, Result("refuses", [no_answer(0.5), no_answer(0.5, 0.2)]))
     assert stats["p50_ms"] == pytest.approx(500.0) and stats["miss_rate"] == 1.0
+
+
+def test_a_cloud_attempt_that_never_came_back_is_not_counted_as_offloaded():
+    """Over a link with no capacity always-cloud answered nothing, yet showed 100%
+    offloaded beside 0 MB sent, while ours' fallbacks showed as local: one column, two
+    meanings."""
+    ev = _run(steady(0, 30), steady(20, 30), count=5)
+    stats = summarize(ev.sim, ev.results["always-cloud"])
+    assert stats["offload_share"] == 0.0 and stats["miss_rate"] == 1.0
+    assert stats["p50_ms"] >= min(o.deadline_s for o in ev.results["always-cloud"].outcomes) * 1000
 
 
 def test_a_link_profile_beside_the_policy_file_is_read_from_there(tmp_path):
