@@ -352,8 +352,22 @@ def _turbojpeg(
     from shared.pipeline.turbo import Header
 
     tj = _module("turbojpeg")
-    # libjpeg's "corrupt data" warnings fail the call too: the next decoder gets the image
-    return tj.decode(data, Header(*size), _reduction(size, need), target.color)
+    # libjpeg's "corrupt data" warnings fail the call too: the next decoder gets the image,
+    # unless the warning says pixels were lost (the others then decode that part as grey,
+    # silently, and the model answers a picture the app never sent)
+    try:
+        return tj.decode(data, Header(*size), _reduction(size, need), target.color)
+    except ValueError as exc:
+        if any(lost in str(exc).lower() for lost in _JPEG_DATA_LOST):
+            raise InvalidInput(
+                f"{target.where}: a corrupt JPEG image: {exc} (part of it is missing)"
+            ) from None
+        raise
+
+
+#: libjpeg's warnings for entropy-coded data that is cut short or broken (JWRN_JPEG_EOF,
+#: JWRN_HIT_MARKER, JWRN_HUFF_BAD_CODE): what follows decodes as grey or garbage
+_JPEG_DATA_LOST = ("premature end", "bad huffman code")
 
 
 def _opencv(

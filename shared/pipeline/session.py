@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.datatypes import numpy_dtype
-from shared.errors import ConfigError, InternalError, InvalidInput
+from shared.errors import ConfigError, FerryError, InternalError, InvalidInput
 from shared.pipeline import images
 from shared.pipeline.post import argmax, read_labels, softmax, top_k
 from shared.pipeline.spec import ImageInput, OutputStage
@@ -176,8 +176,19 @@ class PipelineSession:
         # the calling thread decodes the first image while the pool decodes the rest
         pool = decode_pool() if len(blobs) > 1 else None
         pending = [pool.submit(images.decode, b, image.target) for b in blobs[1:]] if pool else []
-        decoded = [images.decode(blobs[0], image.target)]
-        decoded.extend(f.result() for f in pending)
+        decoded = []
+        for i, blob in enumerate(blobs):
+            try:
+                decoded.append(pending[i - 1].result() if i else images.decode(blob, image.target))
+            except FerryError as exc:
+                for future in pending:
+                    future.cancel()
+                if len(blobs) == 1:
+                    raise
+                # which item of the batch is bad: the app's to fix or drop
+                where = image.target.where
+                said = exc.message.replace(where, f"{where} item {i}", 1)
+                raise type(exc)(said if said != exc.message else f"item {i}: {said}") from None
         pixels = np.stack(decoded)  # (n, h, w, c) uint8
         return _normalise(image, pixels, array.shape[0] if image.batched else None)
 
@@ -416,6 +427,17 @@ def _resolve_outputs(
             )
         leading = 1 if spec.dims and spec.dims[0] == -1 else 0
         item = spec.dims[leading:]
+        if labels is not None and spec.ranked and item and all(d > 0 for d in item):
+            if len(labels) < int(np.prod(item)):
+                log.warning(
+                    "%s: key '%s.labels': %s has %d lines for %d classes; a class past them "
+                    "is answered by its index",
+                    where,
+                    key,
+                    stage.labels,
+                    len(labels),
+                    int(np.prod(item)),
+                )
         if not spec.ranked:
             # Any rank: the classes are the last axis of whatever comes (-1: every axis
             # before it is kept, counted per run), and what comes out has any rank too.

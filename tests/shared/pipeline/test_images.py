@@ -66,6 +66,18 @@ def test_a_truncated_jpeg_is_refused_not_decoded_half_grey(photo_jpeg: bytes) ->
         images.decode(photo_jpeg[: len(photo_jpeg) * 2 // 3], target())
 
 
+@pytest.mark.skipif(
+    "turbojpeg" not in images.available_decoders(), reason="only libturbojpeg reports lost data"
+)
+@pytest.mark.parametrize("decoder", ["auto", "turbojpeg"])
+def test_a_jpeg_cut_short_behind_an_end_marker_is_refused(photo_jpeg: bytes, decoder: str) -> None:
+    """An end-of-image marker glued after lost data passed the truncation check, and the
+    fallback decoders answered a 200 on a picture two-thirds grey."""
+    bad = photo_jpeg[: len(photo_jpeg) // 3] + b"\xff\xd9"
+    with pytest.raises(InvalidInput, match=r"input 'image': a corrupt JPEG image: .*missing"):
+        images.decode(bad, target(decoder=decoder))
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "WEBP"])
 def test_a_truncated_png_or_webp_is_refused(fmt: str) -> None:
     data = encode(photo(), fmt)

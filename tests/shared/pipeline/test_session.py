@@ -133,12 +133,36 @@ def test_top_k_with_labels_reads_score_index_label(tmp_path: Path) -> None:
     assert out[0, 0].decode().endswith(":1:dog") and out[0, 1].decode().endswith(":2:bird")
 
 
+def test_a_class_past_the_labels_file_is_answered_by_its_index(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A short labels file is said when the model loads, and a class past it answers its
+    index, as top-k leaves its label out (argmax's 500 failed the whole batch)."""
+    from tests.support import write_softmax_model
+
+    write_softmax_model(tmp_path / "s" / "1" / "model.onnx", n=4)
+    (tmp_path / "s" / "labels.txt").write_text("cat\ndog\n")
+    (tmp_path / "s" / "config.toml").write_text(
+        "[[postprocess]]\noutput = 'probs'\nname = 'best'\nargmax = true\nlabels = 'labels.txt'\n"
+    )
+    with caplog.at_level("WARNING"):
+        session, _ = open_model(tmp_path, "s")
+    assert "labels.txt has 2 lines for 4 classes" in caplog.text
+    x = np.array([[0.0, 3.0, 1.0, 0.0], [0.0, 0.0, 1.0, 4.0]], np.float32)
+    out = session.run({session.inner.inputs[0].name: x}, ["best"])["best"]
+    assert out.tolist() == [[b"dog"], [b"3"]]
+
+
 def test_a_bad_image_in_a_batch_is_an_invalid_input_naming_the_input(
     example_repository: Path,
 ) -> None:
     session, _ = open_model(example_repository, "orientation-jpeg")
     with pytest.raises(InvalidInput, match="input 'image'"):
         session.run({"image": np.array([[b"not an image"]], dtype=object)})
+    good = encode(photo(300, 200), "JPEG")
+    batch = np.array([[good], [b"not an image"], [good]], dtype=object)
+    with pytest.raises(InvalidInput, match=r"input 'image' item 1: not a JPEG"):
+        session.run({"image": batch})
 
 
 @pytest.mark.parametrize(
