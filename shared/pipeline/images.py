@@ -9,7 +9,8 @@ scanned pages (decode, resize to 256, crop 224) 1.4-1.6 ms, 1.3-1.7 ms and
 3.2-3.7 ms (``bench/pipeline.py``).  So ``auto`` tries them in that order.
 Pillow-SIMD was left out: PyPI has it as source only, and it replaces Pillow
 itself.  A scaled JPEG decode (1/2, 1/4, 1/8 in the IDCT) never goes below
-the size the resize needs, so it only saves work.
+the size the resize needs; it saves most of the work, and it also smooths as
+an anti-aliasing filter would (``scaled_decode = false`` decodes full size).
 
 Every image is checked before any pixel is decoded: its magic bytes (the
 format must be one the input accepts), the size its header declares (bounded
@@ -53,6 +54,7 @@ class Target:
     max_pixels: int
     decoder: str  # auto, pillow, opencv, turbojpeg
     where: str  # "input 'image'" for messages
+    scaled_decode: bool = True  # a JPEG may be decoded at 1/2, 1/4, 1/8 (its IDCT)
 
 
 def sniff(data: bytes) -> str | None:
@@ -270,7 +272,10 @@ def _jpeg_complete(data: bytes) -> bool:
 
 
 def _decoded_size_needed(width: int, height: int, target: Target) -> tuple[int, int]:
-    """The smallest (height, width) a scaled decode may produce without losing detail."""
+    """The smallest (height, width) a scaled decode may produce without losing detail
+    (the full size where scaled decodes are off)."""
+    if not target.scaled_decode:
+        return height, width
     if target.resize == "shorter_side":
         side = target.shorter_side or max(target.height, target.width)
         shorter = min(width, height)

@@ -359,6 +359,7 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
         max_pixels=stage.max_pixels,
         decoder=stage.decoder,
         where=f"input {stage.input!r}",
+        scaled_decode=stage.scaled_decode,
     )
     if stage.decoder != "pillow" and not images.opencv_installed():
         # Without OpenCV, Pillow resizes, and its bilinear filter smooths a shrink

@@ -39,6 +39,9 @@ class ImageInput:
     datatype: str | None = None
     max_pixels: int = DEFAULT_MAX_PIXELS
     decoder: str = "auto"
+    # a JPEG decoded at 1/2, 1/4 or 1/8 in its IDCT where the resize target allows:
+    # most of the decode saved, and a smoothing a full decode + resize lacks
+    scaled_decode: bool = True
 
 
 @dataclass(frozen=True)

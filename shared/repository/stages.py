@@ -47,6 +47,7 @@ _PRE = (
     "layout",
     "datatype",
     "max_pixels",
+    "scaled_decode",
     "decoder",
 )
 _POST = ("output", "name", "softmax", "top_k", "argmax", "labels")
@@ -123,6 +124,7 @@ def _image_input(item: object, source: str, at: str) -> ImageInput:
         datatype=datatype,
         max_pixels=check_int(t.get("max_pixels", DEFAULT_MAX_PIXELS), source, k + "max_pixels", 1),
         decoder=check_choice(t.get("decoder", "auto"), source, k + "decoder", DECODERS),
+        scaled_decode=check_bool(t.get("scaled_decode", True), source, k + "scaled_decode"),
     )
 
 

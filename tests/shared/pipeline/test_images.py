@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -290,3 +291,25 @@ def test_a_lossless_colour_image_turns_to_the_same_grey_bytes_with_every_decoder
     out = images.decode(data, target(decoder=decoder, color="gray", interpolation="nearest"))
     want = images.decode(data, target(decoder="pillow", color="gray", interpolation="nearest"))
     assert np.array_equal(out, want)
+
+
+def test_scaled_decode_off_gives_a_jpeg_the_tensor_of_its_full_decode() -> None:
+    """The scaled IDCT smooths like an anti-aliasing filter: the same pixels sent as a
+    JPEG and as a PNG gave tensors far apart, with no way to match a full-decode
+    training pipeline."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    pixels = np.where(rng.random((1200, 1600, 1)) < 0.5, 0, 255).astype(np.uint8)
+    pixels = np.repeat(np.kron(pixels[:150, :200], np.ones((8, 8, 1), np.uint8)), 3, axis=2)
+    jpeg = encode(pixels, "JPEG", quality=95)
+    full = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+    png = encode(full, "PNG")
+    small = target(height=150, width=200, decoder="pillow")
+    exact = images.decode(png, small).astype(int)
+    off = images.decode(jpeg, replace(small, scaled_decode=False)).astype(int)
+    on = images.decode(jpeg, small).astype(int)
+    assert np.abs(off - exact).max() <= 2
+    assert np.abs(on - exact).max() > np.abs(off - exact).max()
