@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -155,6 +155,8 @@ class DataPlane:
         self.on_models_changed: list[Any] = []
         #: callables adding keys to :meth:`status` (capacity, placement followed, ...)
         self.status_extras: list[Any] = []
+        # more conditions of readiness (a fleet node: it holds its share of the placement)
+        self.readiness_gates: list[Callable[[], bool]] = []
         #: where requests for models this node does not host go (None: nowhere)
         self.remote: RemoteModels | None = None
 
@@ -431,8 +433,11 @@ class DataPlane:
         return sorted(self._models)
 
     def is_ready(self) -> bool:
-        """Serving, and (strict readiness) no requested model failed to load."""
-        return not self._closing and not (self.strict_readiness and self._failed)
+        """Serving, (strict readiness) no requested model failed to load, and every
+        gate open."""
+        if self._closing or (self.strict_readiness and self._failed):
+            return False
+        return all(gate() for gate in self.readiness_gates)
 
     def failed_models(self) -> dict[str, str]:
         return dict(self._failed)

@@ -171,10 +171,10 @@ class CloudServer:
         self.dataplane.begin_shutdown()
         if self.http is not None:
             self.http.stop_listening()  # new connections refused; open ones stay
-        if self.follower is not None:
-            await self.follower.stop()
         if self.mqtt is not None:
             self.mqtt.stop_intake()
+        if self.follower is not None:
+            await self.follower.stop()
         # 2. drain both fronts at once. Kept-alive connections linger (answers carry
         #    Connection: close; a request already on its way gets 503, not a reset),
         #    then idle ones are closed and running handlers awaited.

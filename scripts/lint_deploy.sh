@@ -145,9 +145,12 @@ for unit in "${units[@]}"; do
     echo "== systemd-analyze ($("$SDA" --version | head -n 1))"
     # verify checks that ExecStart's program exists and is executable: check
     # the unit as written, with /usr/local/bin/ferry-* pointed at the programs
-    # this checkout installed (.venv/bin), in a scratch copy.
+    # installed here (this checkout's .venv/bin, else the ones on PATH), in a
+    # scratch copy.
     scratch="$(mktemp -d)"
-    sed -E "s#/usr/local/bin/(ferry-[a-z]+)#$VENV_BIN/\\1#g" "$unit" >"$scratch/$name"
+    installed="$(tool ferry-edge)"
+    bin_dir="$(dirname "${installed:-$VENV_BIN/ferry-edge}")"
+    sed -E "s#/usr/local/bin/(ferry-[a-z]+)#$bin_dir/\\1#g" "$unit" >"$scratch/$name"
     # verify prints unknown keys and bad values but still exits 0: any output fails.
     out="$("$SDA" verify "$scratch/$name" 2>&1)"
     rc=$?

@@ -63,6 +63,10 @@ class PlacementFollower:
         self.view = FleetView()
         self.forwarder = Forwarder(front, self.view, node, front.limits)
         self.following: int | None = None  # generation converged to
+        # ready (as Kubernetes reads /v2/health/ready): a placement seen and each model it
+        # gives this node loaded or failed, once; an empty node had been ready at once, so
+        # a rolling update took the node hosting every model down beside it
+        self.settled = False
         self.load_seconds: dict[str, float] = {}  # last load latency per model
         self.loads = 0
         self.unloads = 0
@@ -76,6 +80,7 @@ class PlacementFollower:
         """Hook into the dataplane and the MQTT front (before the front connects)."""
         self.dataplane.remote = self.forwarder
         self.dataplane.status_extras.append(self._status_extra)
+        self.dataplane.readiness_gates.append(lambda: self.settled)
         self.front.catching = self._catching
         self.forwarder.start()
         self.front.add_handler(PLACEMENT_TOPIC, self._on_placement)
@@ -179,6 +184,11 @@ class PlacementFollower:
             except Exception:  # never let one bad step stop the follower
                 log.exception("placement step failed; retrying")
                 done = False
+            if not self.settled:
+                tried = set(self.dataplane.loaded_names()) | set(self.load_failures)
+                if set(self.mine(placement)) <= tried:
+                    self.settled = True
+                    log.info("node %s holds its share of the placement: ready", self.node)
             if done and self.view.placement is placement:
                 if self.following != placement.generation:
                     self.following = placement.generation

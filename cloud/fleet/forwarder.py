@@ -27,7 +27,13 @@ from typing import Any
 from cloud.fleet.view import FleetView
 from cloud.mqtt_front import FORWARDED, MqttFront
 from shared import envelope
-from shared.errors import DeadlineExceeded, FerryError, InternalError, ModelNotReady
+from shared.errors import (
+    DeadlineExceeded,
+    FerryError,
+    InternalError,
+    ModelNotReady,
+    ShuttingDown,
+)
 from shared.messages import InferRequest, InferResponse, RequestedOutput
 from shared.mqtt import reply_topic, request_topic
 from shared.mqtt.codec import PublishProperties, expiry_s
@@ -194,6 +200,17 @@ class Forwarder:
             _, result = envelope.decode_reply(payload, self.limits)
         except FerryError as exc:
             pending.future.set_exception(exc)
+            return
+        if isinstance(result, ShuttingDown) and pending.resends < 3:
+            # its host is draining (it took this before its intake stopped): another
+            # host answers it, a moment on, once the broker has the drain's unsubscribe
+            # (passed back, the client got a 503 through a node that was not stopping)
+            log.info("a forwarded %s request met a node shutting down: resending", pending.model)
+            pending.waiting_host = not self._has_host(pending.model)
+            if not pending.waiting_host:
+                asyncio.get_running_loop().call_later(
+                    HOST_SETTLE_S, self._send_to_new_host, correlation
+                )
             return
         if isinstance(result, FerryError):
             pending.future.set_exception(result)

@@ -48,7 +48,10 @@ EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/live', timeout=4)"]
 STOPSIGNAL SIGTERM
-# The base image's entrypoint prints NVIDIA's banner and execs its arguments;
-# Ferry's replaces it.
-ENTRYPOINT ["ferry-cloud"]
+# The base image's entrypoint stays in front: besides its banner it turns on CUDA
+# forward compatibility (/usr/local/cuda/compat) on a data-center driver older
+# than the image's CUDA, then execs its arguments.  Replaced by ferry-cloud alone,
+# such a host failed with CUDA error 803/804 (NVIDIA's advice for images that had
+# dropped it: --entrypoint /opt/nvidia/nvidia_entrypoint.sh).
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "ferry-cloud"]
 CMD ["serve", "--repository", "/models", "--http-host", "0.0.0.0", "--http-port", "8000"]

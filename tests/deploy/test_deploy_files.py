@@ -181,7 +181,9 @@ def final_stage(path: Path) -> dict[str, list[str]]:
 def test_dockerfile_command_parses(name: str) -> None:
     stage = final_stage(DOCKER / name)
     program = "ferry-edge" if name.startswith("edge") else "ferry-cloud"
-    assert stage["ENTRYPOINT"] == [program]
+    # (NVIDIA's image keeps its entrypoint in front: it turns on CUDA forward compatibility)
+    wrapper = ["/opt/nvidia/nvidia_entrypoint.sh"] if "gpu" in name else []
+    assert stage["ENTRYPOINT"] == [*wrapper, program]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert program in scripts
     args = parse_cli([program, *stage["CMD"]])

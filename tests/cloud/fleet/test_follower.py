@@ -201,6 +201,26 @@ def test_an_answer_too_big_to_carry_back_is_an_error_saying_so_not_the_clients_f
         broker.stop()
 
 
+def test_a_node_is_ready_once_it_holds_its_share_of_a_placement(
+    tmp_path: Path, broker: Broker, repository: tuple[Path, dict]
+) -> None:
+    """An empty node was ready at once: Kubernetes, seeing it ready, took down the node
+    that hosted every model (a rolling update), and each model's requests stalled."""
+    repo, _ = repository
+    node = start_node(repo, broker, tmp_path, "n1")
+    watch = FleetWatch(broker)
+    try:
+        watch.wait("n1 reports", lambda: "n1" in watch.view.nodes, 30)
+        assert _http(f"{node.http_url}/v2/health/live")[0] == 200
+        assert _http(f"{node.http_url}/v2/health/ready")[0] == 503  # no placement yet
+        _publish_placement(broker, Placement(copies=(_copy("alpha", "n1"),), generation=1))
+        watch.wait("n1 hosts alpha", lambda: watch.view.hosts("alpha") == ["n1"], 30)
+        assert _http(f"{node.http_url}/v2/health/ready")[0] == 200
+    finally:
+        node.terminate()
+        watch.close()
+
+
 def test_a_placed_model_that_cannot_load_is_reported_and_forgotten_once_placed_elsewhere(
     tmp_path: Path, broker: Broker, repository: tuple[Path, dict]
 ) -> None:
