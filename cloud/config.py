@@ -63,7 +63,11 @@ class MqttConfig:
     key_file: Path | None = None
     tls_insecure: bool = False
     status_interval_s: float = 5.0
-    keepalive_s: int = 30
+    # The broker drops a silent client after 1.5x this and stops giving it requests:
+    # a node that stalled while connected (a paused VM, a stopped process) kept its
+    # share of the shared subscription for 45 s at 30; a data-centre link has no NAT
+    # idle timeout to stay under.
+    keepalive_s: int = 10
 
 
 #: queue bound of a model that sets no ``dynamic_batching.max_queue_size``
@@ -268,7 +272,7 @@ def parse_mqtt_section(mqtt_data: dict[str, Any], source: str, base: Path) -> Mq
         key_file=opt_path("key_file"),
         tls_insecure=mqtt_data.get("tls_insecure", False),
         status_interval_s=interval,
-        keepalive_s=_keepalive(mqtt_data.get("keepalive_s", 30), source),
+        keepalive_s=_keepalive(mqtt_data.get("keepalive_s", MqttConfig.keepalive_s), source),
     )
 
 

@@ -593,6 +593,8 @@ class Agent:
                     "up_mbps": round(est.link(name).up_bps / 1e6, 3),
                     "down_mbps": round(est.link(name).down_bps / 1e6, 3),
                     "rtt_ms": round(est.link(name).rtt_s * 1000, 2),
+                    # requests sent again: a node lost or rejoined, or one slow to answer
+                    **({"resent": t.republished + t.hedged} if hasattr(t, "hedged") else {}),
                 }
                 for name, t in self.transports.items()
             },

@@ -17,6 +17,7 @@ not answers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import ssl
 import time
@@ -49,6 +50,20 @@ from shared.tensors import DEFAULT_LIMITS, Limits
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
 #: times a waiting request is sent again because a node died (not a storm on churn)
 _MAX_RESENDS = 3
+#: Hedging (a request unanswered long past its model's usual round trip goes out again,
+#: to whichever member the broker deals it, while another live node hosts the model):
+#: a node stalled while connected (a paused VM, a stopped process) kept its share of
+#: the shared subscription until the broker dropped it, and each request dealt to it
+#: waited out its deadline.  After HEDGE_FACTOR x the p90 of the last HEDGE_WINDOW
+#: round trips (HEDGE_MIN_SAMPLES at least, HEDGE_MIN_S at least), then again at each
+#: multiple; each request earns HEDGE_RATIO hedges, up to HEDGE_BURST saved, so a
+#: fleet slowed by load is not sent more than 1.5x its requests.
+HEDGE_FACTOR = 3.0
+HEDGE_MIN_S = 0.1
+HEDGE_WINDOW = 32
+HEDGE_MIN_SAMPLES = 8
+HEDGE_RATIO = 0.5
+HEDGE_BURST = 10.0
 _NOT_AUTHORIZED = 0x87  # a PUBACK's reason: the broker's ACL refused the publish
 #: a PUBACK's reason (MQTT v5, not an error): no subscription matched, so the broker
 #: dropped the request and no node will ever answer it
@@ -117,6 +132,9 @@ class MqttTransport:
         self._subscribed_at: float | None = None  # (monotonic) this session's SUBACK
         self._user_topics: dict[str, bool] = {}  # live node -> takes users' own topics
         self._plain_only: set[str] = set()  # models whose user topic the broker refused
+        self._round_trips: dict[str, collections.deque[float]] = {}  # model -> seconds
+        self._hedge_tokens = HEDGE_BURST
+        self.hedged = 0
 
     def _request_topic(self, model: str) -> str:
         """Under its broker user's own request topic when it logs in (see request_topic),
@@ -211,20 +229,64 @@ class MqttTransport:
         pending = _Pending(future, model, topic, payload, deadline)
         self._pending[correlation] = pending
         started = time.monotonic()
+        self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_RATIO)
         try:
-            remaining = deadline - started
-            if remaining <= 0:
+            if deadline <= started:
                 raise DeadlineExceeded("deadline passed before the request was sent")
             self._publish(correlation, pending)
-            try:
-                response, received = await asyncio.wait_for(future, remaining)
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"no MQTT reply from model {model!r} within the deadline"
-                ) from None
+            after = self._hedge_after(model)
+            sends = 1
+            while not future.done():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise DeadlineExceeded(
+                        f"no MQTT reply from model {model!r} within the deadline"
+                    )
+                wait = deadline - now
+                if after is not None and pending.resends < _MAX_RESENDS:
+                    wait = min(wait, max(started + after * sends - now, 0.0))
+                await asyncio.wait((future,), timeout=wait)
+                if future.done() or time.monotonic() >= deadline:
+                    continue
+                if after is not None and self._hedge(model, correlation, pending):
+                    sends += 1
+            response, received = future.result()
         finally:
             self._pending.pop(correlation, None)
-        return TransferResult(response, len(payload), received, started, time.monotonic())
+        finished = time.monotonic()
+        if pending.resends == 0:  # (a resent one's wait says more of its first host)
+            trips = self._round_trips.get(model)
+            if trips is None:
+                trips = self._round_trips[model] = collections.deque(maxlen=HEDGE_WINDOW)
+            trips.append(finished - started)
+        return TransferResult(response, len(payload), received, started, finished)
+
+    def _hedge_after(self, model: str) -> float | None:
+        """Seconds after which an unanswered request for ``model`` is sent again; None
+        where that would not help (one node hosts it, or too few round trips known)."""
+        hosts = sum(1 for models in self.nodes.values() if model in models)
+        trips = self._round_trips.get(model)
+        if hosts < 2 or trips is None or len(trips) < HEDGE_MIN_SAMPLES:
+            return None
+        ordered = sorted(trips)
+        p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        return max(HEDGE_FACTOR * p90, HEDGE_MIN_S)
+
+    def _hedge(self, model: str, correlation: bytes, pending: _Pending) -> bool:
+        """Send ``pending`` again if the budget allows (False: it waits on as it is)."""
+        if self._hedge_tokens < 1.0 or not self._ready.is_set():
+            return False
+        self._hedge_tokens -= 1.0
+        pending.resends += 1
+        pending.topic = self._request_topic(model)
+        try:
+            self._publish(correlation, pending)
+        except PayloadTooLarge as exc:
+            pending.future.set_exception(exc)
+            return False
+        self.hedged += 1
+        log.info("MQTT: no reply for a %s request yet: sent again (hedged)", model)
+        return True
 
     async def probe(self, deadline: float) -> float:
         """Round trip through the broker to our own reply topic: a light RTT sample.

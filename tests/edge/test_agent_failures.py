@@ -381,6 +381,51 @@ async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another
         node.kill()
 
 
+async def test_a_request_dealt_to_a_stalled_node_is_hedged_to_another(tmp_path, edge_repos, broker):
+    """A member of the shared subscription that stays connected and never answers (a
+    paused VM, a stopped process: no will until the broker's keepalive runs out) kept
+    its share of requests, and each waited out its whole deadline."""
+    import json
+
+    from shared.aio.mqtt import MqttClient
+    from shared.mqtt import parse_broker_url, shared_request_topic, status_topic
+
+    node = cloud_server(edge_repos[0], "--node", "live", "--mqtt", broker.url).start()
+    swallowed: list[str] = []
+    stalled = MqttClient(
+        parse_broker_url(broker.url), "stalled", on_message=lambda m: swallowed.append(m.topic)
+    )
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        mqtt=broker.url,
+        models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            mqtt = agent.transports["mqtt"]
+            await _until_serves(mqtt, True)
+            for _ in range(10):  # round trips to judge "long past the usual" by
+                await agent.infer("lin", {"x": X}, deadline_ms=20_000)
+            assert await stalled.start()
+            await stalled.subscribe(shared_request_topic("lin"))
+            online = {"node": "stalled", "state": "online", "models": [{"name": "lin"}]}
+            await stalled.publish(status_topic("stalled"), json.dumps(online).encode(), retain=True)
+            for _ in range(200):
+                if "stalled" in mqtt.nodes:
+                    break
+                await asyncio.sleep(0.01)
+            calls = [agent.infer("lin", {"x": X}, deadline_ms=20_000) for _ in range(8)]
+            replies = await asyncio.wait_for(asyncio.gather(*calls), 15)  # (not 20 s)
+            assert swallowed, "the broker dealt nothing to the stalled member"
+            assert all(r.parameters["where"] == "cloud-mqtt" for r in replies)
+            assert mqtt.hedged >= 1
+            assert (await agent.status())["transports"]["mqtt"]["resent"] >= 1
+    finally:
+        await stalled.close()
+        node.kill()
+
+
 async def test_a_cloud_only_model_is_ready_only_while_a_node_serves_it(
     tmp_path, edge_repos, broker
 ):
