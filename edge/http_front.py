@@ -40,6 +40,7 @@ from shared.aio.http_server import (
 )
 from shared.aio.v2http import decode_infer, encode_infer
 from shared.errors import InvalidInput, PermissionDenied, Unauthenticated
+from shared.repository.repository import parse_version
 from shared.tensors import Limits
 from shared.tokens import Tokens, bearer
 
@@ -109,6 +110,12 @@ class LocalApi(RoutedApp):
     def check(self, request: Request) -> Response | None:
         if self.tokens is not None:
             self._authorize(request, self.tokens)
+        version = request.params.get("version")
+        if version is not None:
+            # a plain number before it goes anywhere: it is put into the request the
+            # agent sends the cloud, and a CRLF in it had smuggled whole requests there
+            # under the agent's own token
+            parse_version(version)
         return self.bodies.admit(request)
 
     def receiving(self, request: Request, received: int) -> Response | None:

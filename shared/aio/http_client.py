@@ -212,7 +212,16 @@ class HttpClient:
             if timer is not None:
                 timer.cancel()
         conn.waiter = None
-        if conn.closed or not response.head.keep_alive or len(self._idle) >= self.max_idle:
+        # Bytes past this answer (a second answer to one request) mean the stream no
+        # longer pairs answers with requests: the next request would be handed this
+        # stale one (another caller's), so the connection goes, never to the pool.
+        desynced = conn.parser.buffered > 0
+        if (
+            conn.closed
+            or desynced
+            or not response.head.keep_alive
+            or len(self._idle) >= self.max_idle
+        ):
             self._drop(conn)
         else:
             conn.idle_since = time.monotonic()
@@ -224,7 +233,8 @@ class HttpClient:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < IDLE_S:
+            # (bytes that came while it sat idle answer nothing this client asked)
+            if not conn.closed and not conn.parser.buffered and now - conn.idle_since < IDLE_S:
                 return conn
             self._drop(conn)
         return None

@@ -603,6 +603,11 @@ class RoutedApp:
     def admit(self, request: Request) -> Response | None:
         try:
             request.route, request.params = self.router.resolve(request.method, request.path)
+            # the path as routed, for every check after: "//v2/repository/..." or a
+            # trailing slash resolved to the admin route while the fronts' scope test
+            # read the raw text as an inference path (any infer token, or a remote
+            # caller, reached the control plane)
+            request.path = "/" + request.path.strip("/")
             return self.check(request)
         except HttpError as exc:
             return http_error_response(exc)

@@ -159,6 +159,10 @@ def test_without_tokens_the_control_plane_answers_only_this_machine():
     remote = admit("POST", "/v2/repository/index", "10.1.2.3")
     assert remote.status == 403 and b"permission_denied" in remote.body
     assert admit("GET", "/metrics", "10.1.2.3").status == 403
+    # the scope follows the route, not the path's text (extra slashes had read as an
+    # inference path, and a remote caller loaded and unloaded models)
+    for path in ("//v2/repository/index", "/v2/repository/index/", "//metrics", "/metrics/"):
+        assert admit("POST" if "index" in path else "GET", path, "10.1.2.3").status == 403, path
     assert admit("POST", "/v2/repository/index", "127.0.0.1") is None
     assert admit("POST", "/v2/repository/index", "::1") is None
     assert admit("POST", "/v2/models/m/infer", "10.1.2.3") is None

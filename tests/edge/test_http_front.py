@@ -41,7 +41,46 @@ async def test_the_local_api_takes_an_optional_token_and_keeps_health_open(tmp_p
         assert ok.status == 200
         link = await client.post("/v2/agent/link", json={}, headers={"Authorization": "Bearer app"})
         assert link.status == 403 and (await link.json())["code"] == "permission_denied"
+    import asyncio
+
+    for path in (b"//v2/agent/link", b"/v2/agent/link/"):  # (had read as an infer path)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(
+            b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer app\r\n"
+            b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
+        )
+        assert (await reader.read(100)).startswith(b"HTTP/1.1 403"), path
+        writer.close()
     await server.close()
+
+
+async def test_a_version_that_is_not_a_plain_number_is_refused_before_anything_runs():
+    """The agent put the URL's version into its request to the cloud: a CRLF in it (a
+    percent-encoded one, decoded by the router) smuggled whole requests there, under
+    the agent's own token."""
+    import asyncio
+
+    from edge.http_front import start_local_api
+
+    class _Agent:
+        ready = True
+
+    server = await start_local_api(_Agent(), "127.0.0.1", 0)
+    injected = b"1%20HTTP%2F1.1%0D%0AHost%3A%20x%0D%0A%0D%0APOST%20%2Fv2%2Frepository%2Findex"
+    try:
+        for route in (b"", b"/config", b"/ready", b"/infer"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            method = b"POST" if route == b"/infer" else b"GET"
+            writer.write(
+                method + b" /v2/models/m/versions/" + injected + route + b" HTTP/1.1\r\n"
+                b"Host: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+            )
+            answer = await reader.read(4096)
+            assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+            assert b"plain non-negative integer" in answer
+            writer.close()
+    finally:
+        await server.close()
 
 
 async def test_the_local_api_caps_its_connections_below_the_descriptor_limit(monkeypatch):

@@ -68,3 +68,42 @@ async def test_the_deadline_ends_the_wait_for_a_server_that_never_answers() -> N
     finally:
         await client.close()
         silent.close()
+
+
+async def test_an_answer_past_the_one_asked_for_never_reaches_the_next_request() -> None:
+    """A server that answered one request twice left the second answer in a pooled
+    connection, and the next caller (another app's request) was handed it."""
+    answered = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        while await reader.readuntil(b"\r\n\r\n"):
+            answered += 1
+            body = str(answered).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            if answered == 1:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTALE")
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = HttpClient(f"http://127.0.0.1:{port}")
+    try:
+        assert bytes((await client.request("GET", "/a", b"")).body) == b"1"
+        await asyncio.sleep(0.1)  # the stale answer is in
+        assert bytes((await client.request("GET", "/b", b"")).body) == b"2"
+    finally:
+        await client.close()
+        server.close()
+
+
+def test_a_request_target_or_header_that_would_break_its_line_is_never_sent() -> None:
+    from shared.errors import InvalidInput
+    from shared.http.wire import request_head
+
+    for target in ("/v2/x/1 HTTP/1.1\r\nHost: y\r\n\r\nPOST /z", "/a b", "/a\x00"):
+        with pytest.raises(InvalidInput, match="unsafe characters"):
+            request_head("GET", target, "h", [], None)
+    with pytest.raises(InvalidInput, match="unsafe characters"):
+        request_head("GET", "/a", "h", [("X-Id", "1\r\nX-Admin: yes")], None)
+    assert request_head("GET", "/a?b=c%20d", "h", [("X", "a\tb")], 0).startswith(b"GET /a?b=c%20d ")
