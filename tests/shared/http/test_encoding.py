@@ -36,6 +36,27 @@ def test_every_gzip_member_is_read_and_trailing_bytes_are_refused() -> None:
         decode_body(gzip.compress(b"abc" * 100)[:-12], "gzip", 1000)
 
 
+def test_a_gzip_body_of_endless_empty_members_is_refused_at_once() -> None:
+    """Each member had copied every byte after it: 200,000 empty members in 4 MB cost
+    minutes of a core in one request."""
+    from shared.http.encoding import MAX_GZIP_MEMBERS
+
+    empty = gzip.compress(b"")
+    several = b"".join(gzip.compress(bytes([i]) * 70_000) for i in range(MAX_GZIP_MEMBERS))
+    assert decode_body(several, "gzip", 1 << 23) == b"".join(
+        bytes([i]) * 70_000 for i in range(MAX_GZIP_MEMBERS)
+    )  # (members larger than one feed, each read whole)
+    with pytest.raises(InvalidInput, match=f"more than {MAX_GZIP_MEMBERS} gzip members"):
+        decode_body(empty * 200_000, "gzip", 16 << 20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=5), st.integers(0, 3))
+def test_gzip_members_read_by_offset_give_what_was_compressed(parts, padding) -> None:
+    body = b"".join(gzip.compress(p) for p in parts) + b"\x00" * padding
+    assert decode_body(body, "gzip", 1 << 20) == b"".join(parts)
+
+
 def test_codings_are_undone_last_first_within_the_limit() -> None:
     assert decode_body(gzip.compress(zlib.compress(b"xyz")), "deflate, gzip", 100) == b"xyz"
     assert decode_body(b"as is", "identity", 100) == b"as is"
