@@ -12,12 +12,12 @@ process stays up whatever the body holds.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from cloud.dataplane import DataPlane
+from shared import v2
 from shared.admission import ByteBudget
 from shared.aio.body_budget import BodyBudget
 from shared.aio.http_server import (
@@ -33,7 +33,7 @@ from shared.errors import FerryError, InvalidInput, PermissionDenied, Unauthenti
 from shared.repository import ModelConfig, validate_model_name
 from shared.repository.pbtxt import keep_ferry_sections, parse_load_config
 from shared.tensors import Limits
-from shared.tokens import Tokens, bearer, is_loopback
+from shared.tokens import Tokens, bearer, granted_stats, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ EXTENSIONS = [
 ]
 #: who sent a request (from its token), the scope of its idempotency key
 PRINCIPAL = "principal"
+GRANT = "grant"
 
 
 class HttpFront(RoutedApp):
@@ -120,6 +121,7 @@ class HttpFront(RoutedApp):
             what = f"model {model!r}" if model and scope == "infer" else f"{scope} operations"
             raise PermissionDenied(f"this token does not cover {what}")
         request.state[PRINCIPAL] = grant.principal
+        request.state[GRANT] = grant
 
     # ---- routes -------------------------------------------------------------------------------
     async def server_metadata(self, request: Request) -> Response:
@@ -149,7 +151,8 @@ class HttpFront(RoutedApp):
 
     async def stats(self, request: Request) -> Response:
         m = request.params
-        return json_response(self.dataplane.statistics(m.get("model"), m.get("version")))
+        doc = self.dataplane.statistics(m.get("model"), m.get("version"))
+        return json_response(granted_stats(doc, request.state.get(GRANT)))
 
     async def repository_index(self, request: Request) -> Response:
         body = _json_body(request)
@@ -209,13 +212,4 @@ class HttpFront(RoutedApp):
 
 
 def _json_body(request: Request) -> dict[str, Any]:
-    raw = request.body
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidInput("request body must be a JSON object")
-    return body
+    return v2.json_object(request.body)

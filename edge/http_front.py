@@ -42,7 +42,7 @@ from shared.aio.v2http import decode_infer, encode_infer
 from shared.errors import InvalidInput, PermissionDenied, Unauthenticated
 from shared.repository.repository import parse_version
 from shared.tensors import Limits
-from shared.tokens import Tokens, bearer
+from shared.tokens import Tokens, bearer, granted_stats
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +155,8 @@ class LocalApi(RoutedApp):
         return _json(await self.agent.status())
 
     async def set_link(self, request: Request) -> Response:
-        try:
-            body = json.loads(bytes(request.body) or b"{}")
-        except ValueError as exc:
-            raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-        signal = body.get("signal_dbm") if isinstance(body, dict) else None
+        body = v2.json_object(request.body)
+        signal = body.get("signal_dbm")
         if (
             not isinstance(body, dict)
             or not isinstance(body.get("transport"), str)
@@ -194,7 +191,8 @@ class LocalApi(RoutedApp):
 
     async def stats(self, request: Request) -> Response:
         name, version = request.params.get("model"), request.params.get("version")
-        return _json(self.agent.dataplane.model_stats(name, version))
+        doc = self.agent.dataplane.model_stats(name, version)
+        return _json(granted_stats(doc, request.state.get(GRANT)))
 
     async def deferred(self, request: Request) -> Response:
         grant = request.state.get(GRANT)

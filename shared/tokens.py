@@ -13,7 +13,9 @@ error message; comparisons take the same time whichever token matches.
 
 from __future__ import annotations
 
+import logging
 import re
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,9 +101,24 @@ def parse_tokens(text: str, source: str) -> Tokens:
 def load_tokens(path: Path) -> Tokens:
     try:
         text = Path(path).read_text()
+        mode = Path(path).stat().st_mode
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read tokens file: {exc.strerror}") from None
+    if mode & 0o004:  # (Mosquitto 2 says the same of a readable password file)
+        logging.getLogger(__name__).warning(
+            "%s: the tokens file is readable by every user of this machine; chmod o-r (or 600) it",
+            path,
+        )
     return parse_tokens(text, str(path))
+
+
+def granted_stats(doc: dict[str, Any], grant: Grant | None) -> dict[str, Any]:
+    """A statistics answer cut to the models ``grant`` covers (the all-models one had
+    shown a token limited to one model every model's traffic)."""
+    if grant is None or grant.models is None:
+        return doc
+    kept = [e for e in doc.get("model_stats", []) if grant.allows("infer", e.get("name"))]
+    return {**doc, "model_stats": kept}
 
 
 def is_loopback(address: str | None) -> bool:

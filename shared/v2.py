@@ -272,6 +272,24 @@ def _decode_nonfinite(header: bytes | memoryview) -> _JsonRequest | None:
         return None
 
 
+def json_object(body: bytes | bytearray | memoryview, what: str = "request body") -> dict[str, Any]:
+    """A JSON object body of a control request (repository index and load, the agent's
+    link); empty is {}.  Deep nesting is a 400 like any malformed body (json's
+    RecursionError had been a 500 with a traceback in the log)."""
+    raw = bytes(body)
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(f"{what} is not valid JSON: nested too deeply") from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{what} must be a JSON object")
+    return value
+
+
 def decode_request(
     body: bytes | memoryview, header_length: int | None = None, limits: Limits = DEFAULT_LIMITS
 ) -> InferRequest:

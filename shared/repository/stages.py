@@ -141,7 +141,11 @@ def _output_stage(item: object, source: str, at: str) -> OutputStage:
     labels = None
     if "labels" in t:
         labels = check_name(t["labels"], source, k + "labels")
-        if labels.startswith("/") or ".." in labels.replace("\\", "/").split("/"):
+        if (
+            labels.startswith("/")
+            or ".." in labels.replace("\\", "/").split("/")
+            or any(ord(c) < 0x20 for c in labels)  # (a NUL had failed the load: a 503)
+        ):
             fail(source, k + "labels", "a file name inside the model's folder", labels)
     return OutputStage(
         output=output,

@@ -136,6 +136,13 @@ def test_scoped_tokens_reach_only_their_operations_and_models(guarded):
     assert _call(infer, body, token="ops-token", headers=headers)[0] == 403
     unload = guarded.http_url + "/v2/repository/models/linear/unload"
     assert _call(unload, b"{}", token="app-token")[0] == 403  # still served below
+    # every model's statistics, as far as the token reaches (cam-token had seen all)
+    stats = guarded.http_url + "/v2/models/stats"
+
+    def names(token):
+        return [e["name"] for e in json.loads(_call(stats, token=token)[1])["model_stats"]]
+
+    assert set(names("app-token")) == {"linear"} and names("cam-token") == []
     assert _call(infer, body, token="secret-one", headers=headers)[0] == 200
 
 
@@ -188,3 +195,18 @@ def test_a_malformed_tokens_line_is_a_config_error_naming_the_line():
 
     with pytest.raises(ConfigError, match="line 2"):
         parse_tokens("good\nbad superuser\n", "tokens.txt")
+
+
+def test_a_tokens_file_every_user_can_read_is_warned_of(tmp_path, caplog):
+    from shared.tokens import load_tokens
+
+    path = tmp_path / "tokens.txt"
+    path.write_text("secret admin\n")
+    path.chmod(0o600)
+    with caplog.at_level("WARNING"):
+        load_tokens(path)
+    assert "readable by every user" not in caplog.text
+    path.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        assert load_tokens(path).find(b"secret") is not None
+    assert "readable by every user" in caplog.text

@@ -720,3 +720,17 @@ def test_an_output_asked_twice_alike_is_one_ask_and_in_two_forms_a_400():
     body["outputs"] = [{"name": "y", "parameters": {"classification": 2}}, same]
     with pytest.raises(InvalidInput, match="'y' is requested twice with different parameters"):
         v2.decode_request(json.dumps(body).encode())
+
+
+def test_a_control_body_nested_too_deeply_is_a_400_not_a_500():
+    """json's RecursionError had escaped the repository index and load, and the agent's
+    link: a 500 with a traceback in the log."""
+    from shared.errors import InvalidInput
+    from shared.v2 import json_object
+
+    for deep in (b"[" * 100_000, b'{"a":' * 50_000):
+        with pytest.raises(InvalidInput, match="nested too deeply"):
+            json_object(deep)
+    with pytest.raises(InvalidInput, match="must be a JSON object"):
+        json_object(b"[1]")
+    assert json_object(b"  ") == {} and json_object(b'{"ready": true}') == {"ready": True}
