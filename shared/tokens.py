@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shared.errors import ConfigError
 

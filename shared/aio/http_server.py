@@ -181,6 +181,11 @@ class ServerOptions:
     header_timeout_s: float = 10.0
     #: a request body not fully received in this long gets 504 and is closed
     body_timeout_s: float = 60.0
+    #: and one arriving slower than this on average, past the grace, gets 408 (Kestrel's
+    #: MinRequestBodyDataRate): 4,000 uploads of a byte each had held every connection
+    #: slot, health checks refused, for the whole body timeout
+    min_body_bytes_per_s: float = 240.0
+    min_body_rate_grace_s: float = 5.0
     #: a kept-alive connection with no request for this long is closed
     idle_timeout_s: float = 75.0
     #: open connections before new ones get 503 and are closed (0: no cap)
@@ -485,6 +490,11 @@ class _Connection(asyncio.BufferedProtocol):
             if age > options.body_timeout_s:
                 self._fail(504, f"request body not received within {options.body_timeout_s:g} s")
                 return True
+            rate = options.min_body_bytes_per_s
+            if rate and age > options.min_body_rate_grace_s:
+                if self.parser.body_received < rate * age:
+                    self._fail(408, f"request body arriving slower than {rate:g} bytes/s")
+                    return True
         elif self.state == _LINGER and age > options.linger_s:
             self._end()
             return True

@@ -193,6 +193,22 @@ async def test_stalled_connections_are_reaped(data: bytes, expect: bytes) -> Non
         await server.close()
 
 
+async def test_a_body_that_trickles_below_the_minimum_rate_is_closed_before_the_body_timeout():
+    """4,000 uploads of one byte each had held every connection slot (health refused)
+    for the whole body timeout."""
+    server = await serve(
+        Echo(), body_timeout_s=60, min_body_bytes_per_s=100.0, min_body_rate_grace_s=0.3
+    )
+    try:
+        out = await exchange(
+            server.port, b"POST / HTTP/1.1\r\nContent-Length: 100000\r\n\r\nabc", timeout=20
+        )
+        assert out.startswith(b"HTTP/1.1 408") and b"slower than 100 bytes/s" in out
+        assert server.open_connections == 0
+    finally:
+        await server.close()
+
+
 async def test_a_new_connection_that_sends_nothing_is_closed_after_the_head_timeout() -> None:
     server = await serve(Echo(), header_timeout_s=0.3, idle_timeout_s=60)
     try:
