@@ -680,7 +680,10 @@ class DataPlane:
         response, duplicate = await self._idempotency.run(
             (name, principal, key),
             lambda: self._execute(run),
-            fingerprint(request, model.version),
+            # the version asked for, not the one that served: a retry across a rollout
+            # of a new version is the same request (it had been a 409 "other inputs",
+            # and a deferred request resent by its agent failed for good)
+            fingerprint(request, parse_version(wanted) if wanted else -1),
         )
         if not duplicate:
             return response

@@ -211,14 +211,26 @@ async def serve(config: CloudConfig) -> int:
     # standalone node reads its repository again (Triton's poll mode, on demand); in a
     # fleet the controller rescans on its own and places what changed.
     rescans: list[asyncio.Task[None]] = []
+    again = asyncio.Event()  # a SIGHUP during a rescan: files may have changed after its look
+
+    async def rescan() -> None:
+        while True:
+            again.clear()
+            await server.rescan()
+            if not again.is_set():
+                return
+            log.info("SIGHUP came during the rescan: rescanning again")
 
     def hangup() -> None:
         if config.fleet is not None:
             log.warning("SIGHUP ignored: in a fleet the controller rescans the repository")
         elif rescans and not rescans[-1].done():
-            log.warning("SIGHUP: a rescan is under way already")
+            # (dropped, a "copy the files, then kill -HUP" landing mid-rescan was never
+            # loaded: the running rescan had looked before the files came)
+            again.set()
+            log.info("SIGHUP: a rescan is under way; another follows it")
         else:
-            rescans[:] = [loop.create_task(server.rescan())]
+            rescans[:] = [loop.create_task(rescan())]
 
     loop.add_signal_handler(signal.SIGHUP, hangup)
     await server.start()

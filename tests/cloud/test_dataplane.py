@@ -523,3 +523,24 @@ async def test_a_bare_onnx_file_is_served_by_openvino_where_the_config_says_so(r
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     await dp.close()
     await reference.close()
+
+
+async def test_a_keyed_retry_across_a_rollout_of_a_new_version_is_the_same_request(tmp_path):
+    """The key's fingerprint held the version that served: after version 2 loaded, the
+    same request with the same key was a 409 "other inputs" (and a deferred request
+    its agent resent failed for good)."""
+    from shared.errors import IdempotencyConflict
+
+    write_linear_model(tmp_path / "m" / "1" / "model.onnx", seed=1)
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    await dp.load("m")
+    x = np.ones((1, 4), np.float32)
+    first = await dp.infer("m", _request(x, idempotency_key="k1"))
+    assert first.model_version == "1"
+    write_linear_model(tmp_path / "m" / "2" / "model.onnx", seed=2)
+    await dp.load("m")
+    again = await dp.infer("m", _request(x, idempotency_key="k1"))
+    assert again.parameters.get("duplicate") is True and again.model_version == "1"
+    with pytest.raises(IdempotencyConflict):  # (other inputs under the key still are one)
+        await dp.infer("m", _request(x * 2, idempotency_key="k1"))
+    await dp.close()

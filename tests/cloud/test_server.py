@@ -248,3 +248,29 @@ def test_the_shutdown_grace_bounds_the_whole_stop(tmp_path):
     assert took < 2.5, f"stop took {took:.1f} s with a 1 s grace"
     assert len(outcomes) == n  # nobody left hanging
     assert any(o == 200 for o in outcomes.values())
+
+
+def test_a_sighup_during_a_rescan_is_followed_by_another_rescan(tmp_path):
+    """ "Copy the files, then kill -HUP", landing while a rescan ran, was dropped: the
+    running rescan had looked before the files came, and they were never loaded."""
+    import shutil
+
+    from tests.support import write_linear_model
+
+    root = build_slow_repository(tmp_path / "repo")
+    proc = cloud_server(root, "--node", "hup").start()
+    try:
+        for name in ("slow2", "slow3"):  # seconds of loading for the first rescan
+            shutil.copytree(root / "slow", root / name)
+        proc.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)  # it has looked at the folders and is loading
+        write_linear_model(root / "late" / "1" / "model.onnx")
+        proc.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while http_call(proc.http_url + "/v2/models/late/ready")[0] != 200:
+            assert time.monotonic() < deadline, "".join(proc.lines[-20:])
+            time.sleep(0.1)
+        said = "".join(proc.lines)
+        assert "a rescan is under way; another follows it" in said
+    finally:
+        proc.terminate()
