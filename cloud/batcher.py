@@ -123,7 +123,7 @@ class DynamicBatcher:
         dpl = int(policy.default_priority_level) if policy else 0
         self._default_level = dpl if 1 <= dpl <= self._levels else self._levels
         self._timeout_ns = int(policy.default_timeout_us) * 1000 if policy else 0
-        self._override = policy.allow_timeout_override if policy else True
+        self._override = policy.allow_timeout_override if policy else False
 
         # A lone request on an idle model that runs in under ``inline_us`` runs on the
         # loop: the hand-off to a worker and back would cost more than the run.

@@ -137,6 +137,7 @@ class DataPlane:
         self.activity = NodeActivity(turns)
         self._models: dict[str, dict[int, LoadedModel]] = {}
         self._failed: dict[str, str] = {}
+        self._loading: set[str] = set()  # loads under way (LOADING in the index)
         self._locks: dict[str, asyncio.Lock] = {}
         #: each model's files as its last load attempt found them (what a rescan compares)
         self._marks: dict[str, tuple[Any, ...]] = {}
@@ -202,6 +203,7 @@ class DataPlane:
             # A failed hot reload leaves the versions already serving in place (and the
             # node ready); only a model with nothing loaded is marked failed.
             serving = name in self._models
+            self._loading.add(name)
             try:
                 self._marks[name] = await loop.run_in_executor(
                     None, self.repository.fingerprint, name
@@ -210,11 +212,16 @@ class DataPlane:
             except FerryError as exc:
                 if not serving:
                     self._failed[name] = exc.message
+                # (said only to the caller of the API, a failed rollout left no trace)
+                log.error("failed to load %s: %s", name, exc.message)
                 raise
             except Exception as exc:  # a runtime's own failure
                 if not serving:
                     self._failed[name] = str(exc)
+                log.error("failed to load %s: %s", name, exc)
                 raise ModelNotReady(f"model {name!r} failed to load: {exc}") from exc
+            finally:
+                self._loading.discard(name)
             for model in built.values():
                 await model.batcher.start()
             old = self._models.get(name, {})
@@ -447,6 +454,8 @@ class DataPlane:
         if not versions:
             if name in self._failed:
                 raise ModelNotReady(f"model {name!r} is not ready: {self._failed[name]}")
+            if name in self._loading:  # (a 404 "unknown" read as for good to clients)
+                raise ModelNotReady(f"model {name!r} is loading", retry_after=1.0)
             raise ModelNotFound(f"unknown model {name!r}")
         if version in (None, ""):
             return versions[max(versions)]
@@ -519,16 +528,33 @@ class DataPlane:
         return triton_model_config(self.get(name, version).config)
 
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """Triton's repository index: each version on disk with its state, and each one
+        serving whose files are gone (it had been left out while it answered)."""
         entries = []
+        listed: set[tuple[str, int]] = set()
         for entry in self.repository.index():
-            loaded = self._models.get(entry["name"], {})
+            name = entry["name"]
+            loaded = self._models.get(name, {})
             version = entry.get("version")
             if version is not None and str(version).isdigit() and int(version) in loaded:
                 entry = {**entry, "state": "READY", "reason": ""}
-            elif entry["name"] in self._failed:
-                entry = {**entry, "reason": self._failed[entry["name"]]}
+                listed.add((name, int(version)))
+            elif name in self._failed:
+                entry = {**entry, "reason": self._failed[name]}
+            elif name in self._loading:
+                entry = {**entry, "state": "LOADING"}
             if not ready_only or entry["state"] == "READY":
                 entries.append(entry)
+        for name, versions in sorted(self._models.items()):
+            for number in sorted(set(versions) - {v for n, v in listed if n == name}):
+                entries.append(
+                    {
+                        "name": name,
+                        "version": str(number),
+                        "state": "READY",
+                        "reason": "serving; its files are no longer in the repository",
+                    }
+                )
         return entries
 
     def all_stats(self) -> list[ModelStats]:

@@ -57,9 +57,10 @@ class DynamicBatching:
     priority_levels: int = 1
     default_priority_level: int = 1
     default_timeout_us: int = 0
-    #: a request's own deadline replaces ``default_timeout_us`` (Triton's
-    #: ``allow_timeout_override``); false: the sooner of the two applies
-    allow_timeout_override: bool = True
+    #: true: a request's own deadline replaces ``default_timeout_us`` (Triton's
+    #: ``allow_timeout_override``); false (the default, as Triton's): the sooner of the
+    #: two applies, so a client may shorten the operator's bound but never escape it
+    allow_timeout_override: bool = False
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ def _batching(value: object, source: str) -> DynamicBatching:
         t.get("preferred_batch_sizes", []), source, k + "preferred_batch_sizes", 1
     )
     override = check_bool(
-        t.get("allow_timeout_override", True), source, k + "allow_timeout_override"
+        t.get("allow_timeout_override", False), source, k + "allow_timeout_override"
     )
     batching = DynamicBatching(
         preferred_batch_sizes=tuple(sorted(set(preferred))),

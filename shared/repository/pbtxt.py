@@ -383,6 +383,13 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
         if batching.get("priority_levels") == 0:
             batching.pop("priority_levels")  # Triton's 0: no priorities (Ferry's 1)
             batching.pop("default_priority_level", None)
+        elif "priority_levels" in batching and "default_priority_level" not in batching:
+            # (Triton refuses it; read as level 1, requests without a priority had
+            # jumped every prioritised one)
+            raise ConfigError(
+                f"{source}: key '{at}default_priority_level': required with priority_levels "
+                f"(a level from 1 to {batching['priority_levels']})"
+            )
         if "priority_queue_policy" in db:  # per-level queue bounds decide refusals
             raise ConfigError(
                 f"{source}: key '{at}priority_queue_policy': per-priority queue policies are "

@@ -544,3 +544,35 @@ async def test_a_keyed_retry_across_a_rollout_of_a_new_version_is_the_same_reque
     with pytest.raises(IdempotencyConflict):  # (other inputs under the key still are one)
         await dp.infer("m", _request(x * 2, idempotency_key="k1"))
     await dp.close()
+
+
+async def test_the_index_tells_loading_and_serving_versions_and_a_failed_load_is_logged(
+    tmp_path, caplog
+):
+    """During a first load the index said UNAVAILABLE and requests "unknown model" (a
+    404 clients take for good); a version serving from deleted files was left out of
+    the index; a load that failed through the API left no line in the log."""
+    import shutil
+
+    from shared.errors import ModelNotReady
+    from tests.support import write_slow_model
+
+    write_slow_model(tmp_path / "slow" / "1" / "model.onnx")
+    dp = DataPlane(ModelRepository(tmp_path), "n")
+    loading = asyncio.create_task(dp.load("slow"))
+    while "slow" not in dp._loading:
+        await asyncio.sleep(0.001)
+    assert dp.index() == [{"name": "slow", "version": "1", "state": "LOADING", "reason": ""}]
+    with pytest.raises(ModelNotReady, match="loading"):
+        dp.check_servable("slow")
+    await loading
+    assert dp.index()[0]["state"] == "READY"
+    shutil.rmtree(tmp_path / "slow" / "1")
+    (entry,) = dp.index(ready_only=True)
+    assert entry["state"] == "READY" and "no longer in the repository" in entry["reason"]
+    (tmp_path / "junk" / "1").mkdir(parents=True)
+    (tmp_path / "junk" / "1" / "model.onnx").write_bytes(b"not a model")
+    with caplog.at_level("ERROR"), pytest.raises(FerryError):
+        await dp.load("junk")
+    assert "failed to load junk" in caplog.text
+    await dp.close()

@@ -181,6 +181,8 @@ def test_string_escapes_are_bytes_read_as_utf8_as_protobuf_writes_them() -> None
         ("instance_group [ { kind: KIND_CPU }, { kind: KIND_GPU } ]", "one kind"),
         ("max_batch_size: -1", "max_batch_size"),
         ("dynamic_batching { priority_queue_policy { key: 1 value { } } }", "per-priority"),
+        # (Triton refuses it; read as level 1, unprioritised requests jumped the rest)
+        ("dynamic_batching { priority_levels: 3 }", "default_priority_level': required"),
         (
             'input [ { name: "x" data_type: TYPE_FP32 dims: [3] label_filename: "l" } ]',
             "only an output",
@@ -251,7 +253,13 @@ def test_a_load_override_reads_as_ferrys_or_tritons_and_says_which_sections_stay
 
     # protobuf's JSON: a uint64 as a string, a nested camelCase name (read as Triton's)
     config, keep = parse_load_config(
-        json.dumps({"max_batch_size": 8, "dynamic_batching": {"priorityLevels": "2"}}), "m"
+        json.dumps(
+            {
+                "max_batch_size": 8,
+                "dynamic_batching": {"priorityLevels": "2", "defaultPriorityLevel": "1"},
+            }
+        ),
+        "m",
     )
     assert config.dynamic_batching.priority_levels == 2 and len(keep) == 4
     # a partial override, valid in both: the repository's own sections stay

@@ -74,7 +74,7 @@ def test_a_full_config_renders_in_tritons_json_shape() -> None:
             "default_queue_policy": {
                 "timeout_action": "REJECT",
                 "default_timeout_microseconds": 5000,
-                "allow_timeout_override": True,
+                "allow_timeout_override": False,
                 "max_queue_size": 256,
             },
         },
