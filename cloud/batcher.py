@@ -232,10 +232,15 @@ class DynamicBatcher:
         n, key = self._shape_key(inputs)
         level = self._level(priority)
         if self._max_queue and self._depth >= self._max_queue:
-            raise Overloaded(
-                f"{self._name()}: queue is full ({self._depth} requests waiting)",
-                retry_after=self._retry_after(),
-            )
+            # each priority level has its own bound, as in Triton (one bound for all had
+            # let low-priority traffic lock the high-priority requests out)
+            waiting = sum(1 for r in self._queues[level] if not r.done)
+            if waiting >= self._max_queue:
+                raise Overloaded(
+                    f"{self._name()}: queue is full ({waiting} requests waiting"
+                    + (f" at priority level {level + 1})" if len(self._queues) > 1 else ")"),
+                    retry_after=self._retry_after(),
+                )
         deadline_ns = None if deadline is None else int(deadline * 1e9)
         if self._timeout_ns and (deadline_ns is None or not self._override):
             # the model's default timeout: for requests without their own, or (override
@@ -406,16 +411,18 @@ class DynamicBatcher:
             log.error("%s: queue depth %d but no live request", self._name(), self._depth)
             self._set_depth(0)
             return None, None
-        if full or self._closing or not self._delay_ns:
-            return members, None
         if self._preferred:
+            # the largest preferred size the queue reaches goes at once, even where more
+            # would fit (as Triton's dynamic batcher: a full queue had sent max_batch_size)
             sizes, total = {}, 0
             for i, req in enumerate(members):
                 total += req.n
                 sizes[total] = i + 1
-            for p in self._preferred:
+            for p in sorted(self._preferred, reverse=True):
                 if p in sizes:
                     return members[: sizes[p]], None
+        if full or self._closing or not self._delay_ns:
+            return members, None
         if not self._inflight:
             # Nothing running: waiting could only add latency, never a request (the
             # ones that arrive meanwhile form the next batch while this one runs).

@@ -348,7 +348,9 @@ class DataPlane:
         wanted = config.runtime.lone_threads
         if wanted is None:
             cpu = config.instance_group.kind == "cpu" and backend in _THREADED_BACKENDS
-            wanted = self.cores if cpu else 0
+            # (not where instances were asked for: the lone run holds them all, and a
+            # second request waited out the first's whole run beside an idle instance)
+            wanted = self.cores if cpu and config.instance_group.count == 1 else 0
             if wanted > (threads or self.cores):
                 warm_up(instance, config)
                 if batch1_run_s(instance, config) < LONE_MIN_RUN_S:

@@ -202,6 +202,25 @@ async def test_largest_reachable_preferred_size_is_dispatched_at_once(linear):
     await batcher.stop()
 
 
+async def test_a_queue_past_the_largest_preferred_size_still_sends_preferred_batches(linear):
+    """A queue that filled max_batch_size went as one batch of 4, where Triton sends
+    the preferred size (2) while the delay has not run out."""
+    gated = GatedSession(linear)
+    pol = policy(max_queue_delay_us=20_000_000, preferred_batch_sizes=[2])
+    batcher = await started(gated, max_batch_size=4, policy_=pol)
+    first = await hold_first(batcher, gated, {"x": xs(1)})
+    inputs = [xs(1) for _ in range(5)]
+    tasks = [asyncio.create_task(batcher.infer({"x": x})) for x in inputs]
+    await until(lambda: batcher.queue_depth == 5)
+    gated.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    await first
+    assert [r.batch_size for r in results] == [2, 2, 2, 2, 1]
+    for x, r in zip(inputs, results, strict=True):
+        assert_linear(x, r)
+    await batcher.stop()
+
+
 async def test_partial_batch_is_dispatched_when_the_queue_delay_expires(linear):
     batcher = await started(linear, policy_=policy(max_queue_delay_us=20_000))
     x = xs(2)
@@ -376,6 +395,24 @@ async def test_high_priority_request_runs_before_queued_low_priority_ones(linear
     await batcher.infer({"x": xs(1)}, priority=3)
     with pytest.raises(InvalidInput):
         await batcher.infer({"x": xs(1)}, priority=-1)
+    await batcher.stop()
+
+
+async def test_each_priority_level_has_its_own_queue_bound(linear):
+    """One bound for every level let low-priority traffic lock the high-priority
+    requests out ("queue is full"), where Triton gives each level its own."""
+    gated = GatedSession(linear)
+    pol = policy(priority_levels=2, default_priority_level=2, max_queue_size=2)
+    batcher = await started(gated, max_batch_size=1, policy_=pol)
+    first = await hold_first(batcher, gated, {"x": xs(1)})
+    lows = [asyncio.create_task(batcher.infer({"x": xs(1)})) for _ in range(2)]
+    await until(lambda: batcher.queue_depth == 2)
+    with pytest.raises(Overloaded, match="priority level 2"):
+        await batcher.infer({"x": xs(1)})
+    high = asyncio.create_task(batcher.infer({"x": xs(1)}, priority=1))
+    await until(lambda: batcher.queue_depth == 3)
+    gated.gate.set()
+    await asyncio.gather(first, high, *lows)
     await batcher.stop()
 
 

@@ -576,3 +576,26 @@ async def test_the_index_tells_loading_and_serving_versions_and_a_failed_load_is
         await dp.load("junk")
     assert "failed to load junk" in caplog.text
     await dp.close()
+
+
+async def test_a_model_of_several_instances_gets_no_lone_session_unless_asked(tmp_path):
+    """The lone session holds every instance while it runs: with two instances asked
+    for, a second request waited out the first's whole run beside an idle one."""
+    from tests.support import write_slow_model
+
+    for name, extra in (("one", ""), ("two", "[instance_group]\ncount = 2\n")):
+        # (one's batch-1 run must be long enough for a lone session to pay: 36 MatMuls)
+        write_slow_model(tmp_path / name / "1" / "model.onnx", layers=36 if name == "one" else 4)
+        (tmp_path / name / "config.toml").write_text("[runtime]\nthreads = 1\n" + extra)
+    (tmp_path / "asked" / "1").mkdir(parents=True)
+    write_slow_model(tmp_path / "asked" / "1" / "model.onnx", layers=4)
+    (tmp_path / "asked" / "config.toml").write_text(
+        "[runtime]\nthreads = 1\nlone_threads = 4\n[instance_group]\ncount = 2\n"
+    )
+    dp = DataPlane(ModelRepository(tmp_path), "n", cores=4)
+    for name in ("one", "two", "asked"):
+        await dp.load(name)
+    assert dp.get("one").lone is not None  # (one instance: the lone run as before)
+    assert dp.get("two").lone is None and len(dp.get("two").sessions) == 2
+    assert dp.get("asked").lone is not None  # (said outright in the config)
+    await dp.close()
