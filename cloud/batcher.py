@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -124,6 +124,10 @@ class DynamicBatcher:
         self._default_level = dpl if 1 <= dpl <= self._levels else self._levels
         self._timeout_ns = int(policy.default_timeout_us) * 1000 if policy else 0
         self._override = policy.allow_timeout_override if policy else False
+        # preserve_ordering: (answer, release) per request in arrival order; an answer
+        # leaves once every earlier request has its own (Triton holds responses alike)
+        self._preserve = bool(policy.preserve_ordering) if policy else False
+        self._order: deque[tuple[asyncio.Future[Any], asyncio.Future[None]]] = deque()
 
         # A lone request on an idle model that runs in under ``inline_us`` runs on the
         # loop: the hand-off to a worker and back would cost more than the run.
@@ -198,14 +202,37 @@ class DynamicBatcher:
         except FerryError as exc:
             self._stats.record_failure(time.monotonic_ns() - arrival, failure_reason(exc))
             raise
+        release = self._in_order(req.future) if self._preserve else None
         try:
-            return await req.future
+            result = await req.future
         except asyncio.CancelledError:
             if not req.done:  # still queued: the client went away
                 req.done = True
                 self._set_depth(self._depth - 1)
                 self._stats.record_failure(time.monotonic_ns() - arrival, CANCELED)
             raise
+        except BaseException:
+            if release is not None:
+                await asyncio.shield(release)
+            raise
+        if release is not None:
+            await asyncio.shield(release)
+        return result
+
+    def _in_order(self, answer: asyncio.Future[Any]) -> asyncio.Future[None]:
+        """The future that lets ``answer`` leave: set once every earlier one is done."""
+        assert self._loop is not None
+        release: asyncio.Future[None] = self._loop.create_future()
+        self._order.append((answer, release))
+        answer.add_done_callback(self._release_in_order)
+        return release
+
+    def _release_in_order(self, _: asyncio.Future[Any]) -> None:
+        order = self._order
+        while order and order[0][0].done():
+            _, release = order.popleft()
+            if not release.done():
+                release.set_result(None)
 
     async def stop(self, drain: bool = True) -> None:
         """Stop accepting; finish queued and in-flight work; sessions are idle on return.

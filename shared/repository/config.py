@@ -61,6 +61,8 @@ class DynamicBatching:
     #: ``allow_timeout_override``); false (the default, as Triton's): the sooner of the
     #: two applies, so a client may shorten the operator's bound but never escape it
     allow_timeout_override: bool = False
+    #: answers leave in the order their requests came (Triton's preserve_ordering)
+    preserve_ordering: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ _BATCHING = (  # preferred_batch_sizes first: the others are integers
     "default_priority_level",
     "default_timeout_us",
     "allow_timeout_override",
+    "preserve_ordering",
 )
 
 
@@ -298,7 +301,7 @@ def _tensors(value: object, source: str, key: str) -> tuple[TensorSpec, ...]:
 def _batching(value: object, source: str) -> DynamicBatching:
     t = check_table(value, source, "dynamic_batching", _BATCHING)
     k = "dynamic_batching."
-    ints = {f: check_int(t[f], source, k + f) for f in _BATCHING[1:-1] if f in t}
+    ints = {f: check_int(t[f], source, k + f) for f in _BATCHING[1:-2] if f in t}
     preferred = check_int_list(
         t.get("preferred_batch_sizes", []), source, k + "preferred_batch_sizes", 1
     )
@@ -308,6 +311,9 @@ def _batching(value: object, source: str) -> DynamicBatching:
     batching = DynamicBatching(
         preferred_batch_sizes=tuple(sorted(set(preferred))),
         allow_timeout_override=override,
+        preserve_ordering=check_bool(
+            t.get("preserve_ordering", False), source, k + "preserve_ordering"
+        ),
         **ints,
     )
     levels, default = batching.priority_levels, batching.default_priority_level

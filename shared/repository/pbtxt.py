@@ -380,6 +380,8 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
         ):
             if theirs in db:
                 batching[ours] = _one(db, theirs)
+        if "preserve_ordering" in db:
+            batching["preserve_ordering"] = _one(db, "preserve_ordering")
         if batching.get("priority_levels") == 0:
             batching.pop("priority_levels")  # Triton's 0: no priorities (Ferry's 1)
             batching.pop("default_priority_level", None)

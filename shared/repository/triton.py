@@ -71,7 +71,7 @@ def triton_model_config(config: ModelConfig, platform_hint: str | None = None) -
         result["dynamic_batching"] = {
             "preferred_batch_size": list(batching.preferred_batch_sizes),
             "max_queue_delay_microseconds": batching.max_queue_delay_us,
-            "preserve_ordering": False,
+            "preserve_ordering": batching.preserve_ordering,
             # (one level is Triton's 0: no priorities; a 1 read as one configured level)
             "priority_levels": batching.priority_levels if batching.priority_levels > 1 else 0,
             "default_priority_level": (

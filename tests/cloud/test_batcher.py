@@ -718,3 +718,35 @@ async def test_no_lone_run_while_another_model_runs_on_the_node(tmp_path):
     await batcher.stop()
     instance.close()
     lone.close()
+
+
+async def test_preserve_ordering_holds_an_answer_until_every_earlier_one_is_out(linear):
+    """preserve_ordering was read and dropped: with two instances a short request that
+    came second was answered before a long one that came first."""
+    first_instance, second_instance = GatedSession(linear), GatedSession(linear)
+    batcher = DynamicBatcher(
+        model="m",
+        version=1,
+        sessions=[first_instance, second_instance],
+        max_batch_size=1,
+        policy=policy(preserve_ordering=True),
+        stats=ModelStats("m", 1),
+    )
+    await batcher.start()
+    a = asyncio.create_task(batcher.infer({"x": xs(1)}))
+    await until(lambda: first_instance.entered.is_set() or second_instance.entered.is_set())
+    held, other = (
+        (first_instance, second_instance)
+        if first_instance.entered.is_set()
+        else (second_instance, first_instance)
+    )
+    other.gate.set()
+    b = asyncio.create_task(batcher.infer({"x": xs(1)}))
+    await until(lambda: bool(other.seen))
+    await asyncio.sleep(0.2)  # b's run is long over
+    assert not b.done() and not a.done()
+    held.gate.set()
+    done, _ = await asyncio.wait({a, b}, return_when=asyncio.FIRST_COMPLETED)
+    assert a in done
+    await asyncio.gather(a, b)
+    await batcher.stop()

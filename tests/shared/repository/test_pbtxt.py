@@ -92,6 +92,16 @@ def test_a_triton_config_is_read_with_every_setting_ferry_has(tmp_path: Path, ca
     session.close()
 
 
+def test_preserve_ordering_is_read_and_shown_as_written(tmp_path: Path) -> None:
+    """It had been dropped: accepted, not honoured, and shown as false."""
+    from shared.repository import triton_model_config
+
+    path = write(tmp_path, "m", "max_batch_size: 4\ndynamic_batching { preserve_ordering: true }\n")
+    config = parse_triton_config(path, "m")
+    assert config.dynamic_batching is not None and config.dynamic_batching.preserve_ordering
+    assert triton_model_config(config)["dynamic_batching"]["preserve_ordering"] is True
+
+
 def test_version_policies_and_no_batching_map_to_ferry_keys(tmp_path: Path) -> None:
     repo = ModelRepository(tmp_path)
     write(
