@@ -600,11 +600,17 @@ class MqttFront:
         props = message.properties
         response_topic = props.response_topic
         if not response_topic:
-            # (MQTT v3.1.1 has no Response Topic): nobody to answer, so nothing is run
+            if not message.payload:
+                return  # (a retained request cleared: nothing is asked, nobody to answer)
+            # MQTT 3.1.1 has no Response Topic: such a client names its reply topic in
+            # the envelope's parameters (the same rules apply), and matches the answer
+            # by the envelope's id
+            response_topic = props.response_topic = envelope.peek_reply_topic(message.payload)
+        if not response_topic:
             self.bad_reply_topics += 1
             self._unserved(
-                "request on %s has no Response Topic (MQTT v5 requests need one): "
-                "not served, no reply",
+                "request on %s has no Response Topic (MQTT v5), nor a 'reply_topic' "
+                "parameter (MQTT 3.1.1): not served, no reply",
                 message.topic,
             )
             return

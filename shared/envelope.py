@@ -10,7 +10,8 @@ outputs, parameters}`` or ``{id, error: {code, message, retry_after_ms?}}``
 tensor's raw little-endian bytes (BYTES: 4-byte length-prefixed elements).
 Decoding hands back views over the payload (msgspec decodes ``bin`` into a
 ``memoryview`` without copying), so a tensor is copied once per hop: when
-the sender packs it.
+the sender packs it.  A request's ``parameters`` may name ``reply_topic``: where
+an MQTT 3.1.1 client (no Response Topic property) wants its answer.
 """
 
 from __future__ import annotations
@@ -225,6 +226,21 @@ def peek_request_id(payload: bytes | memoryview) -> str | None:
         return msgspec.msgpack.decode(payload, type=_IdOnly).id
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return None
+
+
+def peek_reply_topic(payload: bytes | memoryview) -> str | None:
+    """The ``reply_topic`` a request names in its parameters: where an MQTT 3.1.1
+    client, which has no Response Topic property, asks its answer to go."""
+
+    class _ParametersOnly(msgspec.Struct):
+        parameters: dict[str, Any] | None = None
+
+    try:
+        found = msgspec.msgpack.decode(payload, type=_ParametersOnly).parameters or {}
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return None
+    topic = found.get("reply_topic")
+    return topic if isinstance(topic, str) and topic else None
 
 
 def encode_reply(response: InferResponse) -> bytes:

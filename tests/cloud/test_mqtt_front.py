@@ -527,30 +527,56 @@ async def test_a_draining_front_answers_every_request_it_received(broker, tmp_pa
             assert isinstance(r[0][1], ShuttingDown | ModelNotReady)
 
 
-def test_a_request_without_a_response_topic_is_not_run(broker, tmp_path):
-    """An MQTT v3.1.1 client has no Response Topic: nobody can be answered, so the model
-    is not run for it (it was, and its answer thrown away)."""
+def test_an_mqtt_311_client_is_answered_on_the_reply_topic_its_request_names(broker, tmp_path):
+    """An MQTT v3.1.1 client has no Response Topic property: it names its reply topic in
+    the envelope's parameters (it had no way to be answered).  One that names none is
+    not run (it was, and its answer thrown away), and clearing a retained message on a
+    request topic is no request at all."""
+    import queue
     import urllib.request
 
     node = _slow_node(broker, build_slow_repository(tmp_path / "repo"))
     raw = RawClient(broker)
-    old = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    answers: queue.Queue = queue.Queue()
+    old = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id="dev311",
+        protocol=mqtt.MQTTv311,
+    )
+    old.on_message = lambda client, userdata, message: answers.put(message)
     try:
         old.connect("127.0.0.1", broker.port)
         old.loop_start()
+        old.subscribe("ferry/v1/replies/dev311", qos=1)
+        time.sleep(0.3)
         x = np.ones((1, 4), np.float32)
-        request = envelope.encode_request(InferRequest(inputs=[Tensor.from_array("x", x)], id="v3"))
-        old.publish("ferry/v1/models/slow/infer", request, qos=1).wait_for_publish(5)
-        raw.wait_replies([raw.publish("slow", x)], timeout=30)  # after it, in order
+        bare = envelope.encode_request(InferRequest(inputs=[Tensor.from_array("x", x)], id="v3"))
+        old.publish("ferry/v1/models/slow/infer", bare, qos=1).wait_for_publish(5)
+        old.publish("ferry/v1/models/slow/infer", b"", qos=1, retain=True).wait_for_publish(5)
+        named = envelope.encode_request(
+            InferRequest(
+                inputs=[Tensor.from_array("x", x)],
+                id="v3-named",
+                parameters={"reply_topic": "ferry/v1/replies/dev311"},
+            )
+        )
+        old.publish("ferry/v1/models/slow/infer", named, qos=1).wait_for_publish(5)
+        message = answers.get(timeout=30)
+        request_id, reply = envelope.decode_reply(message.payload)
+        assert request_id == "v3-named" and reply.outputs[0].data.shape == (1, 4)
+        raw.wait_replies([raw.publish("slow", x)], timeout=30)  # after them, in order
         with urllib.request.urlopen(f"{node.http_url}/v2/models/slow/stats", timeout=10) as r:
             stats = json.loads(r.read())["model_stats"][0]["inference_stats"]
-        assert stats["success"]["count"] == 1
+        assert stats["success"]["count"] == 2  # (the named one and raw's, not the bare one)
+        assert answers.empty()
     finally:
         old.disconnect()
         old.loop_stop()
         raw.close()
         node.terminate()
-    assert "has no Response Topic (MQTT v5 requests need one): not served" in node.output()
+    said = node.output()
+    assert "has no Response Topic (MQTT v5), nor a 'reply_topic' parameter" in said
+    assert said.count("not served, no reply") == 1  # (the cleared retained message: none)
 
 
 def test_requests_not_served_for_their_reply_topic_are_logged_a_few_a_minute(caplog):
