@@ -467,7 +467,7 @@ class EdgeDataPlane:
                     deferrable=deferrable,
                     cloud_only=cloud_version,
                 )
-                return await self._drive(flow, request, start, principal)
+                return await self._drive(flow, request, start, principal, client_id)
 
             duplicate = False
             if app_key is None:
@@ -495,7 +495,12 @@ class EdgeDataPlane:
         return response
 
     async def _drive(
-        self, flow: RequestFlow, request: InferRequest, start: float, principal: str = ""
+        self,
+        flow: RequestFlow,
+        request: InferRequest,
+        start: float,
+        principal: str = "",
+        app_id: str | None = None,
     ) -> InferResponse:
         """Carry out the flow's actions until it answers."""
         if not flow.deferrable and time.monotonic() >= flow.deadline:
@@ -562,6 +567,7 @@ class EdgeDataPlane:
                     deadline_ms=action.deadline_ms,
                     reason=action.reason,
                     owner=principal,
+                    app_id=app_id,
                 )
             else:
                 assert isinstance(action, Fail)

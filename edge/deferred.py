@@ -111,6 +111,7 @@ class Deferrer:
         deadline_ms: float | None,
         reason: str,
         owner: str = "",
+        app_id: str | None = None,
     ) -> InferResponse:
         """Store ``request``; ``owner`` (the app's principal, "" where the agent has no
         tokens) is the only one :meth:`result` answers about it."""
@@ -125,6 +126,7 @@ class Deferrer:
             expires_wall=now + self.ttl_s,
             priority=int(request.parameters.get("priority", 0) or 0),
             owner=owner,
+            app_id=app_id,
         )
         return InferResponse(
             model_name=model,
@@ -236,7 +238,9 @@ class Deferrer:
             log.exception("deferred %s: sending failed", item.request_id)
             return await self._failed(item, f"internal: {exc!r}", False)
         self._refused.pop(item.model, None)
-        response.id = item.request_id
+        # the app's own id, as every other answer carries it (V2 echoes the request's
+        # id; the fetched answer had carried the receipt's)
+        response.id = item.app_id if item.app_id is not None else item.request_id
         await self._finish(item.request_id, envelope.encode_reply(response), None)
         self.delivered += 1
         return 1

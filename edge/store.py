@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS deferred (
     result       BLOB,
     error        TEXT,
     answered_wall REAL,
-    owner        TEXT NOT NULL DEFAULT ''
+    owner        TEXT NOT NULL DEFAULT '',
+    app_id       TEXT
 );
 CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, created_wall);
 """
@@ -76,6 +77,7 @@ class DeferredItem:
     expires_wall: float | None
     priority: int
     attempts: int
+    app_id: str | None = None  # the id the app gave (its answer carries it back)
 
 
 @dataclass
@@ -161,6 +163,8 @@ class DeferredStore:
             db.execute("ALTER TABLE deferred ADD COLUMN answered_wall REAL")
         if "owner" not in columns:  # (its rows: anyone's, as they were)
             db.execute("ALTER TABLE deferred ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        if "app_id" not in columns:  # (its rows' answers keep the receipt's id)
+            db.execute("ALTER TABLE deferred ADD COLUMN app_id TEXT")
         # a crash while sending counts as an attempt: a request that crashes the agent
         # every time must not loop forever
         db.execute(
@@ -192,6 +196,7 @@ class DeferredStore:
         expires_wall: float | None,
         priority: int = 0,
         owner: str = "",
+        app_id: str | None = None,
     ) -> None:
         import sqlite3
 
@@ -228,13 +233,14 @@ class DeferredStore:
             # is stored afresh (its receipt would otherwise name a dead request).
             self._db.execute(
                 "INSERT INTO deferred (request_id, model, payload, created_wall, expires_wall,"
-                " priority, owner) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO"
+                " priority, owner, app_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO"
                 " UPDATE SET status = 'pending', model = excluded.model,"
                 " payload = excluded.payload, created_wall = excluded.created_wall,"
                 " expires_wall = excluded.expires_wall, priority = excluded.priority,"
-                " owner = excluded.owner, attempts = 0, result = NULL, error = NULL,"
+                " owner = excluded.owner, app_id = excluded.app_id, attempts = 0,"
+                " result = NULL, error = NULL,"
                 " answered_wall = NULL WHERE status IN ('failed', 'expired')",
-                (request_id, model, payload, created_wall, expires_wall, priority, owner),
+                (request_id, model, payload, created_wall, expires_wall, priority, owner, app_id),
             )
             if old is not None:
                 self._count_held()
@@ -271,14 +277,15 @@ class DeferredStore:
             return []
         models, ids = sorted(skip), sorted(skip_ids)
         rows = self._db.execute(
-            "SELECT request_id, model, payload, created_wall, expires_wall, priority, attempts FROM deferred"
+            "SELECT request_id, model, payload, created_wall, expires_wall, priority, attempts,"
+            " app_id FROM deferred"
             " WHERE status = 'pending' AND (expires_wall IS NULL OR ? IS NULL OR expires_wall > ?)"
             f" AND model NOT IN ({', '.join('?' * len(models))})"
             f" AND request_id NOT IN ({', '.join('?' * len(ids))})"
             f" ORDER BY {_URGENCY}, created_wall LIMIT ?",
             (now_wall, now_wall, *models, *ids, limit),
         ).fetchall()
-        return [DeferredItem(r[0], r[1], bytes(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
+        return [DeferredItem(r[0], r[1], bytes(r[2]), r[3], r[4], r[5], r[6], r[7]) for r in rows]
 
     def mark_sending(self, request_id: str) -> None:
         self._db.execute(

@@ -179,6 +179,36 @@ async def test_a_crash_between_the_clouds_answer_and_the_bookkeeping_does_not_ru
         server.terminate()
 
 
+async def test_a_fetched_deferred_answer_carries_the_apps_own_id(tmp_path, edge_repos):
+    """V2 answers echo the request's id; a deferred one fetched later carried the
+    receipt's, so an app matching answers by its ids kept a map of receipts."""
+    from edge.agent import Agent
+    from edge.config import load_agent_config
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+
+    server = cloud_server(edge_repos[0], "--node", "ids").start()
+    cfg = cloud_only_agent(tmp_path, edge_repos[1], server.http_url)
+    try:
+        x = np.full((1, 4), 3.0, np.float32)
+        async with Agent(load_agent_config(cfg)) as agent:
+            await agent.transports["http"].close()  # an outage: the request is stored
+            request = InferRequest(inputs=[Tensor.from_array("x", x)], id="app-7")
+            receipt = await agent.dataplane.infer("c", request, deferrable=True)
+            assert receipt.id == "app-7" and receipt.parameters["where"] == "deferred"
+            request_id = receipt.parameters["request_id"]
+        async with Agent(load_agent_config(cfg)) as again:  # (kept across a restart)
+            for _ in range(50):
+                await again.flush_deferred()
+                found = await again.deferred_result(request_id)
+                if found["status"] == "delivered":
+                    break
+                await asyncio.sleep(0.1)
+            assert found["status"] == "delivered" and found["response"].id == "app-7"
+    finally:
+        server.terminate()
+
+
 async def test_an_apps_idempotency_key_runs_a_retry_once_and_defers_it_once(tmp_path, edge_repos):
     import pytest
 
