@@ -416,7 +416,12 @@ class _Reader(FeedsBuffers):
                     if len(buf) > 1024:
                         raise HttpError(400, "chunk-size line too long")
                     return False
-                size_text = bytes(buf[:end]).split(b";", 1)[0].strip(b" \t")
+                line = bytes(buf[:end])
+                if line.translate(None, b"\t") != line.translate(None, _CONTROLS):
+                    # (a bare LF in a chunk extension is where a proxy that ends the
+                    # line there and this parser part ways: request smuggling)
+                    raise HttpError(400, "a control character in a chunk-size line")
+                size_text = line.split(b";", 1)[0].strip(b" \t")
                 try:
                     if not size_text or not all(c in b"0123456789abcdefABCDEF" for c in size_text):
                         raise ValueError
@@ -603,6 +608,8 @@ def request_head(
     lines.append("\r\n")
     return "".join(lines).encode("latin-1")
 
+
+_CONTROLS = bytes(range(0x20)) + b"\x7f"
 
 #: a request target or header name holds none of these (RFC 9112: no whitespace or
 #: controls), a header value no control but tab (RFC 9110 field-value)
