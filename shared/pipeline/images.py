@@ -55,6 +55,7 @@ class Target:
     decoder: str  # auto, pillow, opencv, turbojpeg
     where: str  # "input 'image'" for messages
     scaled_decode: bool = True  # a JPEG may be decoded at 1/2, 1/4, 1/8 (its IDCT)
+    exif_orientation: bool = False  # turned as its EXIF Orientation tag says
 
 
 def sniff(data: bytes) -> str | None:
@@ -83,17 +84,61 @@ def decode(data: bytes, target: Target) -> np.ndarray:
     width, height = _declared_size(data, fmt, target)
     if fmt == "jpeg" and not _jpeg_complete(data):
         raise InvalidInput(f"{target.where}: the JPEG image is truncated (no end of image)")
-    need_h, need_w = _decoded_size_needed(width, height, target)
+    turn = exif_orientation(data) if target.exif_orientation and fmt != "bmp" else 1
+    if turn >= 5:  # a quarter turn: the resize target is met by the turned picture
+        need_w, need_h = _decoded_size_needed(height, width, target)
+    else:
+        need_h, need_w = _decoded_size_needed(width, height, target)
     # What the decode holds until the resize: every decoder writes the declared size
     # (a JPEG's scaled by its IDCT reduction), and converting can copy it once more.
     scale = _reduction((width, height), (need_w, need_h)) if fmt == "jpeg" else 1
     held = -(-width // scale) * -(-height // scale) * 3 * 2
     with pixel_budget().held(held):
-        return _decode(data, fmt, target, (width, height), (need_w, need_h))
+        return _decode(data, fmt, target, (width, height), (need_w, need_h), turn)
+
+
+def exif_orientation(data: bytes) -> int:
+    """The EXIF Orientation tag (1-8; 1 where there is none or it is unreadable), read
+    from the header alone (Pillow parses JPEG, PNG and WebP EXIF without decoding)."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as im:
+                value = im.getexif().get(0x0112, 1)
+    except Exception:  # (a broken EXIF block does not make the picture unreadable)
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _orient(pixels: np.ndarray, turn: int) -> np.ndarray:
+    """(height, width, channels) pixels turned as EXIF orientation ``turn`` says, as
+    Pillow's ImageOps.exif_transpose turns them."""
+    if turn == 2:
+        pixels = pixels[:, ::-1]
+    elif turn == 3:
+        pixels = pixels[::-1, ::-1]
+    elif turn == 4:
+        pixels = pixels[::-1]
+    elif turn == 5:
+        pixels = pixels.transpose(1, 0, 2)
+    elif turn == 6:
+        pixels = pixels.transpose(1, 0, 2)[:, ::-1]
+    elif turn == 7:
+        pixels = pixels[::-1, ::-1].transpose(1, 0, 2)
+    elif turn == 8:
+        pixels = pixels.transpose(1, 0, 2)[::-1]
+    return np.ascontiguousarray(pixels) if turn != 1 else pixels
 
 
 def _decode(
-    data: bytes, fmt: str, target: Target, size: tuple[int, int], need: tuple[int, int]
+    data: bytes,
+    fmt: str,
+    target: Target,
+    size: tuple[int, int],
+    need: tuple[int, int],
+    turn: int = 1,
 ) -> np.ndarray:
     width, height = size
     need_w, need_h = need
@@ -109,7 +154,7 @@ def _decode(
             break
     if pixels is None:
         pixels = _pillow(data, fmt, target, (width, height), (need_w, need_h))
-    return _fit(pixels, target)
+    return _fit(_orient(pixels, turn), target)
 
 
 class PixelBudget:

@@ -360,6 +360,7 @@ def _resolve_image(stage: ImageInput, index: int, session: Session, where: str) 
         decoder=stage.decoder,
         where=f"input {stage.input!r}",
         scaled_decode=stage.scaled_decode,
+        exif_orientation=stage.exif_orientation,
     )
     if stage.decoder != "pillow" and not images.opencv_installed():
         # Without OpenCV, Pillow resizes, and its bilinear filter smooths a shrink

@@ -42,6 +42,8 @@ class ImageInput:
     # a JPEG decoded at 1/2, 1/4 or 1/8 in its IDCT where the resize target allows:
     # most of the decode saved, and a smoothing a full decode + resize lacks
     scaled_decode: bool = True
+    # turn the pixels as the EXIF Orientation tag says (as a phone shows the photo)
+    exif_orientation: bool = False
 
 
 @dataclass(frozen=True)

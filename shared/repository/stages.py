@@ -48,6 +48,7 @@ _PRE = (
     "datatype",
     "max_pixels",
     "scaled_decode",
+    "exif_orientation",
     "decoder",
 )
 _POST = ("output", "name", "softmax", "top_k", "argmax", "labels")
@@ -125,6 +126,9 @@ def _image_input(item: object, source: str, at: str) -> ImageInput:
         max_pixels=check_int(t.get("max_pixels", DEFAULT_MAX_PIXELS), source, k + "max_pixels", 1),
         decoder=check_choice(t.get("decoder", "auto"), source, k + "decoder", DECODERS),
         scaled_decode=check_bool(t.get("scaled_decode", True), source, k + "scaled_decode"),
+        exif_orientation=check_bool(
+            t.get("exif_orientation", False), source, k + "exif_orientation"
+        ),
     )
 
 

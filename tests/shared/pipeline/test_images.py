@@ -313,3 +313,26 @@ def test_scaled_decode_off_gives_a_jpeg_the_tensor_of_its_full_decode() -> None:
     on = images.decode(jpeg, small).astype(int)
     assert np.abs(off - exact).max() <= 2
     assert np.abs(on - exact).max() > np.abs(off - exact).max()
+
+
+@pytest.mark.parametrize("decoder", ["auto", *images.available_decoders()])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_turns_the_picture_as_a_phone_shows_it(
+    decoder: str, orientation: int
+) -> None:
+    """Off by default (as DALI); on, every decoder turns the pixels as Pillow's
+    ImageOps.exif_transpose does, before the resize."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    jpeg = encode(photo(120, 200), "JPEG", quality=95, exif=exif.tobytes())
+    shown = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(jpeg))).convert("RGB"))
+    plain = target(height=48, width=80, decoder=decoder, scaled_decode=False)
+    want = images.decode(encode(shown, "PNG"), plain).astype(int)
+    turned = images.decode(jpeg, replace(plain, exif_orientation=True)).astype(int)
+    assert np.abs(turned - want).mean() < 2
+    if orientation != 1:  # (and off, the stored pixels as they are)
+        assert np.abs(images.decode(jpeg, plain).astype(int) - want).mean() > 5
