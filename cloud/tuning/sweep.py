@@ -3,8 +3,8 @@
 :func:`plan_model` decides what to try for one model, cheaply and before any
 session loads (so a progress bar knows its length): every backend whose file is
 in the newest served version folder and whose runtime is installed (TensorRT
-only with a GPU), and OpenVINO on a temporary IR converted from the ONNX file
-when the folder holds no IR.  :func:`measure_model` then runs it: per backend,
+only with a GPU), and OpenVINO on the ONNX file itself when the folder holds no
+IR (OpenVINO reads ONNX, and a node serves it so).  :func:`measure_model` then runs it: per backend,
 intra-op threads 1, 2, 4 ... up to the cores (and the cores themselves); per
 thread count, batch sizes 1, 2, 4 ... up to ``max_batch_size``.  Each point runs
 for ``duration_s`` (at least ``min_runs`` times) on random inputs.
@@ -32,7 +32,7 @@ from shared.datatypes import numpy_dtype
 from shared.errors import FerryError
 from shared.pipeline import PipelineSession, open_session, sample_inputs
 from shared.repository import ModelConfig, ModelRepository, complete_config
-from shared.runtimes import MODEL_FILES, Session, installed_backends
+from shared.runtimes import ALSO_READS, MODEL_FILES, Session, installed_backends
 
 #: (what runs now, trials finished since the last call) -> None
 Progress = Callable[[str, int], None]
@@ -171,10 +171,12 @@ def plan_model(
         raise FerryError(f"model {name!r}: no served version holds a model file")
     folder = repository.model_dir(name) / str(versions[-1])
     files = {b: folder / f for f, b in MODEL_FILES.items() if (folder / f).is_file()}
+    for found, path in list(files.items()):
+        for also in ALSO_READS.get(found, ()):
+            # OpenVINO reads the ONNX file, and serves it so: measured (and chosen) as is
+            files.setdefault(also, path)
     plan = Plan(name, versions[-1], config, servable=frozenset(files))
     installed = set(installed_backends())
-    if "openvino" not in files and "onnxruntime" in files:
-        files["openvino"] = files["onnxruntime"]  # measured on a temporary IR
     candidates: dict[str, Path | None] = dict(files)
     if gpu:  # a GPU node's operator expects TensorRT in the table, tried or said why not
         candidates.setdefault("tensorrt", None)

@@ -68,10 +68,10 @@ def test_tune_writes_profiles_report_and_applies_the_choice(
     assert all(p["runs"] >= 5 and p["p99_ms"] >= p["p50_ms"] > 0 for p in ort[0]["points"])
     assert ort[0]["memory_bytes"] > 0 and ort[0]["beta_s"] > 0
     chosen = entry["chosen"]
-    assert chosen["backend"] == "onnxruntime"  # the only file the folder can serve
-    assert chosen["p99_ms"] <= 50
-    if "openvino" in installed_backends():  # tried on a temporary IR, never chosen
-        assert any(t["backend"] == "openvino" and t["converted"] for t in entry["trials"])
+    # (OpenVINO serves the model.onnx as it is: either may be chosen, as measured)
+    assert chosen["backend"] in installed_backends() and chosen["p99_ms"] <= 50
+    if "openvino" in installed_backends():  # measured on the ONNX file itself
+        assert any(t["backend"] == "openvino" and not t["converted"] for t in entry["trials"])
         assert not (repo / "lin" / "1" / "model.xml").exists()
     assert "tensorrt" not in [t["backend"] for t in entry["trials"]]
 
@@ -318,11 +318,11 @@ def test_a_model_with_an_image_input_is_tuned_on_encoded_images(tmp_path: Path) 
     backends = "onnxruntime,openvino" if "openvino" in installed_backends() else "onnxruntime"
     assert _tune(root, out, "--backends", backends, "--max-batch", "2") == 0
     profiles = load_profiles(out)["img"]
-    assert profiles and profiles[0].backend == "onnxruntime"
+    assert profiles and profiles[0].backend in ("onnxruntime", "openvino")
     doc = json.loads(out.read_text())
     assert "error" not in json.dumps(doc["models"]["img"]).lower()
-    # the IR converted into a temporary folder still reads the model folder's labels
-    # (it looked for /tmp/.../labels.txt and skipped OpenVINO)
+    # OpenVINO still reads the model folder's labels (a temporary IR had looked for
+    # /tmp/.../labels.txt and skipped OpenVINO)
     assert "labels" not in json.dumps(doc["models"]["img"].get("skipped", {}))
 
 
