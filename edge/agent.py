@@ -296,7 +296,7 @@ class Agent:
     async def _load_local_models(self, config: AgentConfig) -> None:
         cloud = self.config.cloud  # (the endpoints in force: [cloud] waits for a restart)
         endpoints = [t for t, url in (("http", cloud.http_url), ("mqtt", cloud.mqtt_url)) if url]
-        for note in unreachable_transports(config.policy, endpoints or None):
+        for note in unreachable_transports(config.policy, endpoints):
             log.warning("%s: %s", config.source or "agent config", note)
         loaded = False
         for name in self._wanted_local(config):

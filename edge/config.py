@@ -411,9 +411,10 @@ def unreachable_transports(
             continue
         if mp.mode == "cost" and mp.local_model and mp.cloud_model:
             if not have.intersection(mp.transports):
+                where = f"there are {sorted(have)}" if have else "[cloud] names none"
                 notes.append(
                     f"model {name!r}: its transports {list(mp.transports)} have no endpoint "
-                    f"(there are {sorted(have)}): it never offloads"
+                    f"({where}): it never offloads"
                 )
     return notes
 

@@ -770,6 +770,7 @@ def _reply_event(flow: RequestFlow, result: TransferResult) -> Action | None:
         elapsed_s=result.elapsed_s,
         queue_us=int(params.get("queue_us", 0) or 0),
         compute_us=int(params.get("compute_us", 0) or 0),
+        resent=result.resent,
     )
 
 

@@ -548,11 +548,13 @@ class RequestFlow:
         elapsed_s: float,
         queue_us: int = 0,
         compute_us: int = 0,
+        resent: bool = False,
     ) -> Answer | None:
-        """The cloud answered at ``now``; the transfer took ``elapsed_s`` end to end."""
+        """The cloud answered at ``now``; the transfer took ``elapsed_s`` end to end
+        (``resent``: it went out more than once, so its time teaches the link nothing)."""
         core, choice = self.core, self._attempt
         core._journal(
-            ("offload_done", self.id, now, sent, received, elapsed_s, queue_us, compute_us)
+            ("offload_done", self.id, now, sent, received, elapsed_s, queue_us, compute_us, resent)
         )
         assert choice is not None and choice.transport is not None
         core.breakers[choice.transport].record_success(now)
@@ -560,7 +562,7 @@ class RequestFlow:
         # The radio's promotion is in the transfer's time and the policy adds it
         # itself; a transfer quicker than the promotion found the radio up already.
         net = elapsed_s - choice.promotion_s if elapsed_s > choice.promotion_s else elapsed_s
-        if core.measures_current_link(choice.transport, now - elapsed_s):
+        if not resent and core.measures_current_link(choice.transport, now - elapsed_s):
             core.est.link(choice.transport).observe(
                 sent, received, net, (queue_us + compute_us) / 1e6, now
             )
@@ -1067,7 +1069,7 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
         elif kind == "local_done":
             flows[event[1]].local_done(event[2], event[3], event[4])
         elif kind == "offload_done":
-            _, fid, now, sent, received, elapsed, queue_us, compute_us = event
+            _, fid, now, sent, received, elapsed, queue_us, compute_us, *rest = event
             flows[fid].offload_done(
                 now,
                 sent=sent,
@@ -1075,6 +1077,7 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
                 elapsed_s=elapsed,
                 queue_us=queue_us,
                 compute_us=compute_us,
+                resent=bool(rest and rest[0]),
             )
         elif kind == "offload_failed":
             flows[event[1]].offload_failed(event[2], error_from_code(event[3], event[4]))

@@ -19,6 +19,9 @@ class TransferResult:
     received_bytes: int
     started: float  # time.monotonic() when the request left
     finished: float  # time.monotonic() when the reply was decoded
+    #: sent more than once (a hedge, or again after a node was lost): its time says more
+    #: of a node that stalled than of the link, and ``sent_bytes`` counts every copy
+    resent: bool = False
 
     @property
     def elapsed_s(self) -> float:

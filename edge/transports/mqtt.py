@@ -50,18 +50,22 @@ from shared.tensors import DEFAULT_LIMITS, Limits
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
 #: times a waiting request is sent again because a node died (not a storm on churn)
 _MAX_RESENDS = 3
-#: Hedging (a request unanswered long past its model's usual round trip goes out again,
-#: to whichever member the broker deals it, while another live node hosts the model):
-#: a node stalled while connected (a paused VM, a stopped process) kept its share of
-#: the shared subscription until the broker dropped it, and each request dealt to it
-#: waited out its deadline.  After HEDGE_FACTOR x the p90 of the last HEDGE_WINDOW
-#: round trips (HEDGE_MIN_SAMPLES at least, HEDGE_MIN_S at least), then again at each
-#: multiple; each request earns HEDGE_RATIO hedges, up to HEDGE_BURST saved, so a
-#: fleet slowed by load is not sent more than 1.5x its requests.
+#: Hedging (a request unanswered long past its model's usual wait goes out again, to
+#: whichever member the broker deals it, while another live node hosts the model): a
+#: node stalled while connected (a paused VM, a stopped process) kept its share of the
+#: shared subscription until the broker dropped it, and each request dealt to it
+#: waited out its deadline.  The clock runs from the broker's PUBACK (the upload is
+#: done; a copy sent before it would only queue behind it on the same link): after
+#: HEDGE_FACTOR x the p90 of the last HEDGE_WINDOW waits from PUBACK to reply
+#: (HEDGE_MIN_SAMPLES at least, HEDGE_MIN_S at least), up to _MAX_RESENDS copies.
+#: Only requests up to HEDGE_MAX_BYTES are hedged (a copy costs the uplink its size),
+#: and each request earns HEDGE_RATIO hedges, HEDGE_BURST saved at most: a fleet
+#: slowed by load gets at most 1.5x its requests in the long run.
 HEDGE_FACTOR = 3.0
 HEDGE_MIN_S = 0.1
 HEDGE_WINDOW = 32
 HEDGE_MIN_SAMPLES = 8
+HEDGE_MAX_BYTES = 128 * 1024
 HEDGE_RATIO = 0.5
 HEDGE_BURST = 10.0
 _NOT_AUTHORIZED = 0x87  # a PUBACK's reason: the broker's ACL refused the publish
@@ -101,6 +105,8 @@ class _Pending:
     payload: bytes
     deadline: float
     resends: int = 0
+    acked: asyncio.Future[Any] | None = None  # the latest copy's PUBACK
+    acked_at: float | None = None  # (monotonic) when it came
 
 
 class MqttTransport:
@@ -234,32 +240,44 @@ class MqttTransport:
             if deadline <= started:
                 raise DeadlineExceeded("deadline passed before the request was sent")
             self._publish(correlation, pending)
-            after = self._hedge_after(model)
-            sends = 1
+            after = self._hedge_after(model) if len(payload) <= HEDGE_MAX_BYTES else None
             while not future.done():
                 now = time.monotonic()
                 if now >= deadline:
                     raise DeadlineExceeded(
                         f"no MQTT reply from model {model!r} within the deadline"
                     )
-                wait = deadline - now
-                if after is not None and pending.resends < _MAX_RESENDS:
-                    wait = min(wait, max(started + after * sends - now, 0.0))
-                await asyncio.wait((future,), timeout=wait)
-                if future.done() or time.monotonic() >= deadline:
+                wait, waiting_for = deadline - now, (future,)
+                due = None
+                acked = pending.acked
+                if after is not None and pending.resends < _MAX_RESENDS and acked is not None:
+                    if not acked.done():
+                        waiting_for = (future, acked)  # the clock starts at the PUBACK
+                    else:
+                        if pending.acked_at is None:  # (its callback is a turn away)
+                            pending.acked_at = now
+                        due = pending.acked_at + after
+                        wait = min(wait, max(due - now, 0.0))
+                await asyncio.wait(waiting_for, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if future.done() or due is None or time.monotonic() < due:
                     continue
-                if after is not None and self._hedge(model, correlation, pending):
-                    sends += 1
+                if not self._hedge(model, correlation, pending):
+                    after = None  # the budget is spent, or the broker gone: wait as it is
             response, received = future.result()
         finally:
             self._pending.pop(correlation, None)
+            if not future.done():  # (a late PUBACK refusal must find no one to fail)
+                future.cancel()
         finished = time.monotonic()
         if pending.resends == 0:  # (a resent one's wait says more of its first host)
             trips = self._round_trips.get(model)
             if trips is None:
                 trips = self._round_trips[model] = collections.deque(maxlen=HEDGE_WINDOW)
-            trips.append(finished - started)
-        return TransferResult(response, len(payload), received, started, finished)
+            trips.append(finished - (pending.acked_at or started))
+        copies = 1 + pending.resends  # (each copy crossed the uplink: the data cap counts it)
+        return TransferResult(
+            response, len(payload) * copies, received, started, finished, copies > 1
+        )
 
     def _hedge_after(self, model: str) -> float | None:
         """Seconds after which an unanswered request for ``model`` is sent again; None
@@ -275,6 +293,8 @@ class MqttTransport:
     def _hedge(self, model: str, correlation: bytes, pending: _Pending) -> bool:
         """Send ``pending`` again if the budget allows (False: it waits on as it is)."""
         if self._hedge_tokens < 1.0 or not self._ready.is_set():
+            return False
+        if pending.resends >= _MAX_RESENDS:  # (a node's loss may have sent it again)
             return False
         self._hedge_tokens -= 1.0
         pending.resends += 1
@@ -323,6 +343,7 @@ class MqttTransport:
             acked = self._client.publish(pending.topic, pending.payload, properties=props)
         except PacketTooLarge as exc:  # the broker's limit (its CONNACK said so)
             raise PayloadTooLarge(f"MQTT: {exc}") from None
+        pending.acked, pending.acked_at = acked, None  # (a hedge's clock restarts here)
         if acked is not None:
             acked.add_done_callback(lambda done: self._puback(done, pending))
 
@@ -336,6 +357,8 @@ class MqttTransport:
         republishes the request (_node_status), so the request waits for it."""
         if done.cancelled() or done.exception() is not None:
             return
+        if done is pending.acked:
+            pending.acked_at = time.monotonic()
         reason = done.result()
         if reason == _NO_MATCHING_SUBSCRIBERS:
             if self.serves(pending.model) is False and not pending.future.done():

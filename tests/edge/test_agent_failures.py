@@ -291,6 +291,20 @@ async def test_a_cascade_reads_its_scores_whatever_outputs_the_request_names(
             await agent.infer("two", {"x": sure}, outputs=["nope"])
 
 
+async def test_the_agent_warns_of_a_model_whose_transports_have_no_endpoint(
+    tmp_path, edge_repos, cloud, caplog
+):
+    """Legal (its local variant answers everything), so said rather than refused: it had
+    gone on silently, never offloading."""
+    models = '[models.lin]\nlocal = "lin-local"\ncloud = "lin"\ntransports = ["mqtt"]\n'
+    cfg = agent_toml(tmp_path, edge_repos[1], http=cloud.http_url, models=models)
+    with caplog.at_level("WARNING"):
+        async with Agent(load_agent_config(cfg)) as agent:
+            answer = await agent.infer("lin", {"x": X})
+    assert answer.parameters["where"] == "local"
+    assert "model 'lin': its transports ['mqtt'] have no endpoint" in caplog.text
+
+
 async def test_a_cascade_whose_scores_are_not_scores_is_refused_when_it_loads(
     tmp_path, edge_repos, cloud
 ):
@@ -421,6 +435,73 @@ async def test_a_request_dealt_to_a_stalled_node_is_hedged_to_another(tmp_path, 
             assert all(r.parameters["where"] == "cloud-mqtt" for r in replies)
             assert mqtt.hedged >= 1
             assert (await agent.status())["transports"]["mqtt"]["resent"] >= 1
+    finally:
+        await stalled.close()
+        node.kill()
+
+
+async def test_a_hedge_refused_or_too_big_to_send_twice_waits_without_spinning(
+    tmp_path, edge_repos, broker
+):
+    """With the budget spent, every request waiting on a stalled node spun the loop (a
+    hedge tried on each turn) until its deadline; a large request was sent again while
+    its first copy still crossed the uplink."""
+    import json
+
+    from shared.aio.mqtt import MqttClient
+    from shared.errors import DeadlineExceeded
+    from shared.messages import InferRequest
+    from shared.mqtt import parse_broker_url, shared_request_topic, status_topic
+    from shared.tensors import Tensor
+
+    node = cloud_server(edge_repos[0], "--node", "live2", "--mqtt", broker.url).start()
+    swallowed: list[str] = []
+    stalled = MqttClient(
+        parse_broker_url(broker.url), "stalled2", on_message=lambda m: swallowed.append(m.topic)
+    )
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        mqtt=broker.url,
+        models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            mqtt = agent.transports["mqtt"]
+            await _until_serves(mqtt, True)
+            for _ in range(10):
+                await agent.infer("lin", {"x": X}, deadline_ms=20_000)
+            assert await stalled.start()
+            await stalled.subscribe(shared_request_topic("lin"))
+            online = {"node": "stalled2", "state": "online", "models": [{"name": "lin"}]}
+            await stalled.publish(
+                status_topic("stalled2"), json.dumps(online).encode(), retain=True
+            )
+            while "stalled2" not in mqtt.nodes:
+                await asyncio.sleep(0.01)
+            tries: list[int] = []
+            refuse = mqtt._hedge
+            mqtt._hedge_tokens = 0.0  # (spent: each request earns half a hedge back)
+
+            def counted(*args):
+                tries.append(1)
+                return refuse(*args)
+
+            mqtt._hedge = counted
+
+            async def one(x):
+                request = InferRequest(inputs=[Tensor.from_array("x", x)])
+                try:
+                    await mqtt.infer("lin", request, time.monotonic() + 1.5)
+                except DeadlineExceeded:
+                    return "late"
+                return "answered"
+
+            small = [one(X) for _ in range(6)]
+            big = np.ones((40_000, 4), np.float32)  # 640 KB: past what is hedged
+            outcomes = await asyncio.gather(*small, one(big), one(big))
+            assert "late" in outcomes and swallowed  # (some went to the stalled member)
+            assert len(tries) <= 6  # one look each at most, not one per loop turn
     finally:
         await stalled.close()
         node.kill()

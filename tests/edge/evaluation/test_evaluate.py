@@ -387,7 +387,8 @@ def test_an_agent_warns_of_a_model_whose_transports_have_no_endpoint(caplog):
         "model 'm': its transports ['mqtt'] have no endpoint (there are ['http']): it never "
         "offloads"
     ]
-    assert unreachable_transports(config.policy, None) == []  # no [cloud]: local by design
+    assert unreachable_transports(config.policy, None) == []  # (the replay's "any")
+    assert "[cloud] names none" in unreachable_transports(config.policy, [])[0]
 
 
 def test_an_unanswered_request_counts_its_deadline_in_the_latency_figures():
