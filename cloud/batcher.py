@@ -123,7 +123,6 @@ class DynamicBatcher:
         dpl = int(policy.default_priority_level) if policy else 0
         self._default_level = dpl if 1 <= dpl <= self._levels else self._levels
         self._timeout_ns = int(policy.default_timeout_us) * 1000 if policy else 0
-        self._override = policy.allow_timeout_override if policy else False
         # preserve_ordering: (answer, release) per request in arrival order; an answer
         # leaves once every earlier request has its own (Triton holds responses alike)
         self._preserve = bool(policy.preserve_ordering) if policy else False
@@ -140,6 +139,7 @@ class DynamicBatcher:
         self._in_place_runs = 0  # in this loop turn
         self.lone_runs = 0
         self._queues: list[deque[_Request]] = [deque() for _ in range(self._levels)]
+        self._live = [0] * self._levels  # requests still queued, per level
         self._deadlines: list[tuple[int, int, _Request]] = []
         self._seq = itertools.count()
         self._depth = 0
@@ -208,7 +208,7 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             if not req.done:  # still queued: the client went away
                 req.done = True
-                self._set_depth(self._depth - 1)
+                self._left(req)
                 self._stats.record_failure(time.monotonic_ns() - arrival, CANCELED)
             raise
         except BaseException:
@@ -258,26 +258,28 @@ class DynamicBatcher:
             raise ModelNotReady(f"{self._name()} is not ready (stopping or not started)")
         n, key = self._shape_key(inputs)
         level = self._level(priority)
-        if self._max_queue and self._depth >= self._max_queue:
+        waiting = self._live[level]
+        if self._max_queue and waiting >= self._max_queue:
             # each priority level has its own bound, as in Triton (one bound for all had
             # let low-priority traffic lock the high-priority requests out)
-            waiting = sum(1 for r in self._queues[level] if not r.done)
-            if waiting >= self._max_queue:
-                raise Overloaded(
-                    f"{self._name()}: queue is full ({waiting} requests waiting"
-                    + (f" at priority level {level + 1})" if len(self._queues) > 1 else ")"),
-                    retry_after=self._retry_after(),
-                )
+            raise Overloaded(
+                f"{self._name()}: queue is full ({waiting} requests waiting"
+                + (f" at priority level {level + 1})" if len(self._queues) > 1 else ")"),
+                retry_after=self._retry_after(),
+            )
         deadline_ns = None if deadline is None else int(deadline * 1e9)
-        if self._timeout_ns and (deadline_ns is None or not self._override):
-            # the model's default timeout: for requests without their own, or (override
-            # off) the sooner of the two, as Triton's allow_timeout_override
+        if self._timeout_ns:
+            # the model's default timeout bounds every request: its own deadline may be
+            # sooner, never later (Triton's allow_timeout_override lets a request shorten
+            # it; one that extended it had escaped the operator's bound)
             limit = arrival + self._timeout_ns
             deadline_ns = limit if deadline_ns is None else min(deadline_ns, limit)
         if deadline_ns is not None and deadline_ns <= arrival:
             raise DeadlineExceeded(f"{self._name()}: request deadline passed before queueing")
         assert self._loop is not None and self._wake is not None
         req = _Request(inputs, outputs, n, key, arrival, deadline_ns, self._loop.create_future())
+        req.level = level
+        self._live[level] += 1
         self._queues[level].append(req)
         if deadline_ns is not None:
             heapq.heappush(self._deadlines, (deadline_ns, next(self._seq), req))
@@ -399,7 +401,7 @@ class DynamicBatcher:
             _, _, req = heapq.heappop(heap)
             if not req.done:
                 req.done = True
-                self._set_depth(self._depth - 1)
+                self._left(req)
                 self._fail(req, DeadlineExceeded(f"{self._name()}: deadline passed in queue"), now)
         if len(heap) > 4 * self._depth + 64:  # dispatched entries pile up behind a live head
             self._deadlines = heap = [e for e in heap if not e[2].done]
@@ -437,6 +439,7 @@ class DynamicBatcher:
         if first is None:  # bookkeeping drifted; never spin on it
             log.error("%s: queue depth %d but no live request", self._name(), self._depth)
             self._set_depth(0)
+            self._live = [0] * len(self._queues)
             return None, None
         if self._preferred:
             # the largest preferred size the queue reaches goes at once, even where more
@@ -466,6 +469,7 @@ class DynamicBatcher:
     def _dispatch(self, members: list[_Request], now: int) -> None:
         for req in members:
             req.done = True
+            self._live[req.level] -= 1
         self._set_depth(self._depth - len(members))
         nbytes = sum(input_bytes(r.inputs) for r in members)
         lone_request = len(members) == 1 and not self._depth and not self._inflight
@@ -593,6 +597,12 @@ class DynamicBatcher:
                     self._fail(req, make_error(), now)
         self._deadlines.clear()
         self._set_depth(0)
+        self._live = [0] * len(self._queues)
+
+    def _left(self, req: _Request) -> None:
+        """A queued request left the queue without running (cancelled or expired)."""
+        self._live[req.level] -= 1
+        self._set_depth(self._depth - 1)
 
     def _set_depth(self, depth: int) -> None:
         self._depth = depth

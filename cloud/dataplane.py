@@ -548,7 +548,10 @@ class DataPlane:
             if not ready_only or entry["state"] == "READY":
                 entries.append(entry)
         for name, versions in sorted(self._models.items()):
-            for number in sorted(set(versions) - {v for n, v in listed if n == name}):
+            gone = sorted(set(versions) - {v for n, v in listed if n == name})
+            if gone:  # (not also "no version folder holds a model file" beside them)
+                entries = [e for e in entries if not (e["name"] == name and e["version"] == "")]
+            for number in gone:
                 entries.append(
                     {
                         "name": name,

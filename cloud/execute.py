@@ -47,6 +47,7 @@ class QueuedRequest:
     deadline_ns: int | None
     future: asyncio.Future[BatchResult]
     done: bool = False  # dispatched, expired, cancelled or failed: no longer queued
+    level: int = 0  # its priority level's queue (0: the highest)
 
 
 def execute(

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from shared.errors import FerryError
 from shared.repository import ModelRepository, PlacementPolicy
 from shared.repository.capacity import SESSION_MEMORY_FACTOR, model_file_bytes
-from shared.runtimes import MODEL_FILES
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,8 @@ def _entry(repository: ModelRepository, name: str) -> ModelEntry:
     if not versions:
         raise FerryError(f"model {name!r} has no version with a model file")
     folder = repository.model_dir(name) / str(versions[-1])
-    present = [b for f, b in MODEL_FILES.items() if (folder / f).is_file()]
+    # (OpenVINO serves a model.onnx: a model configured so had been placed nowhere)
+    present = repository.backends(name, versions[-1])
     if config.backend is not None:
         backends = [config.backend] if config.backend in present else []
     else:

@@ -201,16 +201,16 @@ class Forwarder:
         except FerryError as exc:
             pending.future.set_exception(exc)
             return
-        if isinstance(result, ShuttingDown) and pending.resends < 3:
+        others = self.view.hosts(pending.model, exclude=self.node)
+        if isinstance(result, ShuttingDown) and pending.resends < 3 and len(others) > 1:
             # its host is draining (it took this before its intake stopped): another
             # host answers it, a moment on, once the broker has the drain's unsubscribe
-            # (passed back, the client got a 503 through a node that was not stopping)
+            # (passed back, the client got a 503 through a node that was not stopping);
+            # with no other host the 503 goes back at once (not a wait for a new one)
             log.info("a forwarded %s request met a node shutting down: resending", pending.model)
-            pending.waiting_host = not self._has_host(pending.model)
-            if not pending.waiting_host:
-                asyncio.get_running_loop().call_later(
-                    HOST_SETTLE_S, self._send_to_new_host, correlation
-                )
+            asyncio.get_running_loop().call_later(
+                HOST_SETTLE_S, self._send_to_new_host, correlation
+            )
             return
         if isinstance(result, FerryError):
             pending.future.set_exception(result)

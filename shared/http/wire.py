@@ -402,6 +402,10 @@ class _Reader(FeedsBuffers):
                     if len(buf) > self.max_head:
                         raise HttpError(431, "trailer section too long")
                     return False
+                trailer = bytes(buf[:end])
+                if trailer.translate(None, b"\t") != trailer.translate(None, _CONTROLS):
+                    # (a bare LF hid a second request in the trailer from this parser)
+                    raise HttpError(400, "a control character in a trailer field")
                 del buf[: end + 2]
                 if end == 0:
                     self._chunked = None

@@ -57,9 +57,9 @@ class DynamicBatching:
     priority_levels: int = 1
     default_priority_level: int = 1
     default_timeout_us: int = 0
-    #: true: a request's own deadline replaces ``default_timeout_us`` (Triton's
-    #: ``allow_timeout_override``); false (the default, as Triton's): the sooner of the
-    #: two applies, so a client may shorten the operator's bound but never escape it
+    #: Triton's key, read and shown: a request's own deadline may shorten
+    #: ``default_timeout_us``, never extend it, either way (Triton's true; Triton's false
+    #: ignores a shorter one, which Ferry honours: it is the client's own bound)
     allow_timeout_override: bool = False
     #: answers leave in the order their requests came (Triton's preserve_ordering)
     preserve_ordering: bool = False
@@ -317,6 +317,9 @@ def _batching(value: object, source: str) -> DynamicBatching:
         **ints,
     )
     levels, default = batching.priority_levels, batching.default_priority_level
+    if levels > 1 and "default_priority_level" not in t:
+        # (as Triton: read as level 1, requests without a priority jumped every other)
+        fail(source, k + "default_priority_level", f"a level from 1 to {levels}", "none")
     if levels > 0 and not 1 <= default <= levels:
         fail(source, k + "default_priority_level", f"a level from 1 to {levels}", default)
     return batching

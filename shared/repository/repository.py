@@ -197,6 +197,15 @@ class ModelRepository:
             f"has only {files}"
         )
 
+    def backends(self, name: str, version: int) -> list[str]:
+        """Backends that serve ``version``'s files as they are: each file's own, then
+        those that read it too (OpenVINO a model.onnx)."""
+        folder = self.model_dir(name) / str(version)
+        found = [b for f, b in MODEL_FILES.items() if _model_path(folder, f)]
+        for own in list(found):
+            found.extend(also for also in ALSO_READS.get(own, ()) if also not in found)
+        return found
+
     # ---- index ---------------------------------------------------------------------------
     def index(self) -> list[dict[str, Any]]:
         """One entry per available version (``version`` is a string, as in Triton's

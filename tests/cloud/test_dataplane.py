@@ -570,6 +570,7 @@ async def test_the_index_tells_loading_and_serving_versions_and_a_failed_load_is
     shutil.rmtree(tmp_path / "slow" / "1")
     (entry,) = dp.index(ready_only=True)
     assert entry["state"] == "READY" and "no longer in the repository" in entry["reason"]
+    assert [e["state"] for e in dp.index() if e["name"] == "slow"] == ["READY"]  # (one)
     (tmp_path / "junk" / "1").mkdir(parents=True)
     (tmp_path / "junk" / "1" / "model.onnx").write_bytes(b"not a model")
     with caplog.at_level("ERROR"), pytest.raises(FerryError):

@@ -169,10 +169,14 @@ def test_the_catalogue_reads_placement_tables_and_reports_broken_models(tmp_path
         "[placement]\nlatency_objective_ms = 50\nrate = 12.5\nmin_copies = 2\n"
     )
     write_linear_model(tmp_path / "bad" / "1" / "model.onnx")
-    (tmp_path / "bad" / "config.toml").write_text('backend = "openvino"\n')
+    (tmp_path / "bad" / "config.toml").write_text('backend = "tensorrt"\n')  # (no model.plan)
+    write_linear_model(tmp_path / "ov" / "1" / "model.onnx")
+    (tmp_path / "ov" / "config.toml").write_text('backend = "openvino"\n')
     entries, problems = read_catalogue(ModelRepository(tmp_path))
     assert entries["good"].policy.rate == 12.5 and entries["good"].policy.min_copies == 2
-    assert entries["good"].backends == ("onnxruntime",)
+    # (OpenVINO serves the model.onnx as it is: one so configured had been placed nowhere)
+    assert entries["good"].backends == ("onnxruntime", "openvino")
+    assert entries["ov"].backends == ("openvino",)
     assert "bad" in problems and "backend" in problems["bad"]
 
 

@@ -55,6 +55,7 @@ async def test_a_request_its_host_refused_while_draining_is_answered_by_another(
     asking = await _node(repo, broker, "n2", None)
     view = FleetView()
     view.on_status("n1", _hosting("n1", "lin"), time.monotonic())
+    view.on_status("n3", _hosting("n3", "lin"), time.monotonic())  # (it starts below)
     forwarder = Forwarder(asking, view, "n2", Limits())
     forwarder.start()
     healthy = None
@@ -70,7 +71,6 @@ async def test_a_request_its_host_refused_while_draining_is_answered_by_another(
             await asyncio.sleep(0.01)
         draining.stop_intake()
         healthy = await _node(repo, broker, "n3", "lin")
-        view.on_status("n3", _hosting("n3", "lin"), time.monotonic())
         response = await answer
         np.testing.assert_allclose(response.outputs[0].data, linear_reference(x, w, b), rtol=1e-5)
         assert response.parameters["node"] == "n3" and forwarder.resent >= 1
@@ -79,3 +79,31 @@ async def test_a_request_its_host_refused_while_draining_is_answered_by_another(
             if front is not None:
                 await front.close()
                 await front.dataplane.close()
+
+
+async def test_a_draining_hosts_refusal_goes_back_at_once_where_no_other_host_serves(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """With no other host it waited for a new one until the forward deadline (a 504
+    after 30 s) where the refusal was the answer."""
+    from shared.errors import ShuttingDown
+
+    write_linear_model(tmp_path / "repo" / "lin" / "1" / "model.onnx", seed=3)
+    draining = await _node(tmp_path / "repo", broker, "n1", "lin")
+    asking = await _node(tmp_path / "repo", broker, "n2", None)
+    view = FleetView()
+    view.on_status("n1", _hosting("n1", "lin"), time.monotonic())
+    forwarder = Forwarder(asking, view, "n2", Limits())
+    forwarder.start()
+    try:
+        await asyncio.sleep(0.3)
+        draining.dataplane.begin_shutdown()
+        request = InferRequest([Tensor("x", "FP32", np.ones((1, 4), np.float32))], id="r2")
+        with pytest.raises(ShuttingDown):
+            await asyncio.wait_for(
+                forwarder.infer("lin", request, version=None, deadline=time.monotonic() + 30), 10
+            )
+    finally:
+        for front in (draining, asking):
+            await front.close()
+            await front.dataplane.close()

@@ -167,6 +167,12 @@ def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:
         (b"POST / HTTP/1.1\r\nContent-Length: +3\r\n\r\n", 400),
         (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", 400),
         (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+        # a bare LF in a trailer field hid a second request from this parser
+        (
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX: y\n\r\n"
+            b"GET /v2/repository/index HTTP/1.1\r\nHost: x\r\n\r\n",
+            400,
+        ),
         # a bare LF inside a chunk extension (where a proxy and this parser part ways)
         (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2;a\nb\r\n{}\r\n0\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nX: a\r\n folded\r\n\r\n", 400),

@@ -185,6 +185,12 @@ MALFORMED = {
         "key 'dynamic_batching.default_priority_level'",
         "a level from 1 to 2",
     ),
+    # (as Triton: read as level 1, requests without a priority jumped every other)
+    "priority levels without a default level": (
+        "[dynamic_batching]\npriority_levels = 3",
+        "key 'dynamic_batching.default_priority_level'",
+        "a level from 1 to 3",
+    ),
     "bad precision hint": (
         '[runtime]\nprecision_hint = "fp8"',
         "key 'runtime.precision_hint'",
