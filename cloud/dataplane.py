@@ -30,6 +30,7 @@ import numpy as np
 
 from cloud.batcher import DynamicBatcher
 from cloud.loading import (
+    LONE_MAX_SHARED_RUN_S,
     LONE_MIN_RUN_S,
     MemoryProbe,
     batch1_run_s,
@@ -348,12 +349,15 @@ class DataPlane:
         wanted = config.runtime.lone_threads
         if wanted is None:
             cpu = config.instance_group.kind == "cpu" and backend in _THREADED_BACKENDS
-            # (not where instances were asked for: the lone run holds them all, and a
-            # second request waited out the first's whole run beside an idle instance)
-            wanted = self.cores if cpu and config.instance_group.count == 1 else 0
+            wanted = self.cores if cpu else 0
             if wanted > (threads or self.cores):
                 warm_up(instance, config)
-                if batch1_run_s(instance, config) < LONE_MIN_RUN_S:
+                run_s = batch1_run_s(instance, config)
+                if run_s < LONE_MIN_RUN_S:
+                    wanted = 0
+                elif config.instance_group.count > 1 and run_s > LONE_MAX_SHARED_RUN_S:
+                    # the lone run holds every instance: beside several, a second
+                    # request waited out a long first run while one sat idle
                     wanted = 0
         return wanted if wanted > (threads or self.cores) else 0
 

@@ -135,6 +135,11 @@ def outputs_follow_batch(session: Session, config: ModelConfig) -> bool | None:
 #: a batch-1 run at least this long gains from more intra-op threads (a smaller model's
 #: parallel sections cost more to synchronise than they save: a 1 KB identity ran slower)
 LONE_MIN_RUN_S = 0.0005
+#: beside several instances, a lone session only for a model whose batch-1 run is at
+#: most this: it holds every instance while it runs, so a request arriving meanwhile
+#: waits out that run (a long one had kept a second request waiting beside an idle
+#: instance; a short one is the c=1 latency the lone session is for)
+LONE_MAX_SHARED_RUN_S = 0.02
 
 
 def batch1_run_s(session: Session, config: ModelConfig, runs: int = 5) -> float:

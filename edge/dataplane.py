@@ -600,7 +600,10 @@ class EdgeDataPlane:
         pending: set[asyncio.Task[Any]] = {cloud_t} if local_t is None else {local_t, cloud_t}
 
         def hand_over(tasks: set[asyncio.Task[Any]]) -> None:
-            # What still runs (or ended in the same tick) is learnt from when it ends.
+            # What still runs (or ended in the same tick) is learnt from when it ends;
+            # an offload nobody waits on is sent no hedges (they cost the cloud a run)
+            if cloud_t in tasks and request.id and hasattr(transport, "stop_hedging"):
+                transport.stop_hedging(request.id)
             for rest in tasks:
                 rest.add_done_callback(lambda t: self._late(flow, t, local_t))
                 self._background.add(rest)

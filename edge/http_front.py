@@ -174,7 +174,11 @@ class LocalApi(RoutedApp):
         return _json({"transport": body["transport"], "link": profile.name, "signal_dbm": signal})
 
     async def repository_index(self, request: Request) -> Response:
-        return _json(self.agent.dataplane.repository_index())
+        entries = self.agent.dataplane.repository_index()
+        grant = request.state.get(GRANT)
+        if grant is not None and grant.models is not None:  # (its models, as stats)
+            entries = [e for e in entries if grant.allows("infer", e.get("name"))]
+        return _json(entries)
 
     async def model_metadata(self, request: Request) -> Response:
         name, version = request.params["model"], request.params.get("version")

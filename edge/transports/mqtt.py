@@ -107,6 +107,7 @@ class _Pending:
     resends: int = 0
     acked: asyncio.Future[Any] | None = None  # the latest copy's PUBACK
     acked_at: float | None = None  # (monotonic) when it came
+    quiet: bool = False  # nobody waits on it (it only teaches): never hedged
 
 
 class MqttTransport:
@@ -250,7 +251,9 @@ class MqttTransport:
                 wait, waiting_for = deadline - now, (future,)
                 due = None
                 acked = pending.acked
-                if after is not None and pending.resends < _MAX_RESENDS and acked is not None:
+                hedging = after is not None and not pending.quiet and acked is not None
+                if hedging and pending.resends < _MAX_RESENDS:
+                    assert acked is not None and after is not None
                     if not acked.done():
                         waiting_for = (future, acked)  # the clock starts at the PUBACK
                     else:
@@ -279,6 +282,13 @@ class MqttTransport:
             response, len(payload) * copies, received, started, finished, copies > 1
         )
 
+    def stop_hedging(self, request_id: str) -> None:
+        """The request's answer is no longer awaited (a race's local half answered; this
+        one only teaches the estimates): it is not sent again for speed."""
+        pending = self._pending.get(request_id.encode())
+        if pending is not None:
+            pending.quiet = True
+
     def _hedge_after(self, model: str) -> float | None:
         """Seconds after which an unanswered request for ``model`` is sent again; None
         where that would not help (one node hosts it, or too few round trips known)."""
@@ -294,8 +304,8 @@ class MqttTransport:
         """Send ``pending`` again if the budget allows (False: it waits on as it is)."""
         if self._hedge_tokens < 1.0 or not self._ready.is_set():
             return False
-        if pending.resends >= _MAX_RESENDS:  # (a node's loss may have sent it again)
-            return False
+        if pending.resends >= _MAX_RESENDS or pending.quiet:  # (a node's loss may have
+            return False  # sent it again; nobody waits on a quiet one)
         self._hedge_tokens -= 1.0
         pending.resends += 1
         pending.topic = self._request_topic(model)

@@ -579,14 +579,14 @@ async def test_the_index_tells_loading_and_serving_versions_and_a_failed_load_is
     await dp.close()
 
 
-async def test_a_model_of_several_instances_gets_no_lone_session_unless_asked(tmp_path):
-    """The lone session holds every instance while it runs: with two instances asked
-    for, a second request waited out the first's whole run beside an idle one."""
+async def test_a_long_model_of_several_instances_gets_no_lone_session_unless_asked(tmp_path):
+    """The lone session holds every instance while it runs: beside two instances, a
+    second request waited out the first's whole (long) run beside an idle one."""
     from tests.support import write_slow_model
 
     for name, extra in (("one", ""), ("two", "[instance_group]\ncount = 2\n")):
-        # (one's batch-1 run must be long enough for a lone session to pay: 36 MatMuls)
-        write_slow_model(tmp_path / name / "1" / "model.onnx", layers=36 if name == "one" else 4)
+        # (a batch-1 run long enough for a lone session to pay, and past 20 ms)
+        write_slow_model(tmp_path / name / "1" / "model.onnx", layers=36)
         (tmp_path / name / "config.toml").write_text("[runtime]\nthreads = 1\n" + extra)
     (tmp_path / "asked" / "1").mkdir(parents=True)
     write_slow_model(tmp_path / "asked" / "1" / "model.onnx", layers=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -435,6 +436,24 @@ async def test_a_request_dealt_to_a_stalled_node_is_hedged_to_another(tmp_path, 
             assert all(r.parameters["where"] == "cloud-mqtt" for r in replies)
             assert mqtt.hedged >= 1
             assert (await agent.status())["transports"]["mqtt"]["resent"] >= 1
+            # a request nobody waits on any more (a race's local half answered) only
+            # teaches: it is sent no hedges, which would cost the cloud a run each
+            from shared.errors import DeadlineExceeded
+            from shared.messages import InferRequest
+            from shared.tensors import Tensor
+
+            hedged, before = mqtt.hedged, len(swallowed)
+
+            async def quiet(i: int) -> None:
+                request = InferRequest(inputs=[Tensor.from_array("x", X)], id=f"quiet-{i}")
+                call = asyncio.ensure_future(mqtt.infer("lin", request, time.monotonic() + 2))
+                await asyncio.sleep(0)
+                mqtt.stop_hedging(f"quiet-{i}")
+                with contextlib.suppress(DeadlineExceeded):
+                    await call
+
+            await asyncio.gather(*(quiet(i) for i in range(6)))
+            assert len(swallowed) > before and mqtt.hedged == hedged
     finally:
         await stalled.close()
         node.kill()

@@ -146,3 +146,37 @@ async def test_the_local_api_bounds_the_request_bytes_it_holds_at_once():
         assert server.app.bodies.budget.used == 0  # given back as the uploads ended
     finally:
         await server.close()
+
+
+async def test_a_model_limited_token_sees_its_models_only_in_the_index_and_statistics():
+    """The all-models statistics and the repository index had shown a token limited to
+    one model every other model's names and traffic."""
+    import aiohttp
+
+    from edge.http_front import start_local_api
+    from shared.tokens import parse_tokens
+
+    class _Plane:
+        def repository_index(self):
+            return [{"name": "a", "state": "READY"}, {"name": "b", "state": "READY"}]
+
+        def model_stats(self, name, version):
+            return {"model_stats": [{"name": "a"}, {"name": "b"}]}
+
+    class _Agent:
+        ready = True
+        dataplane = _Plane()
+
+    tokens = parse_tokens("cam infer a\nall infer\n", "tokens.txt")
+    server = await start_local_api(_Agent(), "127.0.0.1", 0, tokens=tokens)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        async with aiohttp.ClientSession(base) as client:
+            for token, names in (("cam", ["a"]), ("all", ["a", "b"])):
+                auth = {"Authorization": f"Bearer {token}"}
+                index = await (await client.post("/v2/repository/index", headers=auth)).json()
+                stats = await (await client.get("/v2/models/stats", headers=auth)).json()
+                assert [e["name"] for e in index] == names
+                assert [e["name"] for e in stats["model_stats"]] == names
+    finally:
+        await server.close()
