@@ -242,6 +242,13 @@ class MqttTransport:
                 raise DeadlineExceeded("deadline passed before the request was sent")
             self._publish(correlation, pending)
             after = self._hedge_after(model) if len(payload) <= HEDGE_MAX_BYTES else None
+            if after is None:  # nothing to hedge to: one wait, as cheap as it gets
+                try:
+                    await asyncio.wait_for(future, deadline - time.monotonic())
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"no MQTT reply from model {model!r} within the deadline"
+                    ) from None
             while not future.done():
                 now = time.monotonic()
                 if now >= deadline:
