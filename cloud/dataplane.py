@@ -149,6 +149,9 @@ class DataPlane:
             idempotency_ttl_s, idempotency_max_entries, idempotency_max_bytes, response_bytes
         )
         self._closing = False
+        # leaving the fleet (a SIGTERM in fleet mode): still serving, reported as closing
+        # so the controller re-homes its models, not ready for new traffic
+        self.leaving = False
         self._started = time.monotonic()
         self._busy_mark: tuple[float, int] = (self._started, 0)
         # (model, version) -> (when, requests then, rate): each status says its own rate,
@@ -442,13 +445,18 @@ class DataPlane:
         self._changed()
 
     # ---- lookups -------------------------------------------------------------
+    def loads_under_way(self) -> bool:
+        """A runtime is building a session now (in a worker thread, whose caller may be
+        gone: a cancelled load's build runs on to its end)."""
+        return self._build_lock.locked()
+
     def loaded_names(self) -> list[str]:
         return sorted(self._models)
 
     def is_ready(self) -> bool:
         """Serving, (strict readiness) no requested model failed to load, and every
         gate open."""
-        if self._closing or (self.strict_readiness and self._failed):
+        if self._closing or self.leaving or (self.strict_readiness and self._failed):
             return False
         return all(gate() for gate in self.readiness_gates)
 
@@ -620,7 +628,7 @@ class DataPlane:
         self._rate_marks = marks  # (unloaded models leave)
         status = {
             "node": self.node,
-            "state": "closing" if self._closing else "online",
+            "state": "closing" if self._closing or self.leaving else "online",
             "models": models,
             "queue_depth": depth,
             "utilisation": round(max(utilisation, 0.0), 4),

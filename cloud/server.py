@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -167,6 +168,14 @@ class CloudServer:
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
+        # 0. in a fleet: the models this node alone holds get a new home first (two
+        #    thirds of the grace at most; the drain has the rest)
+        if self.follower is not None and self.mqtt is not None:
+            assert self.config.fleet is not None
+            handover = time.monotonic() + self.config.fleet.handover_timeout_s
+            await self.follower.hand_over(
+                min(handover, deadline - self.config.shutdown_grace_s / 3)
+            )
         # 1. intake off everywhere before anything waits
         self.dataplane.begin_shutdown()
         if self.http is not None:
@@ -248,4 +257,13 @@ async def serve(config: CloudConfig) -> int:
     log.info("shutting down")
     await server.stop()
     print("ferry-cloud stopped", flush=True)
+    if server.dataplane.loads_under_way():
+        # A load under way cannot be interrupted (a runtime builds its session in one
+        # call) and asyncio.run's exit waits for its thread: the stopped process had
+        # lived on until the load ended, past the orchestrator's grace to a SIGKILL.
+        # Everything is answered and closed by now.
+        log.warning("leaving a model load under way at shutdown")
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 HANDOVER_TIMEOUT_S = 30.0
 #: a placed model whose load failed is tried again on this node after this long
 RETRY_FAILED_S = 30.0
+#: a node leaving waits this long for the controller to name new homes for its models
+REPLACE_WAIT_S = 5.0
 STATUS_PATTERN = f"{PREFIX}/nodes/+/status"
 
 
@@ -73,6 +75,7 @@ class PlacementFollower:
         self.load_failures: dict[str, str] = {}
         self._failed_at: dict[str, float] = {}  # model -> when its load last failed
         self._drop_started: dict[str, float] = {}
+        self._left_at: tuple[float, int | None] = (0.0, None)  # (when, placement then)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -87,6 +90,49 @@ class PlacementFollower:
         self.front.add_handler(STATUS_PATTERN, self._on_status)
         self.front.on_connected(lambda: self.view.connected(time.monotonic()))
         self._task = asyncio.create_task(self._run())
+
+    async def hand_over(self, until: float) -> None:
+        """Before a drain: say this node is leaving (the controller re-homes its copies)
+        and keep serving until each model it is the last loaded host of is loaded on a
+        node the placement gives it, or ``until`` (monotonic).  A SIGTERM had dropped a
+        model's last loaded copy while its new home still loaded it: with min_copies = 2,
+        a rolling update left a slow-loading model on no node for 20 s."""
+        self.dataplane.leaving = True
+        self.front.publish_status()
+        placement = self.view.placement
+        self._left_at = (time.monotonic(), placement.generation if placement else None)
+        while True:
+            waiting = self._only_host_of()
+            if not waiting:
+                return
+            if time.monotonic() >= until:
+                log.warning(
+                    "leaving while the last loaded copy of %s: their new homes are not "
+                    "ready (raise shutdown_grace_s past the slowest model's load)",
+                    ", ".join(waiting),
+                )
+                return
+            await asyncio.sleep(0.2)
+
+    def _only_host_of(self) -> list[str]:
+        """Models loaded here, loaded nowhere else, that the placement keeps (a model it
+        places nowhere has no new home to wait for)."""
+        placement = self.view.placement
+        if placement is None:
+            return []
+        left_at, generation = self._left_at
+        replacing = placement.generation == generation  # (the controller has not answered)
+        fresh = time.monotonic() - left_at < REPLACE_WAIT_S
+        waiting = []
+        for name in self.dataplane.loaded_names():
+            if self.view.hosts(name, exclude=self.node):
+                continue
+            elsewhere = [c for c in placement.copies_of(name) if c.node != self.node]
+            # a new home loading it, or a controller given a moment to name one (one
+            # that names none, or is down, leaves nothing to wait for)
+            if elsewhere or (replacing and fresh and placement.copies_of(name)):
+                waiting.append(name)
+        return waiting
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -108,6 +108,7 @@ class _Pending:
     acked: asyncio.Future[Any] | None = None  # the latest copy's PUBACK
     acked_at: float | None = None  # (monotonic) when it came
     quiet: bool = False  # nobody waits on it (it only teaches): never hedged
+    delivered: int = 0  # copies the broker acknowledged
 
 
 class MqttTransport:
@@ -258,21 +259,32 @@ class MqttTransport:
                 wait, waiting_for = deadline - now, (future,)
                 due = None
                 acked = pending.acked
-                hedging = after is not None and not pending.quiet and acked is not None
-                if hedging and pending.resends < _MAX_RESENDS:
-                    assert acked is not None and after is not None
-                    if not acked.done():
+                if (
+                    after is not None
+                    and acked is not None
+                    and not pending.quiet
+                    and pending.resends < _MAX_RESENDS
+                ):
+                    if not self._ready.is_set():
+                        # the broker is gone: its reconnect sends the request again
+                        # (a new PUBACK, a new clock); look again shortly
+                        wait = min(wait, HEDGE_MIN_S)
+                    elif not acked.done():
                         waiting_for = (future, acked)  # the clock starts at the PUBACK
+                    elif acked.cancelled() or acked.exception() is not None:
+                        wait = min(wait, HEDGE_MIN_S)  # (this copy was lost: the same)
                     else:
                         if pending.acked_at is None:  # (its callback is a turn away)
                             pending.acked_at = now
                         due = pending.acked_at + after
                         wait = min(wait, max(due - now, 0.0))
                 await asyncio.wait(waiting_for, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                if future.done() or due is None or time.monotonic() < due:
+                if future.done() or due is None:
                     continue
-                if not self._hedge(model, correlation, pending):
-                    after = None  # the budget is spent, or the broker gone: wait as it is
+                if pending.acked is not acked or time.monotonic() < due:
+                    continue  # sent again meanwhile (a node lost): its clock restarted
+                if not self._hedge(model, correlation, pending) and self._ready.is_set():
+                    after = None  # the budget is spent (or nobody waits): wait as it is
             response, received = future.result()
         finally:
             self._pending.pop(correlation, None)
@@ -284,9 +296,10 @@ class MqttTransport:
             if trips is None:
                 trips = self._round_trips[model] = collections.deque(maxlen=HEDGE_WINDOW)
             trips.append(finished - (pending.acked_at or started))
-        copies = 1 + pending.resends  # (each copy crossed the uplink: the data cap counts it)
+        # each copy the broker took crossed the uplink: the data cap counts it
+        copies = max(1, pending.delivered)
         return TransferResult(
-            response, len(payload) * copies, received, started, finished, copies > 1
+            response, len(payload) * copies, received, started, finished, pending.resends > 0
         )
 
     def stop_hedging(self, request_id: str) -> None:
@@ -377,6 +390,8 @@ class MqttTransport:
         if done is pending.acked:
             pending.acked_at = time.monotonic()
         reason = done.result()
+        if isinstance(reason, int) and reason < 0x80:
+            pending.delivered += 1
         if reason == _NO_MATCHING_SUBSCRIBERS:
             if self.serves(pending.model) is False and not pending.future.done():
                 pending.future.set_exception(

@@ -498,13 +498,14 @@ async def test_a_hedge_refused_or_too_big_to_send_twice_waits_without_spinning(
             )
             while "stalled2" not in mqtt.nodes:
                 await asyncio.sleep(0.01)
+            from edge.transports.mqtt import HEDGE_MAX_BYTES
+
             tries: list[int] = []
             refuse = mqtt._hedge
-            mqtt._hedge_tokens = 0.0  # (spent: each request earns half a hedge back)
 
-            def counted(*args):
-                tries.append(1)
-                return refuse(*args)
+            def counted(model, correlation, pending):
+                tries.append(len(pending.payload))
+                return refuse(model, correlation, pending)
 
             mqtt._hedge = counted
 
@@ -516,11 +517,15 @@ async def test_a_hedge_refused_or_too_big_to_send_twice_waits_without_spinning(
                     return "late"
                 return "answered"
 
-            small = [one(X) for _ in range(6)]
+            small = [asyncio.ensure_future(one(X)) for _ in range(6)]
             big = np.ones((40_000, 4), np.float32)  # 640 KB: past what is hedged
-            outcomes = await asyncio.gather(*small, one(big), one(big))
+            calls = [*small, asyncio.ensure_future(one(big)), asyncio.ensure_future(one(big))]
+            await asyncio.sleep(0)  # all sent, each having earned its half hedge...
+            mqtt._hedge_tokens = 0.0  # ...and the budget spent
+            outcomes = await asyncio.gather(*calls)
             assert "late" in outcomes and swallowed  # (some went to the stalled member)
             assert len(tries) <= 6  # one look each at most, not one per loop turn
+            assert all(size <= HEDGE_MAX_BYTES for size in tries)  # (never the big ones)
     finally:
         await stalled.close()
         node.kill()

@@ -221,6 +221,73 @@ def test_a_node_is_ready_once_it_holds_its_share_of_a_placement(
         watch.close()
 
 
+def test_a_node_leaving_keeps_the_last_loaded_copy_until_its_new_home_has_it(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """A SIGTERM dropped a model's last loaded copy while its new home still loaded it:
+    with min_copies = 2 a rolling update left a slow-loading model on no node."""
+    import signal
+
+    from tests.support import write_slow_model
+
+    repo = tmp_path / "repo"
+    write_slow_model(repo / "slow" / "1" / "model.onnx")  # (seconds to load and warm)
+    (repo / "slow" / "config.toml").write_text("[runtime]\nthreads = 1\n")
+    _publish_placement(broker, Placement(copies=(_copy("slow", "n1"),), generation=1))
+    watch = FleetWatch(broker)
+    nodes = {n: start_node(repo, broker, tmp_path, n) for n in ("n1", "n2")}
+    try:
+        watch.wait("n1 hosts slow", lambda: watch.view.hosts("slow") == ["n1"], 60)
+        nodes["n1"].proc.send_signal(signal.SIGTERM)
+        _publish_placement(broker, Placement(copies=(_copy("slow", "n2"),), generation=2))
+        assert nodes["n1"].proc.wait(60) == 0
+        # n1 went only once n2 had the model loaded (it had gone at once, the load under way)
+        assert "placed slow here" in nodes["n2"].output()
+    finally:
+        for node in nodes.values():
+            node.terminate()
+        watch.close()
+
+
+def test_a_node_stopped_while_loading_its_share_exits_without_waiting_for_the_load(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """A load cannot be interrupted, and the stopped process lived on until it ended
+    (17 s after "stopped"; past an orchestrator's grace, a SIGKILL)."""
+    import signal
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes, name = [], "x"
+    for i in range(20_000):  # a graph ONNX Runtime takes seconds to build a session of
+        nodes.append(helper.make_node("Add", [name, "one"], [f"a{i}"]))
+        name = f"a{i}"
+    graph = helper.make_graph(
+        nodes,
+        "long",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    repo = tmp_path / "repo"
+    (repo / "long" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "long" / "1" / "model.onnx"))
+    _publish_placement(broker, Placement(copies=(_copy("long", "n1"),), generation=1))
+    node = start_node(repo, broker, tmp_path, "n1")
+    try:
+        time.sleep(1.0)  # its follower is loading the model
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0
+        said = node.output()
+        assert "leaving a model load under way at shutdown" in said
+        assert "placed long here" not in said  # (it went before the load ended)
+    finally:
+        node.terminate()
+
+
 def test_a_placed_model_that_cannot_load_is_reported_and_forgotten_once_placed_elsewhere(
     tmp_path: Path, broker: Broker, repository: tuple[Path, dict]
 ) -> None:
