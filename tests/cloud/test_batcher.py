@@ -141,6 +141,19 @@ async def hold_first(batcher: DynamicBatcher, gated: GatedSession, inputs) -> as
     return task
 
 
+async def run_queued(
+    batcher: DynamicBatcher, gated: GatedSession, inputs: list[np.ndarray], first_rows: int = 1
+) -> list[BatchResult]:
+    """Hold a first run in the session, queue ``inputs`` behind it, then let all run."""
+    first = await hold_first(batcher, gated, {"x": xs(first_rows)})
+    tasks = [asyncio.create_task(batcher.infer({"x": x})) for x in inputs]
+    await until(lambda: batcher.queue_depth == len(inputs))
+    gated.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    await first
+    return results
+
+
 def xs(n: int) -> np.ndarray:
     return RNG.standard_normal((n, 4)).astype(np.float32)
 
@@ -208,13 +221,8 @@ async def test_a_queue_past_the_largest_preferred_size_still_sends_preferred_bat
     gated = GatedSession(linear)
     pol = policy(max_queue_delay_us=20_000_000, preferred_batch_sizes=[2])
     batcher = await started(gated, max_batch_size=4, policy_=pol)
-    first = await hold_first(batcher, gated, {"x": xs(1)})
     inputs = [xs(1) for _ in range(5)]
-    tasks = [asyncio.create_task(batcher.infer({"x": x})) for x in inputs]
-    await until(lambda: batcher.queue_depth == 5)
-    gated.gate.set()
-    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
-    await first
+    results = await run_queued(batcher, gated, inputs)
     assert [r.batch_size for r in results] == [2, 2, 2, 2, 1]
     for x, r in zip(inputs, results, strict=True):
         assert_linear(x, r)
@@ -253,15 +261,10 @@ async def test_max_batch_size_zero_runs_each_request_alone(linear):
     gated = GatedSession(linear)
     stats = ModelStats("m", 1)
     batcher = await started(gated, max_batch_size=0, stats=stats)
-    first = await hold_first(batcher, gated, {"x": xs(2)})
     inputs = [xs(3) for _ in range(4)]
-    tasks = [asyncio.create_task(batcher.infer({"x": x})) for x in inputs]
-    await until(lambda: batcher.queue_depth == 4)
-    gated.gate.set()
-    for x, r in zip(inputs, await asyncio.gather(*tasks), strict=True):
+    for x, r in zip(inputs, await run_queued(batcher, gated, inputs, 2), strict=True):
         assert_linear(x, r)
         assert r.batch_size == 1
-    await first
     snap = stats.snapshot()
     assert snap.execution_count == 5
     assert set(snap.batch) == {1}
@@ -298,9 +301,7 @@ async def test_default_timeout_applies_to_requests_without_a_deadline(linear):
 
 
 @pytest.mark.parametrize("override", [True, False])
-async def test_a_request_deadline_may_shorten_the_default_timeout_never_extend_it(
-    linear, override
-):
+async def test_a_request_deadline_may_shorten_the_default_timeout_never_extend_it(linear, override):
     """A request whose own deadline was later than the model's default timeout had run
     past it (with allow_timeout_override): any client escaped the operator's bound."""
     gated = GatedSession(linear)

@@ -361,12 +361,7 @@ async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another
         will=Will(status_topic("hole"), json.dumps({"node": "hole", "state": "offline"}).encode()),
         on_message=lambda m: swallowed.append(m.topic),
     )
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        mqtt=broker.url,
-        models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n',
-    )
+    cfg = _cloud_only_lin(tmp_path, edge_repos, broker)
     try:
         assert await hole.start()
         await hole.subscribe(shared_request_topic("lin"))
@@ -396,26 +391,30 @@ async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another
         node.kill()
 
 
-async def test_a_request_dealt_to_a_stalled_node_is_hedged_to_another(tmp_path, edge_repos, broker):
-    """A member of the shared subscription that stays connected and never answers (a
-    paused VM, a stopped process: no will until the broker's keepalive runs out) kept
-    its share of requests, and each waited out its whole deadline."""
+def _cloud_only_lin(tmp_path, edge_repos, broker):
+    """An agent config whose ``lin`` runs in the cloud only, over MQTT on ``broker``."""
+    models = '[models.lin]\ncloud = "lin"\nmode = "cloud"\n'
+    return agent_toml(tmp_path, edge_repos[1], mqtt=broker.url, models=models)
+
+
+@contextlib.asynccontextmanager
+async def _a_stalled_member_beside(tmp_path, edge_repos, broker, tag: str):
+    """An agent (cloud-only ``lin`` over MQTT) that has learnt its round trips from a live
+    node, then a second member of the shared subscription that stays connected and never
+    answers (a paused VM, a stopped process: no will until the broker's keepalive runs
+    out).  Yields the agent, its MQTT transport and the topics the member swallowed."""
     import json
 
     from shared.aio.mqtt import MqttClient
     from shared.mqtt import parse_broker_url, shared_request_topic, status_topic
 
-    node = cloud_server(edge_repos[0], "--node", "live", "--mqtt", broker.url).start()
+    node = cloud_server(edge_repos[0], "--node", f"live-{tag}", "--mqtt", broker.url).start()
     swallowed: list[str] = []
+    name = f"stalled-{tag}"
     stalled = MqttClient(
-        parse_broker_url(broker.url), "stalled", on_message=lambda m: swallowed.append(m.topic)
+        parse_broker_url(broker.url), name, on_message=lambda m: swallowed.append(m.topic)
     )
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        mqtt=broker.url,
-        models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n',
-    )
+    cfg = _cloud_only_lin(tmp_path, edge_repos, broker)
     try:
         async with Agent(load_agent_config(cfg)) as agent:
             mqtt = agent.transports["mqtt"]
@@ -424,39 +423,52 @@ async def test_a_request_dealt_to_a_stalled_node_is_hedged_to_another(tmp_path, 
                 await agent.infer("lin", {"x": X}, deadline_ms=20_000)
             assert await stalled.start()
             await stalled.subscribe(shared_request_topic("lin"))
-            online = {"node": "stalled", "state": "online", "models": [{"name": "lin"}]}
-            await stalled.publish(status_topic("stalled"), json.dumps(online).encode(), retain=True)
-            for _ in range(200):
-                if "stalled" in mqtt.nodes:
-                    break
+            online = {"node": name, "state": "online", "models": [{"name": "lin"}]}
+            await stalled.publish(status_topic(name), json.dumps(online).encode(), retain=True)
+            while name not in mqtt.nodes:
                 await asyncio.sleep(0.01)
-            calls = [agent.infer("lin", {"x": X}, deadline_ms=20_000) for _ in range(8)]
-            replies = await asyncio.wait_for(asyncio.gather(*calls), 15)  # (not 20 s)
-            assert swallowed, "the broker dealt nothing to the stalled member"
-            assert all(r.parameters["where"] == "cloud-mqtt" for r in replies)
-            assert mqtt.hedged >= 1
-            assert (await agent.status())["transports"]["mqtt"]["resent"] >= 1
-            # a request nobody waits on any more (a race's local half answered) only
-            # teaches: it is sent no hedges, which would cost the cloud a run each
-            from shared.errors import DeadlineExceeded
-            from shared.messages import InferRequest
-            from shared.tensors import Tensor
-
-            hedged, before = mqtt.hedged, len(swallowed)
-
-            async def quiet(i: int) -> None:
-                request = InferRequest(inputs=[Tensor.from_array("x", X)], id=f"quiet-{i}")
-                call = asyncio.ensure_future(mqtt.infer("lin", request, time.monotonic() + 2))
-                await asyncio.sleep(0)
-                mqtt.stop_hedging(f"quiet-{i}")
-                with contextlib.suppress(DeadlineExceeded):
-                    await call
-
-            await asyncio.gather(*(quiet(i) for i in range(6)))
-            assert len(swallowed) > before and mqtt.hedged == hedged
+            yield agent, mqtt, swallowed
     finally:
         await stalled.close()
         node.kill()
+
+
+async def _infer_within(mqtt, x: np.ndarray, seconds: float, request_id: str | None = None):
+    """ "answered" or "late" (DeadlineExceeded) for one request straight to the transport."""
+    from shared.errors import DeadlineExceeded
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+
+    request = InferRequest(inputs=[Tensor.from_array("x", x)], id=request_id)
+    try:
+        await mqtt.infer("lin", request, time.monotonic() + seconds)
+    except DeadlineExceeded:
+        return "late"
+    return "answered"
+
+
+async def test_a_request_dealt_to_a_stalled_node_is_hedged_to_another(tmp_path, edge_repos, broker):
+    """A stalled member kept its share of requests, and each waited out its deadline."""
+    async with _a_stalled_member_beside(tmp_path, edge_repos, broker, "a") as held:
+        agent, mqtt, swallowed = held
+        calls = [agent.infer("lin", {"x": X}, deadline_ms=20_000) for _ in range(8)]
+        replies = await asyncio.wait_for(asyncio.gather(*calls), 15)  # (not 20 s)
+        assert swallowed, "the broker dealt nothing to the stalled member"
+        assert all(r.parameters["where"] == "cloud-mqtt" for r in replies)
+        assert mqtt.hedged >= 1
+        assert (await agent.status())["transports"]["mqtt"]["resent"] >= 1
+        # a request nobody waits on any more (a race's local half answered) only
+        # teaches: it is sent no hedges, which would cost the cloud a run each
+        hedged, before = mqtt.hedged, len(swallowed)
+
+        async def quiet(i: int) -> None:
+            call = asyncio.ensure_future(_infer_within(mqtt, X, 2, f"quiet-{i}"))
+            await asyncio.sleep(0)
+            mqtt.stop_hedging(f"quiet-{i}")
+            await call
+
+        await asyncio.gather(*(quiet(i) for i in range(6)))
+        assert len(swallowed) > before and mqtt.hedged == hedged
 
 
 async def test_a_hedge_refused_or_too_big_to_send_twice_waits_without_spinning(
@@ -465,70 +477,27 @@ async def test_a_hedge_refused_or_too_big_to_send_twice_waits_without_spinning(
     """With the budget spent, every request waiting on a stalled node spun the loop (a
     hedge tried on each turn) until its deadline; a large request was sent again while
     its first copy still crossed the uplink."""
-    import json
+    from edge.transports.mqtt import HEDGE_MAX_BYTES
 
-    from shared.aio.mqtt import MqttClient
-    from shared.errors import DeadlineExceeded
-    from shared.messages import InferRequest
-    from shared.mqtt import parse_broker_url, shared_request_topic, status_topic
-    from shared.tensors import Tensor
+    async with _a_stalled_member_beside(tmp_path, edge_repos, broker, "b") as held:
+        _, mqtt, swallowed = held
+        tries: list[int] = []
+        refuse = mqtt._hedge
 
-    node = cloud_server(edge_repos[0], "--node", "live2", "--mqtt", broker.url).start()
-    swallowed: list[str] = []
-    stalled = MqttClient(
-        parse_broker_url(broker.url), "stalled2", on_message=lambda m: swallowed.append(m.topic)
-    )
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        mqtt=broker.url,
-        models='[models.lin]\ncloud = "lin"\nmode = "cloud"\n',
-    )
-    try:
-        async with Agent(load_agent_config(cfg)) as agent:
-            mqtt = agent.transports["mqtt"]
-            await _until_serves(mqtt, True)
-            for _ in range(10):
-                await agent.infer("lin", {"x": X}, deadline_ms=20_000)
-            assert await stalled.start()
-            await stalled.subscribe(shared_request_topic("lin"))
-            online = {"node": "stalled2", "state": "online", "models": [{"name": "lin"}]}
-            await stalled.publish(
-                status_topic("stalled2"), json.dumps(online).encode(), retain=True
-            )
-            while "stalled2" not in mqtt.nodes:
-                await asyncio.sleep(0.01)
-            from edge.transports.mqtt import HEDGE_MAX_BYTES
+        def counted(model, correlation, pending):
+            tries.append(len(pending.payload))
+            return refuse(model, correlation, pending)
 
-            tries: list[int] = []
-            refuse = mqtt._hedge
-
-            def counted(model, correlation, pending):
-                tries.append(len(pending.payload))
-                return refuse(model, correlation, pending)
-
-            mqtt._hedge = counted
-
-            async def one(x):
-                request = InferRequest(inputs=[Tensor.from_array("x", x)])
-                try:
-                    await mqtt.infer("lin", request, time.monotonic() + 1.5)
-                except DeadlineExceeded:
-                    return "late"
-                return "answered"
-
-            small = [asyncio.ensure_future(one(X)) for _ in range(6)]
-            big = np.ones((40_000, 4), np.float32)  # 640 KB: past what is hedged
-            calls = [*small, asyncio.ensure_future(one(big)), asyncio.ensure_future(one(big))]
-            await asyncio.sleep(0)  # all sent, each having earned its half hedge...
-            mqtt._hedge_tokens = 0.0  # ...and the budget spent
-            outcomes = await asyncio.gather(*calls)
-            assert "late" in outcomes and swallowed  # (some went to the stalled member)
-            assert len(tries) <= 6  # one look each at most, not one per loop turn
-            assert all(size <= HEDGE_MAX_BYTES for size in tries)  # (never the big ones)
-    finally:
-        await stalled.close()
-        node.kill()
+        mqtt._hedge = counted
+        big = np.ones((40_000, 4), np.float32)  # 640 KB: past what is hedged
+        calls = [asyncio.ensure_future(_infer_within(mqtt, X, 1.5)) for _ in range(6)]
+        calls += [asyncio.ensure_future(_infer_within(mqtt, big, 1.5)) for _ in range(2)]
+        await asyncio.sleep(0)  # all sent, each having earned its half hedge...
+        mqtt._hedge_tokens = 0.0  # ...and the budget spent
+        outcomes = await asyncio.gather(*calls)
+        assert "late" in outcomes and swallowed  # (some went to the stalled member)
+        assert len(tries) <= 6  # one look each at most, not one per loop turn
+        assert all(size <= HEDGE_MAX_BYTES for size in tries)  # (never the big ones)
 
 
 async def test_a_cloud_only_model_is_ready_only_while_a_node_serves_it(

@@ -23,6 +23,17 @@ def cloud_only_agent(folder, repo, http: str):
     return agent_toml(folder, repo, http=http, models=CLOUD_ONLY)
 
 
+async def _flushed(agent, request_id: str) -> dict:
+    """The stored request's state once a flush delivered it (or five seconds on)."""
+    for _ in range(50):
+        await agent.flush_deferred()
+        found = await agent.deferred_result(request_id)
+        if found["status"] == "delivered":
+            break
+        await asyncio.sleep(0.1)
+    return found
+
+
 def _post(url: str, body: bytes, headers: dict) -> dict:
     req = urllib.request.Request(url, data=body, headers=headers, method="POST")
     with urllib.request.urlopen(req, timeout=20) as r:
@@ -164,12 +175,7 @@ async def test_a_crash_between_the_clouds_answer_and_the_bookkeeping_does_not_ru
             first = await agent.dataplane.send_deferred("c", request)
             # ...the cloud answered, and the agent dies before recording it.
         async with Agent(load_agent_config(cfg)) as again:  # the row is pending again
-            for _ in range(50):
-                await again.flush_deferred()
-                found = await again.deferred_result(request_id)
-                if found["status"] == "delivered":
-                    break
-                await asyncio.sleep(0.1)
+            found = await _flushed(again, request_id)
             assert found["status"] == "delivered"
             assert found["response"].parameters.get("duplicate") is True
             np.testing.assert_array_equal(found["response"].outputs[0].data, first.outputs[0].data)
@@ -198,12 +204,7 @@ async def test_a_fetched_deferred_answer_carries_the_apps_own_id(tmp_path, edge_
             assert receipt.id == "app-7" and receipt.parameters["where"] == "deferred"
             request_id = receipt.parameters["request_id"]
         async with Agent(load_agent_config(cfg)) as again:  # (kept across a restart)
-            for _ in range(50):
-                await again.flush_deferred()
-                found = await again.deferred_result(request_id)
-                if found["status"] == "delivered":
-                    break
-                await asyncio.sleep(0.1)
+            found = await _flushed(again, request_id)
             assert found["status"] == "delivered" and found["response"].id == "app-7"
     finally:
         server.terminate()
