@@ -426,7 +426,10 @@ def test_a_model_whose_file_gives_no_shape_serves_every_rank(server, test_reposi
         ({"runtime": {"threads": 100000}}, "runtime.threads"),
         ({"max_batch_size": 1 << 40}, "max_batch_size"),
         ({"dynamic_batching": {"max_queue_size": 1 << 40}}, "dynamic_batching.max_queue_size"),
-        ({"dynamic_batching": {"priority_levels": 1 << 30}}, "dynamic_batching.priority_levels"),
+        (
+            {"dynamic_batching": {"priority_levels": 1 << 30, "default_priority_level": 1}},
+            "dynamic_batching.priority_levels",
+        ),
         (
             {
                 "max_batch_size": 8,
