@@ -274,4 +274,3 @@ def test_a_sighup_during_a_rescan_is_followed_by_another_rescan(tmp_path):
         assert "a rescan is under way; another follows it" in said
     finally:
         proc.terminate()
-

@@ -176,7 +176,10 @@ def test_a_bad_image_in_a_batch_is_an_invalid_input_naming_the_input(
         ({"preprocess": [{"shorter_side": 256}]}, "preprocess[0].resize"),
         ({"postprocess": [{"name": "x"}]}, "postprocess[0].output"),
         ({"postprocess": [{"output": "y", "labels": "../etc/passwd"}]}, "postprocess[0].labels"),
-        ({"postprocess": [{"output": "y", "labels": "labels.txt\u0000x"}]}, "postprocess[0].labels"),
+        (
+            {"postprocess": [{"output": "y", "labels": "labels.txt\u0000x"}]},
+            "postprocess[0].labels",
+        ),
         ({"postprocess": [{"output": "y", "top_k": 3, "argmax": True}]}, "postprocess[0].argmax"),
     ],
 )

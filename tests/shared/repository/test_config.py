@@ -78,9 +78,7 @@ def test_every_key_of_a_full_config_is_read(tmp_path: Path) -> None:
         ),
         instance_group=InstanceGroup(count=2, kind="gpu"),
         version_policy=VersionPolicy(latest=None, specific=(1, 3)),
-        runtime=RuntimeConfig(
-            threads=2, precision_hint="f32", allow_spinning=True, lone_threads=0
-        ),
+        runtime=RuntimeConfig(threads=2, precision_hint="f32", allow_spinning=True, lone_threads=0),
         source=path,
     )
 
