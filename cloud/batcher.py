@@ -448,7 +448,7 @@ class DynamicBatcher:
             for i, req in enumerate(members):
                 total += req.n
                 sizes[total] = i + 1
-            for p in sorted(self._preferred, reverse=True):
+            for p in self._preferred:  # (largest first)
                 if p in sizes:
                     return members[: sizes[p]], None
         if full or self._closing or not self._delay_ns:
