@@ -37,7 +37,7 @@ from shared.heap import trim_heap
 from shared.repository import ModelRepository
 from shared.repository.capacity import available_memory
 from shared.runtimes import installed_backends
-from shared.tokens import load_tokens
+from shared.tokens import TokensFile, follow_tokens
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class CloudServer:
         self.follower: PlacementFollower | None = None
         self._memory_for_models: int | None = None
         self.http_port: int | None = None
+        self._following: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -90,11 +91,11 @@ class CloudServer:
             await asyncio.get_running_loop().run_in_executor(None, trim_heap)
         if cfg.http is not None:
             registry = make_registry(self.dataplane.all_stats, self.gpu, self.cpu)
-            tokens = load_tokens(cfg.http.tokens_file) if cfg.http.tokens_file else None
+            tokens_file = TokensFile(cfg.http.tokens_file) if cfg.http.tokens_file else None
             front = HttpFront(
                 self.dataplane,
                 limits=cfg.limits,
-                tokens=tokens,
+                tokens=tokens_file.tokens if tokens_file is not None else None,
                 open_metrics=cfg.http.open_metrics,
                 metrics=lambda: render_metrics(registry),
                 budget=self.budget,
@@ -110,6 +111,10 @@ class CloudServer:
                 ),
             )
             self.http_port = await self.http.start(cfg.http.host, cfg.http.port)
+            if tokens_file is not None:  # (a revoked token stops working within a second)
+                self._following = asyncio.create_task(
+                    follow_tokens(tokens_file, lambda tokens: setattr(front, "tokens", tokens))
+                )
         if cfg.mqtt is not None:
             self.mqtt = MqttFront(
                 self.dataplane,
@@ -177,6 +182,8 @@ class CloudServer:
                 min(handover, deadline - self.config.shutdown_grace_s / 3)
             )
         # 1. intake off everywhere before anything waits
+        if self._following is not None:
+            self._following.cancel()
         self.dataplane.begin_shutdown()
         if self.http is not None:
             self.http.stop_listening()  # new connections refused; open ones stay

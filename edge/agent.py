@@ -188,6 +188,8 @@ class Agent:
         self._config_mtime = self._mtime()
         # (mtime, message, when) of the last reload that failed: tried again (see _watch_config)
         self._reload_failed: tuple[float, str, float] | None = None
+        #: keys the config file changed that take effect only after a restart
+        self.restart_pending: list[str] = []
         self._reloads: set[asyncio.Task[None]] = set()  # (SIGHUP's, held till done)
         self._retired: dict[str, float] = {}  # local model -> when the config let it go
         self._reloading = asyncio.Lock()
@@ -453,13 +455,16 @@ class Agent:
     def apply(self, new: AgentConfig, device: Any, links: dict[str, LinkProfile]) -> None:
         """Swap a validated configuration in; requests in flight keep their snapshot."""
         waiting = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self.config, k)]
+        self.restart_pending = waiting  # (status says it: the log line scrolls away)
         if waiting:
             log.warning("changed %s: takes effect after a restart", ", ".join(waiting))
             # what runs keeps its values until then (the next reload compares with them)
             new = replace(new, **{k: getattr(self.config, k) for k in waiting})
         self.device = device
-        if new.links != self.config.links:  # the file's links changed (not a set_link)
-            for t, link in links.items():
+        # The file's links changed (not a set_link): only the transports whose entry
+        # changed restart; another transport keeps its live hint and its estimates.
+        for t, link in links.items():
+            if new.links.get(t) != self.config.links.get(t):
                 self.estimators.reset_link(t)
                 self._use_link(t, link)
         self.estimators.set_quantile(new.policy.deadline_quantile)
@@ -608,6 +613,8 @@ class Agent:
             "data_used_mb_today": round(self.dataplane.usage.today(), 3),
             "power": [{k: v for k, v in asdict(r).items() if v not in (None, "")} for r in power],
             "uptime_s": round(now - (self.started_at or now), 1),
+            # edited in the config file, waiting for a restart (RESTART_KEYS)
+            **({"restart_pending": self.restart_pending} if self.restart_pending else {}),
             "where_options": [LOCAL, *(f"cloud-{t}" for t in self.transports)],
         }
 

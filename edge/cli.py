@@ -75,7 +75,7 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     from edge.http_front import start_local_api
     from shared.aio.threads import favour_the_loop
     from shared.errors import ConfigError
-    from shared.tokens import load_tokens
+    from shared.tokens import TokensFile, follow_tokens
 
     favour_the_loop()
 
@@ -84,10 +84,10 @@ async def _run(config_path: Path, api_port: int | None) -> int:
         if not 0 <= api_port <= 65535:
             raise ConfigError(f"--api-port: expected a port from 0 to 65535, got {api_port}")
         config = replace(config, api_port=api_port)
-    tokens = None
+    tokens_file = None
     if config.api_tokens_file:
         try:
-            tokens = load_tokens(config.api_tokens_file)
+            tokens_file = TokensFile(config.api_tokens_file)
         except ConfigError as exc:
             raise ConfigError(f"{config_path}: key 'api.tokens_file': {exc.message}") from None
     agent = Agent(config)
@@ -111,15 +111,23 @@ async def _run(config_path: Path, api_port: int | None) -> int:
                 agent,
                 config.api_host,
                 config.api_port,
-                tokens=tokens,
+                tokens=tokens_file.tokens if tokens_file is not None else None,
                 max_inflight_bytes=config.api_max_inflight_bytes,
             )
         except FerryError:
             await agent.stop()
             raise
         parts.append(f"http=http://{config.api_host}:{server.port}")
+    following = None
+    if server is not None and tokens_file is not None:
+        api = server.app
+        following = asyncio.create_task(
+            follow_tokens(tokens_file, lambda tokens: setattr(api, "tokens", tokens))
+        )
     print("ferry-edge ready " + " ".join(parts), flush=True)
     await stop.wait()
+    if following is not None:
+        following.cancel()
     # The agent drains (new requests refused with shutting_down, those in flight given
     # DRAIN_S, then answered with an error) while the front stays open to write every
     # answer: a 5 s front drain before it had cut requests still running with no answer.

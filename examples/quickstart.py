@@ -16,7 +16,10 @@ HTTP by default (no broker needed);
 
 The example device is a Raspberry Pi 4B: this machine is several times
 faster, so the agent emulates the Pi's speed (``[emulation]
-local_slowdown``), the way the link emulator stands in for a radio.
+local_latency_ms``: each local run takes at least the Pi's time), the way
+the link emulator stands in for a radio.  A fixed device time, not a
+factor over this machine's own time, keeps the demo's load the same on a
+machine whose speed varies several-fold from one hour to the next.
 """
 
 from __future__ import annotations
@@ -245,10 +248,21 @@ def main(argv: list[str] | None = None) -> int:
         "--mqtt", action="store_true", help="offload over MQTT through a local Mosquitto"
     )
     parser.add_argument(
-        "--rate", type=float, default=3.0, help="requests per second (the emulated Pi serves ~4/s)"
+        "--rate", type=float, default=3.0, help="requests per second (the emulated Pi serves ~5/s)"
     )
     parser.add_argument("--deadline-ms", type=float, default=1500.0)
-    parser.add_argument("--slowdown", type=float, default=12.0, help="emulated device slowdown")
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=200.0,
+        help="the emulated device's time for one local run (at least this machine's own)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="or emulate the device as this many times slower than this machine",
+    )
     args = parser.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="ferry-demo-"))
@@ -290,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 f'repository = "{args.repository}"\nstate_dir = "{tmp / "state"}"\n'
                 f'device = "raspberry-pi-4b"\nprobe_interval_s = 1.0\n'
                 f"[emulation]\nlocal_slowdown = {args.slowdown}\n"
+                f"local_latency_ms = {args.device_ms}\n"
                 f'[cloud]\n{scheme} = "{scheme}://127.0.0.1:{emu.port}"\n'
                 f'[links]\n{scheme} = "wifi"\n'
                 f"[policy]\ndeadline_ms = {args.deadline_ms}\nexplore_after_s = 3.0\n"

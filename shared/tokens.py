@@ -13,8 +13,11 @@ error message; comparisons take the same time whichever token matches.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +113,56 @@ def load_tokens(path: Path) -> Tokens:
             path,
         )
     return parse_tokens(text, str(path))
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+class TokensFile:
+    """A tokens file followed while the process runs: revoking a leaked token must
+    not wait for a restart (both tiers had read the file once, at start, and went on
+    accepting a token removed from it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._stamp = _stamp(self.path)
+        self.tokens = load_tokens(self.path)
+
+    def refresh(self) -> Tokens | None:
+        """The new tokens if the file changed since the last look, else None.  A file
+        that cannot be read or parsed keeps the tokens in use (logged once per change):
+        a half-written or deleted file must not lock every client out, nor open the
+        API.  Blocking (a stat, and a read on a change): call it off the event loop."""
+        stamp = _stamp(self.path)
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        log = logging.getLogger(__name__)
+        try:
+            tokens = load_tokens(self.path)
+        except ConfigError as exc:
+            log.error("%s; keeping the %d tokens in use", exc.message, len(self.tokens.grants))
+            return None
+        self.tokens = tokens
+        log.warning("%s: tokens file changed: %d tokens in use", self.path, len(tokens.grants))
+        return tokens
+
+
+async def follow_tokens(
+    file: TokensFile, apply: Callable[[Tokens], None], every_s: float = 1.0
+) -> None:
+    """Look at ``file`` every ``every_s`` seconds and ``apply`` its tokens when they
+    change (until cancelled)."""
+    while True:
+        await asyncio.sleep(every_s)
+        tokens = await asyncio.to_thread(file.refresh)
+        if tokens is not None:
+            apply(tokens)
 
 
 def granted_stats(doc: dict[str, Any], grant: Grant | None) -> dict[str, Any]:

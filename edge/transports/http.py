@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import ssl
 import time
 
@@ -39,6 +40,9 @@ def _not_there(exc: OSError) -> bool:
     return type(exc) is OSError and exc.errno is None and "Multiple exceptions" in str(exc)
 
 
+log = logging.getLogger(__name__)
+
+
 class HttpTransport:
     name = "http"
 
@@ -56,6 +60,7 @@ class HttpTransport:
         self.tls_context = tls_context
         self._client: HttpClient | None = None
         self._refused_at: float | None = None  # (monotonic) the endpoint refused a connection
+        self._denied: str | None = None  # the cloud refused this agent's credentials: why
 
     @property
     def connected(self) -> bool:
@@ -101,7 +106,24 @@ class HttpTransport:
                 f"cloud endpoint {self.base_url} unreachable: {exc}"
             ) from None
         self._refused_at = None
+        if resp.status in (401, 403) and path != "/v2/health/live":
+            if self._denied is None:  # (once, not at every request it fails)
+                log.warning(
+                    "cloud endpoint %s refused this agent's token (HTTP %d): offloads over it "
+                    "fail until [cloud] token_file holds a token it accepts (a restart reads it)",
+                    self.base_url,
+                    resp.status,
+                )
+            self._denied = f"the cloud refused this agent's token (HTTP {resp.status})"
+        elif resp.status == 200 and path != "/v2/health/live":
+            self._denied = None
         return resp
+
+    @property
+    def last_error(self) -> str | None:
+        """Why offloads over this endpoint fail although it answers (status shows it,
+        as the MQTT transport shows a broker's refusal), None when nothing is known."""
+        return self._denied
 
     async def probe(self, deadline: float) -> float:
         """Round trip of ``GET /v2/health/live``: a light RTT sample."""

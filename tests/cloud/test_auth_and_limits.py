@@ -210,3 +210,62 @@ def test_a_tokens_file_every_user_can_read_is_warned_of(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert load_tokens(path).find(b"secret") is not None
     assert "readable by every user" in caplog.text
+
+
+def _rotate(path, text: str) -> None:
+    """Replace the file the way an operator's tooling does: write aside, rename over."""
+    aside = path.with_suffix(".new")
+    aside.write_text(text)
+    aside.chmod(0o600)
+    aside.replace(path)
+
+
+def _until(condition, seconds: float = 15.0) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_token_removed_from_the_tokens_file_is_refused_without_a_restart(
+    test_repository, tmp_path
+):
+    # The node read its tokens file once, at start: a leaked token, removed from the
+    # file, went on working until someone restarted the node.
+    tokens = tmp_path / "tokens.txt"
+    _rotate(tokens, "old-token infer\nops admin\n")
+    proc = cloud_server(test_repository, "--models", "linear", "--tokens-file", str(tokens)).start()
+    try:
+        body, headers = _infer_body()
+        url = proc.http_url + "/v2/models/linear/infer"
+        assert _call(url, body, token="old-token", headers=headers)[0] == 200
+        _rotate(tokens, "new-token infer\nops admin\n")
+        assert _until(lambda: _call(url, body, token="old-token", headers=headers)[0] == 401)
+        assert _call(url, body, token="new-token", headers=headers)[0] == 200
+        # a broken edit keeps the tokens in use (neither locked out nor opened up)
+        _rotate(tokens, "new-token superuser\n")
+        assert _until(lambda: "keeping the 2 tokens in use" in proc.output())
+        assert _call(url, body, token="new-token", headers=headers)[0] == 200
+        assert _call(url, body, headers=headers)[0] == 401
+    finally:
+        proc.terminate()
+
+
+def test_the_tokens_file_is_followed_by_its_contents_not_only_its_name(tmp_path):
+    from shared.tokens import TokensFile
+
+    path = tmp_path / "tokens.txt"
+    _rotate(path, "a infer\n")
+    followed = TokensFile(path)
+    assert followed.refresh() is None  # unchanged
+    _rotate(path, "b infer\n")
+    fresh = followed.refresh()
+    assert fresh is not None and fresh.find(b"b") and not fresh.find(b"a")
+    path.unlink()  # (mid-rotation): the tokens in use stay
+    assert followed.refresh() is None and followed.tokens.find(b"b")
+    _rotate(path, "c admin\n")
+    assert followed.refresh().find(b"c").scopes == {"admin"}

@@ -701,6 +701,83 @@ def test_an_unreadable_tokens_file_names_the_key(tmp_path, edge_repos):
     assert "agent.toml: key 'api.tokens_file':" in done.stderr and "cannot read" in done.stderr
 
 
+def test_the_agents_api_follows_its_tokens_file_without_a_restart(tmp_path, edge_repos):
+    # The agent read [api] tokens_file once: a revoked app token kept working and a new
+    # one was refused until a restart, and nothing said so.
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tests.support import ServerProcess
+
+    tokens = tmp_path / "api-tokens.txt"
+    tokens.write_text("apptok-1 infer\n")
+    tokens.chmod(0o600)
+    cfg = agent_toml(
+        tmp_path, edge_repos[1], models=LIN, extra=f'[api]\ntokens_file = "{tokens}"\n'
+    )
+    agent = ServerProcess(
+        ["-m", "edge.cli", "run", "--config", str(cfg), "--api-port", "0"], "ferry-edge ready"
+    ).start()
+
+    def status(token: str) -> int:
+        req = urllib.request.Request(
+            agent.http_url + "/v2/models/lin", headers={"Authorization": f"Bearer {token}"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=20) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        assert status("apptok-1") == 200 and status("apptok-2") == 401
+        aside = tmp_path / "api-tokens.new"
+        aside.write_text("apptok-2 infer\n")
+        aside.chmod(0o600)
+        aside.replace(tokens)
+        end = time.monotonic() + 15
+        while status("apptok-1") != 401 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert status("apptok-1") == 401 and status("apptok-2") == 200
+        assert "tokens file changed" in agent.output()
+    finally:
+        agent.terminate()
+
+
+async def test_a_cloud_refusing_the_agents_token_shows_in_status_and_the_log(
+    tmp_path, edge_repos, caplog
+):
+    # A rotated cloud token left the agent's HTTP transport "connected, breaker closed"
+    # in status while every offload failed with 401, logged only at INFO.
+    from tests.support import cloud_server
+
+    tokens = tmp_path / "cloud-tokens.txt"
+    tokens.write_text("the-new-one infer\n")
+    tokens.chmod(0o600)
+    node = cloud_server(edge_repos[0], "--models", "lin", "--tokens-file", str(tokens)).start()
+    stale = tmp_path / "token.txt"
+    stale.write_text("the-old-one\n")
+    stale.chmod(0o600)
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=node.http_url,
+        models=LIN.replace('cloud = "lin"', 'cloud = "lin"\nmode = "cloud"'),
+    )
+    cfg.write_text(cfg.read_text().replace("[cloud]\n", f'[cloud]\ntoken_file = "{stale}"\n'))
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            for _ in range(2):  # (answered locally: the fallback)
+                answer = await agent.infer("lin", {"x": np.ones((1, 4), np.float32)})
+                assert answer.parameters["where"] == "local" and answer.parameters["fallback"]
+            http = (await agent.status())["transports"]["http"]
+            assert "refused this agent's token (HTTP 401)" in http["error"]
+            assert caplog.text.count("refused this agent's token") == 1  # once, a warning
+    finally:
+        node.terminate()
+
+
 async def test_drain_waits_for_a_keyed_run_its_caller_left(tmp_path, edge_repos, monkeypatch):
     # The keyed run goes on for the app's retry when its caller leaves; drain counted
     # only callers and reported nothing in flight while the model still ran

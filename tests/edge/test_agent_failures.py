@@ -341,6 +341,30 @@ async def test_a_network_change_survives_an_unrelated_config_reload(tmp_path, ed
         assert agent.links["http"].name == "lte"
 
 
+async def test_editing_one_transports_link_keeps_the_other_transports_live_hint(
+    tmp_path, edge_repos, cloud, broker
+):
+    # Any edit of [links] had reset every transport to the file's link, wiping the
+    # connectivity manager's hint (and the estimates) of a transport the edit left alone.
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        mqtt=broker.url,
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n',
+        extra='[links]\nhttp = "wifi"\nmqtt = "wifi"\n',
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        agent.set_link("http", "lte")
+        cfg.write_text(cfg.read_text().replace('mqtt = "wifi"', 'mqtt = "3g"'))
+        os.utime(cfg, (6, 6))
+        await agent._watch_config()
+        assert agent.links["mqtt"].name == "3g"
+        assert agent.links["http"].name == "lte"
+        status = await agent.status()
+        assert status["transports"]["http"]["link"] == "lte"
+
+
 async def test_requests_a_dying_node_held_are_sent_again_and_answered_by_another(
     tmp_path, edge_repos, broker
 ):

@@ -303,6 +303,7 @@ async def test_a_reload_cannot_send_a_model_to_a_cloud_endpoint_the_agent_did_no
         await agent._watch_config()  # applied; [cloud] waits for a restart
         assert agent.dataplane.policy.config.default_deadline_ms == 900
         assert agent.config.cloud.mqtt_url is None  # what runs, compared with next time
+        assert (await agent.status())["restart_pending"] == ["cloud"]  # (not only a log line)
     finally:
         await agent.stop()
 

@@ -278,7 +278,15 @@ def test_a_node_stopped_while_loading_its_share_exits_without_waiting_for_the_lo
     _publish_placement(broker, Placement(copies=(_copy("long", "n1"),), generation=1))
     node = start_node(repo, broker, tmp_path, "n1")
     try:
-        time.sleep(1.0)  # its follower is loading the model
+        # its follower is loading the model (a fixed wait had been too short on a busy
+        # machine: stopped before the load began, it rightly had nothing to leave)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            index = _http(f"{node.http_url}/v2/repository/index", {})[1]
+            if any(e.get("state") == "LOADING" for e in index):
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # (from the file's fingerprint into the session's build)
         node.proc.send_signal(signal.SIGTERM)
         assert node.proc.wait(60) == 0
         said = node.output()
