@@ -101,6 +101,14 @@ def _controller(args: argparse.Namespace) -> int:
         from cloud.tuning.profiles import load_profiles
 
         profiles = load_profiles(args.profiles)
+        # (a profile is used only for a model of the repository: a typo, or a model
+        # since removed, had been taken without a word)
+        for name in sorted(set(profiles) - set(catalogue) - set(problems)):
+            print(
+                f"ferry-cloud controller: {args.profiles}: key 'models.{name}': no such model "
+                "in the repository; its profiles are not used",
+                file=sys.stderr,
+            )
     settings = ControllerSettings(
         interval_s=args.interval_s,
         headroom=Headroom(cv=args.burst_cv),

@@ -92,6 +92,7 @@ class ControllerService(RoutedApp):
         self.options = options
         self._client: MqttClient | None = None
         self._alerts_key = ""
+        self._retry_at = 0.0  # (monotonic) a placement that raised is tried again from here
         self._http: HttpServer | None = None
         self.router = Router()
         self.router.add("GET", "/metrics", self._metrics)
@@ -202,7 +203,16 @@ class ControllerService(RoutedApp):
             self._beat = now
             assert self._client is not None
             self._publish(CONTROLLER_TOPIC, self._status("online"))
-        step = self.core.step(now)
+        step = None
+        if now >= self._retry_at:
+            try:
+                step = self.core.step(now)
+            except Exception:  # a bug, or an input no check foresaw: the placement in
+                # force stands (the nodes go on serving it) and the controller stays up
+                # to retry; it had exited, and a retained status brought it down again
+                # at each restart
+                log.exception("placement not recomputed; the one in force stands")
+                self._retry_at = now + self.core.settings.interval_s
         if step is not None:
             document = json.dumps(step.placement.to_dict()).encode()
             self._publish(PLACEMENT_TOPIC, document)

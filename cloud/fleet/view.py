@@ -87,6 +87,11 @@ class NodeState:
 # had left a phantom node online for good, with copies placed on it.
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 _Positive = Annotated[float, msgspec.Meta(ge=0)]  # (NaN fails it too)
+# a rate or a speed the packer divides by or multiplies with: finite (JSON's 1e999 is
+# infinity) and, for a speed, above 0 (one node's status of speed 0 had crashed the
+# controller, at every restart while it stayed retained)
+_Rate = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+_Speed = Annotated[float, msgspec.Meta(gt=0, le=1e6)]
 
 
 class _WireModel(msgspec.Struct):
@@ -97,13 +102,13 @@ class _WireModel(msgspec.Struct):
     queue_depth: _Count = 0
     memory_bytes: _Count | None = None
     backend: str = ""
-    rate: _Positive | None = None
+    rate: _Rate | None = None
 
 
 class _WireCapacity(msgspec.Struct):
     memory_bytes: _Count = 0
     backends: list[str] = []
-    speed: _Positive = 1.0
+    speed: _Speed = 1.0
     cores: _Count = 0
     gpu: Any = None
 

@@ -138,4 +138,4 @@ def bound_sums(
         least = max(demand.min_copies, 1 if rate > 0 else 0, math.ceil(time - EPS))
         compute += time
         memory += min(least, cap) * min(p.memory_bytes for p in usable)
-    return compute, memory / largest
+    return compute, memory / largest if largest > 0 else 0.0  # (every node 0 bytes)

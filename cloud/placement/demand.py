@@ -166,6 +166,8 @@ def split(
             note = f"{limit}: plans {served:.1f} of {rate:.1f} req/s"
         elif demand.min_copies > cap and cap == reach:
             note = f"{cap} of min_copies {demand.min_copies}: only {cap} nodes can run it"
+        elif demand.min_copies > cap:  # (config.toml refuses it; a caller of place() may not)
+            note = f"{cap} of min_copies {demand.min_copies}: capped at max_copies {cap}"
     items = [Item(demand, r, i, headroom) for i, r in enumerate(rates)]
     for item in items:
         slots = [item.slot(i, n.speed) for n in hosts for i, _ in item.options(n)]

@@ -169,7 +169,7 @@ def place(
     missing: dict[str, int] = {}
     for item in short:
         missing[item.name] = missing.get(item.name, 0) + 1
-    squeezed = _squeeze(packer, missing, wanted, demands, where, headroom)
+    squeezed = _squeeze(packer, missing, wanted, demands, where, headroom, previous)
     for name in squeezed:
         del missing[name]
     copies = _copies(packer)
@@ -207,6 +207,7 @@ def _squeeze(
     demands: Sequence[ModelDemand],
     where: dict[str, list[tuple[NodeSpec, int]]],
     headroom: Headroom,
+    previous: Placement | None = None,
 ) -> dict[str, float]:
     """Models none of whose copies found room keep one copy, planned for the highest
     rate (halving the model's) that fits beside the rest: a rate declared above what the
@@ -222,10 +223,35 @@ def _squeeze(
             rate /= 2
             one = replace(demand, rate=rate, min_copies=1, max_copies=1)
             items, _why = split(one, where[demand.name], headroom)
-            if items and packer.place(items[0]) is not None:
+            if items and (_keep(packer, items[0], previous) or packer.place(items[0]) is not None):
                 out[demand.name] = rate
                 break
     return out
+
+
+def _keep(packer: Packer, item: Item, previous: Placement | None) -> bool:
+    """Put ``item`` where the previous placement had its model's copy at the same rate,
+    on the same backend, if it still fits there: a squeezed copy had been placed afresh
+    at each re-placement and could land on another backend (a reload for nothing)."""
+    if previous is None:
+        return False
+    for copy in previous.copies:
+        if copy.model != item.name or copy.rate != item.rate or copy.node not in packer.bins:
+            continue
+        b = packer.bins[copy.node]
+        if b.holds(item.name):
+            return False
+        for index, profile in item.options(b.node):
+            if profile.backend != copy.backend:
+                continue
+            if b.memory + profile.memory_bytes > b.node.memory_bytes:
+                return False
+            fit = b.try_slot(item, index, item.slot(index, b.node.speed), MARGINAL, FAST)
+            if fit is None:
+                return False
+            b.add(item, fit)
+            return True
+    return False
 
 
 def _past_reach(

@@ -43,7 +43,8 @@ fits when
 * a long cycle's arrivals (``Z_BATCH`` standard deviations of the cycle and
   of the arrivals) fit ``max_batch``, or two turns where the objective holds
   two cycles and a full batch (past it the rest waits a cycle more), and
-  their mean fits one turn (else a backlog lingers);
+  their mean fits one turn with room to spare (else a backlog lingers):
+  ``max_batch - 1``, or half a turn for a max batch of 1;
 * the cycle is finite (the per-request work ``sum_j beta_j*r_j`` below 1).
 
 A copy alone on a node is one batcher with the node to itself: the batch
@@ -105,7 +106,10 @@ class Cycle:
         most = rate * busy + Z_BATCH * np.sqrt(rate * busy * burst) + 1
         # what does not fit one turn rides the next, where the objective holds two
         turns = np.where(2 * busy + a + beta * top <= slo_s, 2.0, 1.0)
-        carried = np.maximum(most / (top * turns), (rate * busy + 1) / top)
+        # and the mean arrivals leave a turn room to spare (top - 1: the one that came
+        # as the turn began); a max batch of 1 has none, so half a turn (its "+1" had
+        # refused such a model a shared node at any rate above 0)
+        carried = np.maximum(most / (top * turns), rate * busy / np.maximum(top - 1, top / 2))
         batch = float(carried.max())
         mean = float((self.mean / reach(a, beta, rate, slo_s)).max())
         self.occupancy = max(self.work / self.mean, lateness, batch, mean)

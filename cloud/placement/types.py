@@ -13,6 +13,7 @@ per model it hosts, and their batches share its cores
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,25 +41,49 @@ class LatencyProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LatencyProfile:
+        # A hand-edited profiles file is the input here: NaN, infinity, negative memory
+        # and fractional batches had all been taken (a negative memory let two 3 GiB
+        # models onto a 4 GiB node).
         try:
+            backend = data["backend"]
+            if not isinstance(backend, str) or not backend:
+                raise ValueError(f"backend must be a backend's name, got {backend!r}")
             profile = cls(
-                backend=str(data["backend"]),
-                a_s=float(data["a_s"]),
-                beta_s=float(data["beta_s"]),
-                max_batch=int(data["max_batch"]),
-                memory_bytes=int(data["memory_bytes"]),
-                threads=int(data.get("threads", 0)),
-                spread_s=float(data.get("spread_s", 0.0)),
+                backend=backend,
+                a_s=_number(data["a_s"], "a_s", least=0.0),
+                beta_s=_number(data["beta_s"], "beta_s", above=0.0),
+                max_batch=_whole(data["max_batch"], "max_batch", least=1),
+                memory_bytes=_whole(data["memory_bytes"], "memory_bytes", least=0),
+                threads=_whole(data.get("threads", 0), "threads", least=0),
+                spread_s=_number(data.get("spread_s", 0.0), "spread_s", least=0.0),
             )
         except KeyError as exc:  # (its text alone was "'beta_s'")
             raise ConfigError(f"latency profile {data!r}: key {exc} is missing") from None
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"latency profile {data!r}: {exc}") from None
-        if profile.a_s < 0 or profile.beta_s <= 0 or profile.max_batch < 1:
-            raise ConfigError(
-                f"latency profile {data!r}: needs a_s >= 0, beta_s > 0, max_batch >= 1"
-            )
         return profile
+
+
+def _number(value: Any, key: str, least: float | None = None, above: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number > 1e12:
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    if (least is not None and number < least) or (above is not None and number <= above):
+        bound = f">= {least}" if least is not None else f"> {above}"
+        raise ValueError(f"{key} must be {bound}, got {value!r}")
+    return number
+
+
+def _whole(value: Any, key: str, least: int) -> int:
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    ):
+        raise ValueError(f"{key} must be a whole number, got {value!r}")
+    if not least <= value <= 1 << 62:
+        raise ValueError(f"{key} must be at least {least}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,16 @@ class ModelDemand:
     min_copies: int = 1  # 0: may be left unloaded while it has no traffic
     max_copies: int = 0  # 0: no cap beyond one copy per node
     avoid: frozenset[str] = frozenset()  # nodes where it failed to load
+
+    def __post_init__(self) -> None:
+        # (the packer's input is checked where it enters: config, profiles, statuses;
+        # this catches what slipped past, before it could loop or divide by zero)
+        if not (math.isfinite(self.rate) and self.rate >= 0):
+            raise ValueError(f"model {self.name!r}: rate must be finite and >= 0: {self.rate}")
+        if not (math.isfinite(self.slo_s) and self.slo_s > 0):
+            raise ValueError(f"model {self.name!r}: slo_s must be finite and > 0: {self.slo_s}")
+        if self.min_copies < 0 or self.max_copies < 0:
+            raise ValueError(f"model {self.name!r}: min_copies and max_copies must be >= 0")
 
     def profile_for(self, backend: str) -> LatencyProfile | None:
         for p in self.profiles:
@@ -112,6 +147,12 @@ class NodeSpec:
     speed: float = 1.0
     cores: int = 0
     gpu: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.speed) and self.speed > 0):
+            raise ValueError(f"node {self.name!r}: speed must be finite and > 0: {self.speed}")
+        if self.memory_bytes < 0 or self.cores < 0:
+            raise ValueError(f"node {self.name!r}: memory_bytes and cores must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -3,7 +3,7 @@
 Each target of :mod:`tests.fuzz.harnesses` runs in its own process (atheris
 instruments the code under test as it is imported, and libFuzzer exits the
 process when it is done), from the seed corpus, for ``FERRY_FUZZ_SECONDS``
-seconds (default 10; ``FERRY_FUZZ_SEED`` fixes libFuzzer's seed).  A crash
+seconds (default 5 in CI; ``FERRY_FUZZ_SEED`` fixes libFuzzer's seed).  A crash
 leaves its input in the test's tmp folder; the failure message shows it and
 the traceback.  Save such an input as
 ``tests/fuzz/crashers/<target>-<anything>`` and ``test_crasher_is_fixed``
@@ -23,7 +23,7 @@ from tests.fuzz import harnesses
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASHERS = Path(__file__).resolve().parent / "crashers"
-SECONDS = int(os.environ.get("FERRY_FUZZ_SECONDS", "10"))
+SECONDS = int(os.environ.get("FERRY_FUZZ_SECONDS", "5"))
 #: a bound on executions as well as time (libFuzzer stops at whichever comes first)
 RUNS = int(os.environ.get("FERRY_FUZZ_RUNS", "5000000"))
 

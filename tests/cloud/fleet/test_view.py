@@ -160,6 +160,11 @@ def test_a_models_measured_memory_outlives_its_hosts() -> None:
         {"misses": {"m": "many"}},
         {"capacity": {"memory_bytes": "lots"}},
         {"uptime_s": float("nan")},
+        # a speed the packer divides by: 0 had crashed the controller (at every restart
+        # while the status stayed retained), infinity too
+        {"capacity": {"memory_bytes": 1 << 30, "backends": ["onnxruntime"], "speed": 0.0}},
+        {"capacity": {"memory_bytes": 1 << 30, "speed": float("inf")}},
+        {"models": [{"name": "m", "rate": float("inf")}]},
     ],
 )
 def test_a_malformed_status_changes_nothing_and_makes_no_node(bad: dict) -> None:

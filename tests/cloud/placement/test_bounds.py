@@ -57,7 +57,7 @@ def fewest_batches(points: list[float], window: float, late: int) -> int:
     return best
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=80, **SETTINGS)
 @given(
     st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=7),
     st.floats(0.1, 5),
@@ -78,7 +78,7 @@ def test_the_greedy_cover_of_poisson_arrivals_renews_every_window_and_one_gap(ra
     )
 
 
-@settings(max_examples=200, **SETTINGS)
+@settings(max_examples=80, **SETTINGS)
 @given(instances())
 def test_the_bound_is_never_below_designs(instance) -> None:
     models, nodes, headroom = instance
