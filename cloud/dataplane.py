@@ -539,7 +539,12 @@ class DataPlane:
         remote = self._remote_for(name, version)
         if remote is not None:
             return remote.config(name)
-        return triton_model_config(self.get(name, version).config)
+        doc = triton_model_config(self.get(name, version).config)
+        policy = doc.get("dynamic_batching", {}).get("default_queue_policy")
+        if policy is not None and not policy["max_queue_size"] and self.default_max_queue:
+            # the bound this node applies (its [limits] default), not Triton's 0 (unbounded)
+            policy["max_queue_size"] = self.default_max_queue
+        return doc
 
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Triton's repository index: each version on disk with its state, and each one

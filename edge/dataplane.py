@@ -220,7 +220,10 @@ class EdgeDataPlane:
             raise ModelNotFound(f"unknown model {name!r}")
         if version not in (None, "") and model is not None and version != str(model.version):
             if not self._cloud_version(name, version):
-                raise ModelNotFound(f"model {name!r} has no version {version}")
+                raise ModelNotFound(
+                    f"model {name!r}: the agent serves its version {model.version} only "
+                    f"(the newest its local folder's version policy selects), not {version}"
+                )
             return None  # another version than the local one: the cloud's to serve
         return model
 

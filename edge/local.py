@@ -27,6 +27,7 @@ from shared.errors import (
 )
 from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
+from shared.repository.capacity import NodeCapacity, check_capacity, model_file_bytes
 from shared.runtimes import RuntimeOptions, Session
 from shared.runtimes.base import Cancel, cancellable
 from shared.runtimes.inline import InlineGate, input_bytes
@@ -114,6 +115,14 @@ class LocalModels:
             raise ModelNotFound(f"local model {name!r} has no version with a model file")
         version = versions[-1]
         backend, path = self.repository.model_file(name, version, config.backend)
+        # The node's bounds hold here too: a folder the cloud refuses by key (100,000
+        # threads) had hung the agent's start-up, its memory growing without end.
+        check_capacity(
+            config,
+            NodeCapacity.detect(),
+            str(config.source) if config.source else f"model {name!r}",
+            model_bytes=model_file_bytes(path, external=False),
+        )
         options = config.runtime.to_options(device=config.instance_group.kind)
         if self.threads:
             options = RuntimeOptions(
@@ -154,12 +163,24 @@ class LocalModels:
         _check_deadline(name, deadline, waiting)
         # (runs whose callers gave up stay queued on the thread, holding their inputs,
         # until it skips them: counted against the bound until then)
-        if self.max_backlog and max(waiting, self._queued.get(name, 0)) >= self.max_backlog:
+        ahead = max(waiting, self._queued.get(name, 0))
+        bound, what = self.max_backlog, "max"
+        # The model's own queue policy holds here as in the cloud (its /config shows it):
+        # max_queue_size requests queued besides the one running, and default_timeout_us
+        # in the queue at most (a request's own deadline may only shorten it).
+        batching = model.config.dynamic_batching
+        if batching is not None:
+            if batching.max_queue_size and (not bound or batching.max_queue_size + 1 < bound):
+                bound, what = batching.max_queue_size + 1, "max_queue_size"
+            if batching.default_timeout_us:
+                cap = time.monotonic() + batching.default_timeout_us / 1e6
+                deadline = cap if deadline is None else min(deadline, cap)
+        if bound and ahead >= bound:
             # The session thread's queue is bounded here: past it a request is refused at once
             # instead of queueing work the device cannot finish in anyone's deadline.
+            limit = bound - 1 if what == "max_queue_size" else bound
             raise Overloaded(
-                f"local model {name!r} has {max(waiting, self._queued.get(name, 0))} requests "
-                f"waiting (max {self.max_backlog})",
+                f"local model {name!r} has {ahead} requests waiting ({what} {limit})",
                 retry_after=1.0,
             )
         self._backlog[name] = waiting + 1

@@ -95,13 +95,15 @@ class NodeCapacity:
         return max(8, 4 * self.cores)
 
 
-def model_file_bytes(path: Path) -> int:
-    """Bytes of a model's files (an OpenVINO IR's weights live beside its .xml)."""
+def model_file_bytes(path: Path, external: bool = True) -> int:
+    """Bytes of a model's files (an OpenVINO IR's weights live beside its .xml).
+    ``external=False`` skips an ONNX file's external data (reading its names
+    imports ``onnx``, which an agent on a device does not pay for)."""
     path = Path(path)
     total = path.stat().st_size if path.is_file() else 0
     if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
         total += path.with_suffix(".bin").stat().st_size
-    elif path.suffix == ".onnx" and 0 < total < _EXTERNAL_PROBE_BYTES:
+    elif external and path.suffix == ".onnx" and 0 < total < _EXTERNAL_PROBE_BYTES:
         names = _external_names(path)
         total += sum(f.stat().st_size for f in (path.parent / n for n in names) if f.is_file())
     return total

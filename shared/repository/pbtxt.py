@@ -525,6 +525,14 @@ def parse_load_config(
                 return parse_config_dict(triton, source, name), frozenset(FERRY_SECTIONS)
             except ConfigError:
                 raise ferry_error from None
+    if named:  # Ferry's own tables in Triton's form: they had been dropped without a word
+        key = sorted(named)[0]
+        raise ConfigError(
+            f"{source}: key {key!r}: Ferry's [{key}] table in a config written in Triton's "
+            "form (ModelConfig JSON: instance_group as a list, Triton's field names); "
+            "send config.toml's keys throughout to set it, or leave it out to keep the "
+            "repository's"
+        )
     fields = _proto_fields(data)
     triton = triton_config_dict(fields, source, name)
     return parse_config_dict(triton, source, name), frozenset(FERRY_SECTIONS)

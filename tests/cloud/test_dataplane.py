@@ -70,6 +70,14 @@ async def test_models_without_a_queue_bound_get_the_node_default(repo, tmp_path)
     (repo / "d" / "config.toml").write_text("[dynamic_batching]\nmax_queue_size = 2\n")
     await dp.load("d")
     assert dp.get("d").batcher.max_queue == 2  # the model's own bound wins
+    # and /config says the bound applied, not Triton's 0 ("unbounded")
+    queue = "default_queue_policy"
+    (repo / "e" / "1").mkdir(parents=True)
+    write_linear_model(repo / "e" / "1" / "model.onnx")
+    (repo / "e" / "config.toml").write_text("[dynamic_batching]\nmax_queue_delay_us = 100\n")
+    await dp.load("e")
+    assert dp.model_config("e")["dynamic_batching"][queue]["max_queue_size"] == 7
+    assert dp.model_config("d")["dynamic_batching"][queue]["max_queue_size"] == 2
     await dp.close()
 
 

@@ -204,3 +204,41 @@ async def test_runs_given_up_while_queued_count_against_the_bound_until_the_thre
     assert local._queued["lin"] == 0
     assert await local.run("lin", x)  # room again
     local.close()
+
+
+def test_a_folder_past_the_machines_bounds_is_refused_by_key_as_the_cloud_refuses_it(tmp_path):
+    # 100,000 threads: the cloud said 400 naming the key; the agent tried to build the
+    # session and hung its start-up, its memory growing without end.
+    from shared.errors import ConfigError
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx", seed=1)
+    (tmp_path / "lin" / "config.toml").write_text(
+        "max_batch_size = 8\n[runtime]\nthreads = 100000\n"
+    )
+    local = LocalModels(ModelRepository(tmp_path))
+    with pytest.raises(ConfigError, match=r"config.toml: key 'runtime.threads': 100000 exceeds"):
+        local.load("lin")
+    local.close()
+
+
+async def test_the_models_queue_policy_bounds_and_times_its_local_queue(tmp_path):
+    # The agent's /config showed max_queue_size and default_timeout_us, which only the
+    # cloud applied: every request queued, and ones queued past the timeout got 200.
+    from shared.errors import DeadlineExceeded
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx", seed=1)
+    (tmp_path / "lin" / "config.toml").write_text(
+        "max_batch_size = 1\n[dynamic_batching]\nmax_queue_size = 2\ndefault_timeout_us = 500000\n"
+    )
+    local = LocalModels(ModelRepository(tmp_path), latency_floor_s=0.3, max_backlog=64)
+    await asyncio.to_thread(local.load, "lin")
+    x = {"x": np.ones((1, 4), np.float32)}
+    flights = [asyncio.ensure_future(local.run("lin", x)) for _ in range(3)]  # 1 runs, 2 wait
+    await asyncio.sleep(0.05)
+    with pytest.raises(Overloaded, match=r"3 requests waiting \(max_queue_size 2\)"):
+        await local.run("lin", x)
+    done = await asyncio.gather(*flights, return_exceptions=True)
+    # 0.3 s each, one at a time: the third would start at 0.6 s, past its 0.5 s in the queue
+    assert [type(d).__name__ for d in done] == ["tuple", "tuple", "DeadlineExceeded"]
+    assert isinstance(done[2], DeadlineExceeded)
+    local.close()

@@ -280,3 +280,12 @@ def test_a_load_override_reads_as_ferrys_or_tritons_and_says_which_sections_stay
     assert keep == {"preprocess", "postprocess", "placement"}
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):  # Ferry's error, not Triton's
         parse_load_config(json.dumps({"max_batch_size": 4, "bogus": 1}), "m")
+    # Ferry's [runtime] beside Triton's instance_group list: refused, not dropped (the
+    # model had loaded with 1 thread, the log saying "ignored Triton setting runtime")
+    mixed = {
+        "max_batch_size": 8,
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+        "runtime": {"threads": 2},
+    }
+    with pytest.raises(ConfigError, match=r"key 'runtime': Ferry's \[runtime\] table"):
+        parse_load_config(json.dumps(mixed), "m")
