@@ -89,8 +89,10 @@ def run_tune_command(args: argparse.Namespace) -> int:
         writable_folder(args.report, "--report")
     repository = ModelRepository(args.repository)
     names = repository.model_names()
-    if args.models:
+    if args.models is not None:
         wanted = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not wanted:  # (an empty variable in a script: it had tuned every model)
+            raise ConfigError(f"--models: no model named in {args.models!r}")
         unknown = sorted(set(wanted) - set(names))
         if unknown:
             raise ConfigError(
@@ -187,7 +189,10 @@ def run_tune_command(args: argparse.Namespace) -> int:
         written = write_report(args.report, doc)
         print(f"report: {len(written)} files in {args.report}")
     print(f"profiles: {args.out}")
-    status = 1 if failed or any(r.error for r in results) else 0
+    measured = any(entry.get("trials") for entry in doc["models"].values())
+    if not measured:  # (every backend asked for is missing here, say: not a success)
+        print("ferry-cloud: nothing could be measured", file=sys.stderr)
+    status = 1 if failed or any(r.error for r in results) or not measured else 0
     if args.apply:
         status = max(status, _apply(repository, doc, args.latency_ms, cores))
     return status
@@ -207,7 +212,7 @@ def _apply(repository: Any, doc: dict[str, Any], latency_ms: float, cores: int) 
         try:
             path, warnings = apply_choice(repository, name, entry["chosen"], latency_ms, cores)
         except ConfigError as exc:
-            print(f"ferry-cloud: error: {exc.message}", file=sys.stderr)
+            print(f"ferry-cloud: error [{exc.code.value}]: {exc.message}", file=sys.stderr)
             status = 1
             continue
         backup = path.with_suffix(".toml.bak")

@@ -65,9 +65,19 @@ class UtilisationTracker:
             if len(self._samples) >= self.settings.max_models:
                 return
             samples = self._samples[model] = deque(maxlen=1024)
+        if samples and abs(samples[-1][2] - planned) > 1e-9 * max(planned, 1.0):
+            # a new plan: the window judges it alone (averaged with the samples taken
+            # before the first placement, planned 0, it had read 10 req/s planned as 4)
+            samples.clear()
         samples.append((now, observed, planned))
         while samples and samples[0][0] < now - self.settings.window_s:
             samples.popleft()
+
+    def _spans(self, model: str) -> bool:
+        """Whether the model's samples cover half a window: three samples taken within a
+        second of a placement had raised an alert long before the window said anything."""
+        samples = self._samples.get(model)
+        return bool(samples) and samples[-1][0] - samples[0][0] >= self.settings.window_s / 2
 
     def forget(self, keep: set[str]) -> None:
         for model in list(self._samples):
@@ -92,7 +102,7 @@ class UtilisationTracker:
         s = self.settings
         for model in sorted(self._samples):
             observed, planned, count = self.window(model)
-            if count < s.min_samples or planned < MIN_PLANNED_RATE:
+            if count < s.min_samples or planned < MIN_PLANNED_RATE or not self._spans(model):
                 continue
             ratio = observed / planned
             if ratio < s.low:

@@ -24,6 +24,7 @@ from typing import Any
 from cloud.tuning.fit import queue_delay_us
 from shared.errors import ConfigError
 from shared.repository import ModelRepository, parse_config
+from shared.repository.pbtxt import TRITON_CONFIG_FILE, parse_text_proto, triton_config_dict
 from shared.repository.repository import CONFIG_FILE, LEGACY_CONFIG_FILE
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -51,6 +52,12 @@ def merged(data: dict[str, Any], chosen: dict[str, Any], latency_ms: float) -> d
         batching.pop("preferred_batch_sizes", None)
         batching["max_queue_delay_us"] = 0
     return out
+
+
+def _from_pbtxt(path: Path, name: str) -> dict[str, Any]:
+    """config.toml's keys for what a config.pbtxt says (the repository reads it so)."""
+    text = path.read_text(encoding="utf-8")
+    return triton_config_dict(parse_text_proto(text, str(path)), str(path), name)
 
 
 def _key(key: str) -> str:
@@ -135,12 +142,24 @@ def apply_choice(
             f"{folder / LEGACY_CONFIG_FILE}: a dl_inference config is not rewritten; "
             f"write a {CONFIG_FILE} for {name!r} first"
         )
+    warnings = []
+    triton = folder / TRITON_CONFIG_FILE
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        if path.is_file():
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        elif triton.is_file():
+            # config.toml is read first: one holding only tuning's keys had silently
+            # replaced everything the config.pbtxt said (batch size, instances, policy)
+            data = _from_pbtxt(triton, name)
+            warnings.append(
+                f"{triton} converted: {path} holds all it says plus the tuned keys, and is "
+                "read in its place from now on"
+            )
+        else:
+            data = {}
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     out = merged(data, chosen, latency_ms)
-    warnings = []
     group = out.get("instance_group")
     count = group.get("count", 1) if isinstance(group, dict) else 1
     threads = int(chosen["threads"])
@@ -165,18 +184,22 @@ def apply_choice(
     except ConfigError as exc:
         tmp.unlink()
         raise ConfigError(f"{path}: not applied: {exc.message}") from None
+    backup = path.with_suffix(".toml.bak")
+    made = False
     try:
-        backup = path.with_suffix(".toml.bak")
         if path.is_file():
             # The first one kept stays: it holds the user's own file and its comments,
             # which a rewrite does not carry over (a second --apply overwrote it).
             if not backup.exists():
                 shutil.copy2(path, backup)
+                made = True
             # (a symlink shared between model folders becomes this model's own file:
             # the choice was measured and checked for this model only)
             shutil.copymode(path, tmp)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        if made:  # (nothing was applied: no backup of it either)
+            backup.unlink(missing_ok=True)
         raise ConfigError(f"{path}: not applied: cannot write: {exc.strerror or exc}") from None
     return path, warnings

@@ -238,6 +238,40 @@ def test_apply_refuses_a_legacy_config_and_a_backend_without_its_file(repo: Path
         apply_choice(repository, "old", {**chosen, "backend": "onnxruntime"}, 100.0)
 
 
+def test_apply_on_a_triton_folder_keeps_everything_its_config_pbtxt_says(repo: Path) -> None:
+    # With no config.toml, --apply wrote one holding only the tuned keys; read before
+    # the config.pbtxt, it silently replaced it (max_batch_size 8 served as 32).
+    write_linear_model(repo / "trt" / "1" / "model.onnx")
+    (repo / "trt" / "config.pbtxt").write_text(
+        "max_batch_size: 8\ninstance_group [{ count: 1, kind: KIND_CPU }]\n"
+        "dynamic_batching { max_queue_delay_microseconds: 300 }\n"
+    )
+    repository = ModelRepository(repo)
+    before = repository.read_config("trt")
+    chosen = {"backend": "onnxruntime", "threads": 1, "batch": 4, "p99_ms": 1.0}
+    path, warnings = apply_choice(repository, "trt", chosen, 100.0)
+    assert path.name == "config.toml" and any("config.pbtxt converted" in w for w in warnings)
+    after = repository.read_config("trt")
+    assert after.max_batch_size == before.max_batch_size == 8
+    assert after.instance_group.count == 1 and after.runtime.threads == 1
+    assert after.dynamic_batching.preferred_batch_sizes == (4,)
+
+
+def test_an_apply_that_cannot_write_leaves_no_backup_behind(repo: Path, monkeypatch) -> None:
+    # (an immutable config.toml: the rename over it fails after the backup was made)
+    import cloud.tuning.apply as apply
+
+    def refused(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(apply.os, "replace", refused)
+    chosen = {"backend": "onnxruntime", "threads": 1, "batch": 2, "p99_ms": 1.0}
+    with pytest.raises(ConfigError, match="not applied: cannot write"):
+        apply_choice(ModelRepository(repo), "lin", chosen, 100.0)
+    assert not (repo / "lin" / "config.toml.bak").exists()
+    assert (repo / "lin" / "config.toml").read_text() == LIN_CONFIG
+
+
 def test_apply_keeps_the_first_backup_and_leaves_a_shared_symlinked_config_alone(
     repo: Path, tmp_path: Path
 ) -> None:
@@ -377,3 +411,16 @@ def test_a_profile_choosing_batch_1_records_no_queue_delay_as_apply_writes() -> 
     assert one is not None and one["max_queue_delay_us"] == 0  # (11220 had been recorded)
     four = _choice(Candidate("onnxruntime", 2, Point(4, 0.01, 0.012, 0.01, 50)), 0.2)
     assert four is not None and four["max_queue_delay_us"] > 0
+
+
+def test_tune_refuses_an_empty_models_list_and_fails_when_nothing_is_measured(
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --models '' tuned every model; --backends naming only what is missing here said
+    # "nothing could be measured" and exited 0
+    out = tmp_path / "p.json"
+    assert _tune(repo, out, "--models", "") == 2
+    assert "--models: no model named" in capsys.readouterr().err
+    missing = next(b for b in ("tensorrt", "openvino", "tflite") if b not in installed_backends())
+    assert _tune(repo, out, "--models", "lin", "--backends", missing) == 1
+    assert "nothing could be measured" in capsys.readouterr().err
