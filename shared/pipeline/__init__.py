@@ -8,6 +8,7 @@ the agent and the cloud run the same code on the same request.
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,14 @@ def open_session(backend: str, path: Path, options: RuntimeOptions, config: Mode
     grandparent, ``<model>/<version>/model.*``), so a converted copy of the
     model file elsewhere still finds them.
     """
+    if options.precision_hint and backend != "openvino":
+        # (OpenVINO's INFERENCE_PRECISION_HINT: another runtime computes as its file says)
+        where = str(config.source) if config.source else f"model {config.name!r}"
+        logging.getLogger(__name__).warning(
+            "%s: key 'runtime.precision_hint' applies to the openvino backend only; %s ignores it",
+            where,
+            backend,
+        )
     session = load_session(backend, path, options)
     if any(t.reshape is not None for t in (*config.inputs, *config.outputs)):
         from shared.runtimes.reshape import reshaped

@@ -432,6 +432,9 @@ def triton_config_dict(fields: dict[str, list[Any]], source: str, name: str) -> 
                 source,
                 at,
             )
+            # (Triton's placement of instances on devices and its rate limiter: Ferry's
+            # node runs its instances itself; said, as the other ignored settings are)
+            ignored.extend(f"{at}{k}" for k in _GROUP[3:] if k in group)
             n = _one(group, "count", 1)
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 fail(source, at + "count", "an integer >= 1", n)
@@ -609,4 +612,37 @@ def parse_triton_config(path: Path, name: str) -> ModelConfig:
         raise ConfigError(f"{path}: cannot read: {reason}") from None
     fields = parse_text_proto(text, source)
     data = triton_config_dict(fields, source, name)
-    return replace(parse_config_dict(data, source, name), source=path)
+    try:
+        return replace(parse_config_dict(data, source, name), source=path)
+    except ConfigError as exc:  # (checked under Ferry's names: said under Triton's)
+        raise ConfigError(_triton_names(exc.message)) from None
+
+
+#: Ferry's config.toml key -> the config.pbtxt field it comes from, in error messages
+_TRITON_NAMES = (
+    ("dynamic_batching.max_queue_delay_us", "dynamic_batching.max_queue_delay_microseconds"),
+    ("dynamic_batching.preferred_batch_sizes", "dynamic_batching.preferred_batch_size"),
+    (
+        "dynamic_batching.default_timeout_us",
+        "dynamic_batching.default_queue_policy.default_timeout_microseconds",
+    ),
+    ("dynamic_batching.max_queue_size", "dynamic_batching.default_queue_policy.max_queue_size"),
+    (
+        "dynamic_batching.allow_timeout_override",
+        "dynamic_batching.default_queue_policy.allow_timeout_override",
+    ),
+    ("inputs[", "input["),
+    ("outputs[", "output["),
+)
+
+
+def _triton_names(message: str) -> str:
+    def rename(match: re.Match[str]) -> str:
+        key = match.group(1)
+        for ferry, triton in _TRITON_NAMES:
+            if key.startswith(ferry):
+                key = triton + key[len(ferry) :]
+                break
+        return f"key '{key}'"
+
+    return re.sub(r"key '([^']*)'", rename, message)

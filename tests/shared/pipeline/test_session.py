@@ -351,3 +351,18 @@ def test_loading_an_image_model_does_not_import_opencv(example_repository: Path)
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_a_precision_hint_for_a_backend_that_ignores_it_is_said(tmp_path: Path, caplog) -> None:
+    # (OpenVINO's setting, taken without a word for an ONNX Runtime model)
+    from tests.support import write_linear_model
+
+    write_linear_model(tmp_path / "m" / "1" / "model.onnx")
+    (tmp_path / "m" / "config.toml").write_text('[runtime]\nprecision_hint = "f16"\n')
+    repo = ModelRepository(tmp_path)
+    config = repo.read_config("m")
+    backend, path = repo.model_file("m", 1, config.backend)
+    with caplog.at_level("WARNING"):
+        session = open_session(backend, path, config.runtime.to_options(), config)
+    session.close()
+    assert "'runtime.precision_hint' applies to the openvino backend only" in caplog.text

@@ -289,3 +289,27 @@ def test_a_load_override_reads_as_ferrys_or_tritons_and_says_which_sections_stay
     }
     with pytest.raises(ConfigError, match=r"key 'runtime': Ferry's \[runtime\] table"):
         parse_load_config(json.dumps(mixed), "m")
+
+
+def test_errors_found_after_conversion_name_tritons_fields(tmp_path, caplog) -> None:
+    # A config.pbtxt's error named config.toml's key (max_queue_delay_us), which the
+    # file does not hold; instance placement settings were taken without a word.
+    from shared.repository.pbtxt import parse_triton_config
+
+    path = tmp_path / "config.pbtxt"
+    path.write_text("max_batch_size: 4\ndynamic_batching { max_queue_delay_microseconds: -5 }\n")
+    with pytest.raises(ConfigError, match=r"key 'dynamic_batching\.max_queue_delay_microseconds'"):
+        parse_triton_config(path, "m")
+    path.write_text(
+        "max_batch_size: 4\ndynamic_batching { default_queue_policy { max_queue_size: -1 } }\n"
+    )
+    with pytest.raises(ConfigError, match=r"default_queue_policy\.max_queue_size"):
+        parse_triton_config(path, "m")
+    path.write_text(
+        "max_batch_size: 4\ninstance_group [{ count: 1 kind: KIND_CPU passive: true "
+        "rate_limiter { priority: 1 } }]\n"
+    )
+    with caplog.at_level("WARNING"):
+        parse_triton_config(path, "m")
+    assert "instance_group[0].passive" in caplog.text
+    assert "instance_group[0].rate_limiter" in caplog.text
