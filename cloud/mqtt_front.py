@@ -605,7 +605,11 @@ class MqttFront:
             # MQTT 3.1.1 has no Response Topic: such a client names its reply topic in
             # the envelope's parameters (the same rules apply), and matches the answer
             # by the envelope's id
-            response_topic = props.response_topic = envelope.peek_reply_topic(message.payload)
+            response_topic = envelope.peek_reply_topic(message.payload)
+            # (this message's own properties: never the shared empty instance's, which
+            # had sent every later 3.1.1 client's reply, and every status, to the first
+            # client's topic)
+            message.properties = props = props.replaced(response_topic=response_topic)
         if not response_topic:
             self.bad_reply_topics += 1
             self._unserved(

@@ -233,6 +233,14 @@ class PublishProperties:
         self.payload_format = payload_format
         self.subscription_ids = subscription_ids
 
+    def replaced(self, **changes: Any) -> PublishProperties:
+        """A copy with ``changes``: a received message's properties may be the one
+        shared empty instance (a PUBLISH without properties decodes to it), which a
+        change in place would give every such message, sent and received, from then on."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields.update(changes)
+        return PublishProperties(**fields)
+
     def encode(self) -> bytes:
         items: list[tuple[int, Any]] = []
         if self.payload_format is not None:

@@ -544,6 +544,11 @@ def test_an_mqtt_311_client_is_answered_on_the_reply_topic_its_request_names(bro
         protocol=mqtt.MQTTv311,
     )
     old.on_message = lambda client, userdata, message: answers.put(message)
+    second = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id="dev312",
+        protocol=mqtt.MQTTv311,
+    )
     try:
         old.connect("127.0.0.1", broker.port)
         old.loop_start()
@@ -564,19 +569,42 @@ def test_an_mqtt_311_client_is_answered_on_the_reply_topic_its_request_names(bro
         message = answers.get(timeout=30)
         request_id, reply = envelope.decode_reply(message.payload)
         assert request_id == "v3-named" and reply.outputs[0].data.shape == (1, 4)
+        # A second 3.1.1 device is answered on its own topic, and a bare request after
+        # a named one is still not served: the first reply topic had been written into
+        # the instance every PUBLISH without properties shares, so every later 3.1.1
+        # reply (and every status the node sent) went to dev311's topic.
+        other: queue.Queue = queue.Queue()
+        second.on_message = lambda client, userdata, message: other.put(message)
+        second.connect("127.0.0.1", broker.port)
+        second.loop_start()
+        second.subscribe("ferry/v1/replies/dev312", qos=1)
+        time.sleep(0.3)
+        old.publish("ferry/v1/models/slow/infer", bare, qos=1).wait_for_publish(5)
+        mine = envelope.encode_request(
+            InferRequest(
+                inputs=[Tensor.from_array("x", x)],
+                id="v3-second",
+                parameters={"reply_topic": "ferry/v1/replies/dev312"},
+            )
+        )
+        second.publish("ferry/v1/models/slow/infer", mine, qos=1).wait_for_publish(5)
+        got = other.get(timeout=30)
+        assert got.topic == "ferry/v1/replies/dev312"
+        assert envelope.decode_reply(got.payload)[0] == "v3-second"
         raw.wait_replies([raw.publish("slow", x)], timeout=30)  # after them, in order
         with urllib.request.urlopen(f"{node.http_url}/v2/models/slow/stats", timeout=10) as r:
             stats = json.loads(r.read())["model_stats"][0]["inference_stats"]
-        assert stats["success"]["count"] == 2  # (the named one and raw's, not the bare one)
+        assert stats["success"]["count"] == 3  # (the named ones and raw's, not the bare ones)
         assert answers.empty()
     finally:
-        old.disconnect()
-        old.loop_stop()
+        for client in (old, second):
+            client.disconnect()
+            client.loop_stop()
         raw.close()
         node.terminate()
     said = node.output()
     assert "has no Response Topic (MQTT v5), nor a 'reply_topic' parameter" in said
-    assert said.count("not served, no reply") == 1  # (the cleared retained message: none)
+    assert said.count("not served, no reply") == 2  # (the cleared retained message: none)
 
 
 def test_requests_not_served_for_their_reply_topic_are_logged_a_few_a_minute(caplog):
