@@ -31,7 +31,12 @@ from cloud.http_front import HttpFront
 from cloud.metrics import make_registry, render_metrics
 from cloud.mqtt_front import MqttFront
 from shared.admission import ByteBudget
-from shared.aio.http_server import HttpServer, ServerOptions, default_max_connections
+from shared.aio.http_server import (
+    HttpServer,
+    ServerOptions,
+    check_listen,
+    default_max_connections,
+)
 from shared.errors import FerryError
 from shared.heap import trim_heap
 from shared.repository import ModelRepository
@@ -78,6 +83,8 @@ class CloudServer:
             names = list(cfg.models)
         else:
             names = self.dataplane.repository.model_names()
+        if cfg.http is not None:  # (a taken port said before the loads, not after them)
+            check_listen(cfg.http.host, cfg.http.port)
         self.dataplane.plan(names)
         for name in names:
             try:

@@ -23,7 +23,10 @@ def add_fleet_commands(sub: Any) -> None:
     )
     controller.add_argument("--http-host", default="127.0.0.1", help="/metrics and /fleet bind")
     controller.add_argument(
-        "--http-port", type=int, default=8001, help="/metrics and /fleet port (-1: none)"
+        "--http-port",
+        type=int,
+        default=8001,
+        help="/metrics and /fleet port (default 8001; -1: none)",
     )
     controller.add_argument(
         "--burst-cv",

@@ -57,7 +57,12 @@ def add_evaluate_arguments(ev: argparse.ArgumentParser) -> None:
         "deadline_ms, seed, battery_percent, data_used_mb); sizes and deadlines may be "
         "a list or {min, max}",
     )
-    ev.add_argument("--profile", type=Path, help="compute profile JSON from 'ferry-edge profile'")
+    ev.add_argument(
+        "--profile",
+        type=Path,
+        required=True,
+        help="compute profile JSON (required: measure one with 'ferry-edge profile')",
+    )
     ev.add_argument("--miss-penalty", type=float, default=1.0, help="cost of one missed deadline")
     ev.add_argument("--seed", type=int, help="override the workload's seed")
     ev.add_argument(

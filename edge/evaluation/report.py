@@ -20,7 +20,10 @@ MODEL_NOTE = (
     "where the promotion is long beside the tail (WiFi's 79 ms against 238 ms) it never "
     "waits for one, and 'x oracle' there says more of the link than of the policy (compare "
     "with the fixed rules). "
-    "Probe energy and bytes (the agent's link probes) are charged to ours."
+    "Probe energy and bytes (the agent's link probes) are charged to ours. "
+    "'offloaded' counts the requests the cloud answered; an offload whose answer never "
+    "came back (an outage, a deadline passed on the way) counts under misses or "
+    "fallbacks, its bytes under MB sent."
 )
 
 

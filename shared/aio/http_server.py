@@ -501,6 +501,27 @@ class _Connection(asyncio.BufferedProtocol):
         return False
 
 
+def check_listen(host: str, port: int) -> None:
+    """ConfigError now if ``host:port`` cannot be listened on (taken, not this host's):
+    a node loads its models before it listens, and had said so only after loading
+    every one of them.  (Port 0 always can.)"""
+    import socket
+
+    if port == 0:
+        return
+    if not 0 < port <= 65535:  # (getaddrinfo would wrap 70000 round to 4464)
+        raise ConfigError(f"cannot listen on {host}:{port}: port must be 0-65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except (OSError, OverflowError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
 class HttpServer:
     """Serves an :class:`HttpApp` on one listening socket (see the module docstring)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import socket
 import threading
@@ -274,3 +275,25 @@ def test_a_sighup_during_a_rescan_is_followed_by_another_rescan(tmp_path):
         assert "a rescan is under way; another follows it" in said
     finally:
         proc.terminate()
+
+
+def test_a_taken_http_port_is_said_before_any_model_loads(test_repository) -> None:
+    # (it had been found only after every model was loaded: seconds and memory spent)
+    import socket
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "cloud.cli", "serve", "--repository", str(test_repository),
+             "--http-port", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert re.search(rf"cannot listen on [\d.:]+:{port}: ", done.stderr), done.stderr
+    assert "loaded " not in done.stderr

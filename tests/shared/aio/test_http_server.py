@@ -347,6 +347,7 @@ def test_json_response_sets_its_content_type() -> None:
 
 
 async def test_a_port_in_use_or_out_of_range_is_a_config_error_not_a_traceback() -> None:
+    from shared.aio.http_server import check_listen
     from shared.errors import ConfigError
 
     first = await serve(Echo())
@@ -354,5 +355,8 @@ async def test_a_port_in_use_or_out_of_range_is_a_config_error_not_a_traceback()
         for port in (first.port, 70000):
             with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1"):
                 await HttpServer(Echo(), ServerOptions()).start("127.0.0.1", port)
+            with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1"):
+                check_listen("127.0.0.1", port)  # (the same answer before anything loads)
+        check_listen("127.0.0.1", 0)
     finally:
         await first.close()
