@@ -153,6 +153,7 @@ class MqttFront:
         self._unserved_window, self._unserved_logged = -math.inf, 0
         self.refused_replies = 0  # answers the broker refused (its ACL, its size limit)
         self.resent_replies = 0  # answers sent again after the connection to the broker broke
+        self.dropped_replies = 0  # answers whose resend lost the connection again
         #: answers whose connection ended before the broker took them: sent again on the
         #: next one (at least once: an agent takes the first answer of a request only)
         self._held: collections.deque[tuple[float, str, bytes, PublishProperties]] = (
@@ -296,6 +297,12 @@ class MqttFront:
     def _refuse(self, message: Publish, error: FerryError) -> None:
         """Answer without decoding the tensors."""
         self.refused += 1
+        if not message.properties.response_topic and not message.truncated:
+            # an MQTT 3.1.1 client's reply topic, as _answer reads it (an overloaded
+            # node had left such a client waiting out its own timeout)
+            topic = envelope.peek_reply_topic(message.payload)
+            if topic:
+                message.properties = message.properties.replaced(response_topic=topic)
         props = message.properties
         if not self._replyable(message):
             return
@@ -373,7 +380,9 @@ class MqttFront:
     ) -> None:
         """Publish an answer and hear how the broker took it: a refusal is logged and,
         for its size, answered with a short error; a connection that ends first holds
-        it for the next (an answer had been lost without a trace either way).
+        it for the next (an answer had been lost without a trace either way), once: one
+        whose resend ends the connection again is dropped (a poisoned answer the broker
+        cuts the node off for had been resent at every reconnect for a minute).
         ``since``: when it was first held (a resend keeps its age)."""
         client = self._client
         if client is None:
@@ -385,7 +394,14 @@ class MqttFront:
 
         def acked(outcome: Any) -> None:
             if isinstance(outcome, BaseException):
-                self._hold(at, topic, payload, props)
+                if since is None:
+                    self._hold(at, topic, payload, props)
+                else:
+                    self.dropped_replies += 1
+                    log.warning(
+                        "an answer on %s dropped: the connection ended again as it was sent again",
+                        topic[:200],
+                    )
             elif outcome >= 0x80:
                 self._refused_reply(topic, payload, props, outcome, error)
 

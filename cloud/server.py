@@ -84,7 +84,7 @@ class CloudServer:
         else:
             names = self.dataplane.repository.model_names()
         if cfg.http is not None:  # (a taken port said before the loads, not after them)
-            check_listen(cfg.http.host, cfg.http.port)
+            await asyncio.to_thread(check_listen, cfg.http.host, cfg.http.port)
         self.dataplane.plan(names)
         for name in names:
             try:

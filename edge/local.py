@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -117,8 +117,10 @@ class LocalModels:
         backend, path = self.repository.model_file(name, version, config.backend)
         # The node's bounds hold here too: a folder the cloud refuses by key (100,000
         # threads) had hung the agent's start-up, its memory growing without end.
+        # (one session, one version: the agent builds no more whatever the count says)
+        one = replace(config, instance_group=replace(config.instance_group, count=1))
         check_capacity(
-            config,
+            one,
             NodeCapacity.detect(),
             str(config.source) if config.source else f"model {name!r}",
             model_bytes=model_file_bytes(path, external=False),
@@ -178,11 +180,12 @@ class LocalModels:
         if bound and ahead >= bound:
             # The session thread's queue is bounded here: past it a request is refused at once
             # instead of queueing work the device cannot finish in anyone's deadline.
-            limit = bound - 1 if what == "max_queue_size" else bound
-            raise Overloaded(
-                f"local model {name!r} has {ahead} requests waiting ({what} {limit})",
-                retry_after=1.0,
-            )
+            if what == "max_queue_size":  # (Triton's count: queued, the run aside)
+                said = f"{ahead - 1} requests queued behind the one running (max_queue_size "
+                said += f"{bound - 1})"
+            else:
+                said = f"{ahead} requests waiting (max {bound})"
+            raise Overloaded(f"local model {name!r} has {said}", retry_after=1.0)
         self._backlog[name] = waiting + 1
         try:
             nbytes = input_bytes(inputs)

@@ -103,10 +103,12 @@ def parse_tokens(text: str, source: str) -> Tokens:
 
 def load_tokens(path: Path) -> Tokens:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
         mode = Path(path).stat().st_mode
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read tokens file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # (a ValueError: it had ended the file's follower)
+        raise ConfigError(f"{path}: tokens file is not UTF-8 text: {exc.reason}") from None
     if mode & 0o004:  # (Mosquitto 2 says the same of a readable password file)
         logging.getLogger(__name__).warning(
             "%s: the tokens file is readable by every user of this machine; chmod o-r (or 600) it",
@@ -160,7 +162,13 @@ async def follow_tokens(
     change (until cancelled)."""
     while True:
         await asyncio.sleep(every_s)
-        tokens = await asyncio.to_thread(file.refresh)
+        try:
+            tokens = await asyncio.to_thread(file.refresh)
+        except Exception:  # whatever it was, the next change must still be followed
+            logging.getLogger(__name__).exception(
+                "%s: tokens file not read; keeping the tokens in use", file.path
+            )
+            continue
         if tokens is not None:
             apply(tokens)
 

@@ -208,10 +208,12 @@ class ControllerCore:
             rate_step = reason is not None
         if reason is None:
             return None
-        self._membership_dirty = False
-        self.last_step = now
         demands = self.demands(rates_in_force=not rate_step and self.current is not None)
         new = place(demands, nodes, self.current, headroom=self.settings.headroom)
+        # (only now: a placement that raised leaves its reason to the next try, which had
+        # found none, the nodes gone still planned)
+        self._membership_dirty = False
+        self.last_step = now
         old = self.current
         if old is not None and _same(old, new):
             self.planned_rates = {d.name: d.rate for d in demands}

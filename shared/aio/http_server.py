@@ -504,7 +504,9 @@ class _Connection(asyncio.BufferedProtocol):
 def check_listen(host: str, port: int) -> None:
     """ConfigError now if ``host:port`` cannot be listened on (taken, not this host's):
     a node loads its models before it listens, and had said so only after loading
-    every one of them.  (Port 0 always can.)"""
+    every one of them.  Probes what ``loop.create_server`` binds: every address the
+    host resolves to ("" for all of them), IPv6 ones as IPv6 only.  (Port 0 always
+    can.)  Blocking (a name lookup): call it off the loop."""
     import socket
 
     if port == 0:
@@ -512,11 +514,15 @@ def check_listen(host: str, port: int) -> None:
     if not 0 < port <= 65535:  # (getaddrinfo would wrap 70000 round to 4464)
         raise ConfigError(f"cannot listen on {host}:{port}: port must be 0-65535")
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in {(i[0], i[1], i[2], "", i[4]) for i in infos}:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
     except (OSError, OverflowError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None

@@ -333,6 +333,84 @@ def test_flood_beyond_the_in_flight_cap_gets_overloaded_replies_with_a_retry_hin
     assert all(e.retry_after is not None and e.retry_after > 0 for e in refused)
 
 
+def test_a_311_client_past_the_in_flight_cap_is_answered_overloaded_on_its_reply_topic(
+    broker, tmp_path
+):
+    # Only a served request read the envelope's reply_topic: one refused on intake got
+    # no answer at all, and its client waited out its own timeout.
+    import queue
+
+    node = _slow_node(
+        broker, build_slow_repository(tmp_path / "repo"), toml="[limits]\nmax_inflight_mqtt = 1\n"
+    )
+    answers: queue.Queue = queue.Queue()
+    old = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id="dev311",
+        protocol=mqtt.MQTTv311,
+    )
+    old.on_message = lambda client, userdata, message: answers.put(message)
+    try:
+        old.connect("127.0.0.1", broker.port)
+        old.loop_start()
+        old.subscribe("ferry/v1/replies/dev311", qos=1)
+        time.sleep(0.3)
+        x = np.ones((1, 4), np.float32)
+        for i in range(6):
+            request = InferRequest(
+                inputs=[Tensor.from_array("x", x)],
+                id=f"r{i}",
+                parameters={"reply_topic": "ferry/v1/replies/dev311"},
+            )
+            old.publish("ferry/v1/models/slow/infer", envelope.encode_request(request), qos=1)
+        got = [envelope.decode_reply(answers.get(timeout=30).payload) for _ in range(6)]
+    finally:
+        old.disconnect()
+        old.loop_stop()
+        node.terminate()
+    assert sorted(request_id for request_id, _ in got) == [f"r{i}" for i in range(6)]
+    assert any(isinstance(reply, Overloaded) for _, reply in got)
+
+
+def test_a_reply_topic_with_a_control_character_is_not_served_and_the_node_stays_on(
+    broker, tmp_path
+):
+    # One 3.1.1 request naming ".../\x01" had the broker cut the node off, again at
+    # every reconnect while it resent the held answer: every other device unanswered.
+    import queue
+
+    node = _slow_node(broker, build_slow_repository(tmp_path / "repo"))
+    raw = RawClient(broker)
+    answers: queue.Queue = queue.Queue()
+    old = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id="dev311",
+        protocol=mqtt.MQTTv311,
+    )
+    old.on_message = lambda client, userdata, message: answers.put(message)
+    try:
+        old.connect("127.0.0.1", broker.port)
+        old.loop_start()
+        x = np.ones((1, 4), np.float32)
+        for i, bad in enumerate(("ferry/v1/replies/dev311/\x01", "ferry/v1/replies/dev311/\ufffe")):
+            request = InferRequest(
+                inputs=[Tensor.from_array("x", x)], id=f"bad{i}", parameters={"reply_topic": bad}
+            )
+            old.publish("ferry/v1/models/slow/infer", envelope.encode_request(request), qos=1)
+        time.sleep(0.5)
+        sent = [raw.publish("slow", x * (i + 1)) for i in range(4)]
+        raw.wait_replies(sent, timeout=30)
+    finally:
+        old.disconnect()
+        old.loop_stop()
+        raw.close()
+        node.terminate()
+    assert all(len(raw.replies[c]) == 1 for c in sent)
+    log = node.output()
+    assert log.count("(a control character or a non-character)") == 2
+    assert "broker disconnected us" not in log and answers.empty()
+
+
 def test_idempotent_retry_over_mqtt_runs_once(broker, tmp_path):
     node = _slow_node(broker, build_slow_repository(tmp_path / "repo"))
     raw = RawClient(broker)

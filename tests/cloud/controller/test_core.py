@@ -69,6 +69,60 @@ def test_a_dead_nodes_models_are_replaced_on_the_survivors_at_once() -> None:
     assert step.placement.generation > first.placement.generation
 
 
+def test_a_placement_that_raises_leaves_its_reason_for_the_next_try(monkeypatch) -> None:
+    # The reason (a node gone) was spent before place() ran: after one that raised, the
+    # retry found nothing to do and the gone node's models stayed planned on it.
+    import cloud.controller.core as core_module
+
+    core = _core([_entry("a"), _entry("b")])
+    core.on_status("n1", _status("n1", 1.0))
+    core.on_status("n2", _status("n2", 1.0))
+    first = core.step(2.0)
+    assert first is not None
+    victim = first.placement.copies[0].node
+    real = core_module.place
+    calls = []
+
+    def once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the packer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "place", once)
+    core.on_status(victim, {"node": victim, "state": "offline"})
+    try:
+        core.step(2.1)
+    except RuntimeError:
+        pass
+    step = core.step(7.5)  # (the service tries again an interval later)
+    assert step is not None and victim not in {c.node for c in step.placement.copies}
+
+
+async def test_the_controller_service_outlives_a_placement_that_raises(monkeypatch, caplog):
+    from cloud.controller.service import ControllerOptions, ControllerService
+    from shared.mqtt import parse_broker_url
+
+    core = _core([_entry("a")])
+    service = ControllerService(core, ControllerOptions(parse_broker_url("mqtt://127.0.0.1:1")))
+    monkeypatch.setattr(type(service), "connected", property(lambda self: True))
+    service.active = True
+    service._beat = float("inf")  # (no heartbeat to publish: no broker here)
+    service._alerts_key = "[]"  # (nor alerts)
+
+    def broken(now):
+        raise RuntimeError("a bug in the packer")
+
+    monkeypatch.setattr(core, "step", broken)
+    service.tick(10.0)  # logged, not raised
+    assert "placement not recomputed; the one in force stands" in caplog.text
+    calls = []
+    monkeypatch.setattr(core, "step", lambda now: calls.append(now))
+    service.tick(11.0)  # within the interval: not tried again at each tick
+    service.tick(10.0 + core.settings.interval_s)
+    assert calls == [10.0 + core.settings.interval_s]
+
+
 def test_a_restarted_controller_republishes_nothing_for_the_same_fleet() -> None:
     entries = [_entry("a", rate=40), _entry("b", rate=3), _entry("c", min_copies=2)]
     core = _core(entries)
