@@ -702,6 +702,17 @@ class DataPlane:
                     )
                 await asyncio.sleep(0.05)
             if name not in self._models:
+                if principal and "idempotency_key" in request.parameters:
+                    # The host scopes keys by who sent them there: this node.  Its
+                    # senders' keys are kept apart here (two tokens' "order-1" had met at
+                    # the host: one got the other's answer, or its 409).
+                    import hashlib
+
+                    key = idempotency_key(request.parameters)
+                    scoped = hashlib.sha256(f"{principal}\x00{key}".encode()).hexdigest()
+                    request = replace(
+                        request, parameters={**request.parameters, "idempotency_key": scoped}
+                    )
                 return await remote.infer(name, request, version=wanted, deadline=deadline)
         if not forwardable and name not in self._models and self.remote is not None:
             raise ModelNotReady(

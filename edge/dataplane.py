@@ -480,11 +480,17 @@ class EdgeDataPlane:
                 # with other inputs is a 409 here as at the cloud; a deferral's receipt
                 # is not kept (the store knows the deferral by the key: a retry after it
                 # failed or expired is stored afresh)
+                # (a retry joining a run still going waits within its own deadline)
+                mp = self.core.policy.model_policy(model)
+                budget = (
+                    deadline_ms or mp.deadline_ms or self.core.policy.config.default_deadline_ms
+                )
                 response, duplicate = await self._answers.run(
                     (model, request.model_version, app_key),
                     run,
                     fingerprint(request, 0),
                     keep=lambda answered: answered.parameters.get("where") != "deferred",
+                    deadline=None if deferrable else start + budget / 1000.0,
                 )
                 if duplicate:
                     response = as_duplicate(response)

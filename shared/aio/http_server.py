@@ -399,7 +399,10 @@ class _Connection(asyncio.BufferedProtocol):
                 response = error_response(500, "internal server error", "internal")
             if self.closing:
                 return
-            if self.server.closing or not request.head.keep_alive or self.parser.eof:
+            # a half-closed peer is still answered every request it sent before its EOF
+            # (pipelined ones behind this had been dropped with the connection)
+            ended = self.parser.eof and not self.parser.buffered and not self.parser.events
+            if self.server.closing or not request.head.keep_alive or ended:
                 response.close = True
             self._send(response, head_only=request.method == "HEAD")
             if isinstance(response.body, (list, tuple)) and not self._write_ok.is_set():
@@ -424,6 +427,9 @@ class _Connection(asyncio.BufferedProtocol):
             self._events()
         except HttpError as exc:
             self._fail(exc.status, exc.message)
+            return
+        if self.parser.eof and self.task is None and not self.closing:
+            self._end()  # half-closed, nothing more to answer (a partial request never ends)
 
     def _finish(self, request: Request) -> None:
         if self.request is request:

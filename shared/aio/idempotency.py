@@ -8,7 +8,9 @@ between the cloud's answer and its own bookkeeping.  Per model, the first
 request with a key runs; a duplicate that arrives while it runs awaits the
 same result, and one that arrives later (within ``ttl_s`` of completion) gets
 the cached response without the model running again.  Errors are not cached:
-duplicates already waiting see the same error, later ones run afresh.
+duplicates already waiting see the same error, later ones run afresh (but a
+duplicate waits only within its own deadline, and one whose run missed that
+run's shorter deadline, with time of its own left, runs afresh).
 
 The run is a task of its own, so a first client that goes away does not
 cancel it: its result still serves the retry.  The cache is an LRU bounded to
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from shared.aio.eager import eager_future
-from shared.errors import IdempotencyConflict
+from shared.errors import DeadlineExceeded, IdempotencyConflict
 from shared.idempotency import PARAMETER
 from shared.messages import InferResponse
 
@@ -77,13 +79,17 @@ class IdempotencyCache(Generic[T]):
         factory: Callable[[], Coroutine[Any, Any, T]],
         fingerprint: bytes = b"",
         keep: Callable[[T], bool] | None = None,
+        deadline: float | None = None,
     ) -> tuple[T, bool]:
         """``(result, duplicate)``: run ``factory`` once per key, or share its result.
 
         A result ``keep`` rejects is shared with the duplicates already waiting and
         then forgotten, as an error is (the agent's deferral receipts: the store
         knows a deferral by its key, and a retry after it failed must store it
-        afresh, not be handed the dead receipt)."""
+        afresh, not be handed the dead receipt).  ``deadline`` (monotonic) is this
+        caller's: a duplicate that joins a run still going waits for it until then
+        (DeadlineExceeded: not a late answer), and where the run failed on its own,
+        earlier deadline, one with time left runs afresh."""
         entry = self._entries.get(key)
         if entry is not None:
             if entry.expires is None or entry.expires > time.monotonic():
@@ -92,7 +98,23 @@ class IdempotencyCache(Generic[T]):
                         f"{PARAMETER} was already used for a request with other inputs or requested outputs"
                     )
                 self._entries.move_to_end(key)
-                return await asyncio.shield(entry.task), True
+                if entry.task.done() or deadline is None:
+                    return await asyncio.shield(entry.task), True
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    return await asyncio.wait_for(asyncio.shield(entry.task), left), True
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        "the deadline passed while waiting for the run of an earlier request "
+                        f"with this {PARAMETER}"
+                    ) from None
+                except DeadlineExceeded:
+                    if deadline - time.monotonic() <= 0 or self._entries.get(key) is entry:
+                        raise
+                    # (that run's own deadline was shorter: this one's may still be met)
+                    return await self.run(key, factory, fingerprint, keep, deadline)
             self._drop(key)
         # Started in place: a request that runs without waiting (a lone one on an
         # idle model) is answered without a task, a shield or a loop turn.

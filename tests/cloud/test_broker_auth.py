@@ -466,6 +466,9 @@ def test_tls_listener_with_certificates_made_now(tmp_path):
     )
     conf = files.conf.read_text()
     assert f"certfile {cert.resolve()}" in conf and f"keyfile {key.resolve()}" in conf
+    # what the broker holds for a client that does not read is bounded (a device that
+    # subscribed to its own replies and never read had grown it to gigabytes)
+    assert "max_inflight_bytes 67108864" in conf and "max_queued_bytes 67108864" in conf
     broker = AuthBroker(files, port).start()
     try:
         assert _connack(broker, "dev-a", broker.password("dev-a"), ca_file=ca).value == 0

@@ -408,6 +408,7 @@ def test_broker_config_has_what_ferry_needs(resources: list[dict[str, Any]]) -> 
     for needed in ("listener 1883", "set_tcp_nodelay true", "allow_anonymous true"):
         assert needed in lines
     assert any(line.startswith("max_inflight_messages") for line in lines)
+    assert {"max_inflight_bytes 67108864", "max_queued_bytes 67108864"} <= lines
     text = broker_conf(resources)
     assert "ferry-cloud auth" in (KUBE / "mosquitto.yaml").read_text()
     deployment = find(resources, "Deployment", "mosquitto")

@@ -672,6 +672,38 @@ async def test_a_key_reused_with_other_inputs_is_a_409_and_a_retry_one_answer_wh
         np.testing.assert_array_equal(again.outputs[0].data, first.outputs[0].data)
 
 
+async def test_a_keyed_retry_joining_a_run_keeps_its_own_deadline(tmp_path, edge_repos):
+    # A retry with a short deadline that joined a longer-lived run got a late 200; one
+    # with a long deadline that joined a run about to miss its own short one got 504.
+    from shared.errors import DeadlineExceeded
+
+    models = LIN.replace("[models.lin]", '[models.lin]\nmode = "local"')
+    extra = "[emulation]\nlocal_latency_ms = 300\n"
+    cfg = agent_toml(tmp_path, edge_repos[1], models=models, extra=extra)
+    x = np.ones((1, 4), np.float32)
+    async with Agent(load_agent_config(cfg)) as agent:
+        first = asyncio.ensure_future(
+            agent.infer("lin", {"x": x}, deadline_ms=5000, idempotency_key="k1")
+        )
+        await asyncio.sleep(0.05)
+        with pytest.raises(DeadlineExceeded, match="earlier request with this"):
+            await agent.infer("lin", {"x": x}, deadline_ms=60, idempotency_key="k1")
+        assert (await first).parameters["where"] == "local"
+        # a busy device: the keyed request's own short deadline passes in the queue; the
+        # retry beside it, with time to spare, is answered (afresh)
+        busy = [asyncio.ensure_future(agent.infer("lin", {"x": x + i})) for i in range(2)]
+        await asyncio.sleep(0.05)
+        short = asyncio.ensure_future(
+            agent.infer("lin", {"x": x}, deadline_ms=100, idempotency_key="k2")
+        )
+        await asyncio.sleep(0.01)
+        retry = await agent.infer("lin", {"x": x}, deadline_ms=5000, idempotency_key="k2")
+        assert retry.outputs[0].data.shape == (1, 3)
+        with pytest.raises(DeadlineExceeded):
+            await short
+        await asyncio.gather(*busy)
+
+
 async def test_a_local_model_missing_from_the_repository_names_the_file_and_key(
     tmp_path, edge_repos
 ):

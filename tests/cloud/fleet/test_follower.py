@@ -360,3 +360,49 @@ def test_a_repository_model_the_placement_leaves_on_no_node_is_unavailable_not_u
     finally:
         node.terminate()
         watch.close()
+
+
+def test_a_forwarded_keyed_request_keeps_its_senders_scope(
+    tmp_path: Path, broker: Broker, repository: tuple[Path, dict]
+) -> None:
+    # Forwarded, every sender of the forwarding node shared one scope at the host: a
+    # second token's "order-1" got the first token's cached answer (or its 409).
+    repo, _ = repository
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("tok-a infer\ntok-b infer\n")
+    tokens.chmod(0o600)
+    _publish_placement(broker, Placement(copies=(_copy("alpha", "n1"),), generation=1))
+    watch = FleetWatch(broker)
+    nodes = {"n1": start_node(repo, broker, tmp_path, "n1")}
+    nodes["n2"] = start_node(
+        repo, broker, tmp_path, "n2", extra=f'[http]\ntokens_file = "{tokens}"\n'
+    )
+
+    def keyed(token: str, x: np.ndarray) -> tuple[int, dict[str, Any]]:
+        body = {**_infer_body(x), "parameters": {"idempotency_key": "order-1"}}
+        request = urllib.request.Request(
+            f"{nodes['n2'].http_url}/v2/models/alpha/infer",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {token}"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.load(exc)
+
+    try:
+        watch.wait("n1 hosts alpha", lambda: watch.view.hosts("alpha") == ["n1"], 30)
+        x = np.ones((1, 4), np.float32)
+        first = keyed("tok-a", x)
+        assert first[0] == 200 and not first[1].get("parameters", {}).get("duplicate")
+        other = keyed("tok-b", x)  # same key, another sender: its own run
+        assert other[0] == 200 and not other[1].get("parameters", {}).get("duplicate")
+        assert keyed("tok-b", x + 1)[0] == 409  # (its own key, other inputs)
+        again = keyed("tok-a", x)
+        assert again[0] == 200 and again[1]["parameters"]["duplicate"] is True
+    finally:
+        for node in nodes.values():
+            node.terminate()
+        watch.close()

@@ -360,3 +360,24 @@ async def test_a_port_in_use_or_out_of_range_is_a_config_error_not_a_traceback()
         check_listen("127.0.0.1", 0)
     finally:
         await first.close()
+
+
+async def test_a_half_closed_peer_gets_every_pipelined_answer_then_the_close() -> None:
+    # Four requests, then the client's FIN: one answer came back and three were dropped
+    # with the connection (the agent's and the node's fronts alike).
+    app = Echo()
+    app.gate.clear()  # the first request runs while the rest and the FIN arrive
+    server = await serve(app)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        one = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+        writer.write(one * 4 + b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nhalf")
+        writer.write_eof()
+        await asyncio.sleep(0.2)
+        app.gate.set()
+        got = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+        writer.close()
+    finally:
+        await server.close()
+    assert got.count(b"HTTP/1.1 200") == 4  # (the fifth never ended: not answered)
+    assert got.count(b"Connection: close") <= 1
