@@ -50,7 +50,7 @@ from shared.errors import (
     ModelNotReady,
     ShuttingDown,
 )
-from shared.idempotency import fingerprint, idempotency_key
+from shared.idempotency import fingerprint, idempotency_key, scoped_key
 from shared.messages import InferRequest, InferResponse
 from shared.pipeline import open_session
 from shared.pipeline.classification import requested_classes, top_k
@@ -706,10 +706,8 @@ class DataPlane:
                     # The host scopes keys by who sent them there: this node.  Its
                     # senders' keys are kept apart here (two tokens' "order-1" had met at
                     # the host: one got the other's answer, or its 409).
-                    import hashlib
-
                     key = idempotency_key(request.parameters)
-                    scoped = hashlib.sha256(f"{principal}\x00{key}".encode()).hexdigest()
+                    scoped = scoped_key(principal, key or "")
                     request = replace(
                         request, parameters={**request.parameters, "idempotency_key": scoped}
                     )
