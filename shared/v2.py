@@ -162,16 +162,25 @@ _INT_RANGE = (-(1 << 63), (1 << 64) - 1)
 def _check_parameters(params: dict[str, Any], where: str) -> dict[str, Any]:
     """Parameters travel on as MessagePack (the agent's offload, the MQTT front):
     integers must fit 64 bits there, so one that does not is refused here."""
-    stack: list[Any] = [params]
+    stack: list[tuple[Any, int]] = [(params, 0)]
     while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth >= MAX_PARAMETER_DEPTH:  # (the JSON decoder's own limit is the
+                # interpreter's recursion limit: ~1,000 levels on 3.11, ~10,000 on 3.13)
+                raise InvalidInput(
+                    f"{where} parameters: nested too deeply (more than "
+                    f"{MAX_PARAMETER_DEPTH} levels)"
+                )
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
         elif isinstance(value, int) and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
             raise InvalidInput(f"{where} parameters: integer {value} does not fit 64 bits")
     return params
+
+
+#: levels of objects and arrays a request's parameters may nest (V2 parameters are flat)
+MAX_PARAMETER_DEPTH = 32
 
 
 def _split(

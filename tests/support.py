@@ -365,9 +365,14 @@ def make_test_ca(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Pat
     if not shutil.which("openssl"):
         raise RuntimeError("the openssl command is not installed")
     folder.mkdir(parents=True, exist_ok=True)
+    # The extensions a CA and a server certificate carry (Python 3.13's default context
+    # verifies strictly, X509_STRICT: a CA without keyUsage is refused there)
     _openssl(
         "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
         "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=ferry-test-ca",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "-addext", "subjectKeyIdentifier=hash",
         cwd=folder,
     )  # fmt: skip
     _openssl(
@@ -375,7 +380,12 @@ def make_test_ca(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Pat
         "-keyout", "server.key", "-out", "server.csr", "-subj", f"/CN={host}",
         cwd=folder,
     )  # fmt: skip
-    (folder / "ext.cnf").write_text(f"subjectAltName=IP:{host},DNS:localhost\n")
+    (folder / "ext.cnf").write_text(
+        f"subjectAltName=IP:{host},DNS:localhost\n"
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\nauthorityKeyIdentifier=keyid\n"
+        "subjectKeyIdentifier=hash\n"
+    )
     _openssl(
         "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
         "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf",

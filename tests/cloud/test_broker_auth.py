@@ -538,7 +538,10 @@ def test_fleet_and_the_controller_reach_a_tls_broker_with_a_password_file(tmp_pa
         )
         assert cloud_main(["fleet", "--config", str(config), "--wait-s", "0.2"]) == 0
         assert "closing old connection" not in broker.log.read_text(errors="replace")
-        config.write_text(config.read_text().replace(f"{ca}", f"{cert}"))  # not the CA
+        # another CA (the server's own certificate would do on Python 3.13, whose
+        # default context takes a partial chain: a trusted leaf)
+        other_ca, _, _ = make_test_ca(tmp_path / "other-ca")
+        config.write_text(config.read_text().replace(f"{ca}", f"{other_ca}"))
         assert cloud_main(["fleet", "--config", str(config), "--wait-s", "0"]) == 2
         assert "did not accept" in capsys.readouterr().err
     finally:
