@@ -741,6 +741,7 @@ class DataPlane:
             # of a new version is the same request (it had been a 409 "other inputs",
             # and a deferred request resent by its agent failed for good)
             fingerprint(request, parse_version(wanted) if wanted else -1),
+            deadline=deadline,  # (a retry joining a run waits within its own deadline)
         )
         if not duplicate:
             return response

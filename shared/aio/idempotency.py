@@ -98,10 +98,12 @@ class IdempotencyCache(Generic[T]):
                         f"{PARAMETER} was already used for a request with other inputs or requested outputs"
                     )
                 self._entries.move_to_end(key)
-                if entry.task.done() or deadline is None:
+                if entry.task.done():
                     return await asyncio.shield(entry.task), True
-                left = deadline - time.monotonic()
                 try:
+                    if deadline is None:
+                        return await asyncio.shield(entry.task), True
+                    left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError
                     return await asyncio.wait_for(asyncio.shield(entry.task), left), True
@@ -111,7 +113,8 @@ class IdempotencyCache(Generic[T]):
                         f"with this {PARAMETER}"
                     ) from None
                 except DeadlineExceeded:
-                    if deadline - time.monotonic() <= 0 or self._entries.get(key) is entry:
+                    out_of_time = deadline is not None and deadline - time.monotonic() <= 0
+                    if out_of_time or self._entries.get(key) is entry:
                         raise
                     # (that run's own deadline was shorter: this one's may still be met)
                     return await self.run(key, factory, fingerprint, keep, deadline)

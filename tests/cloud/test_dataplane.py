@@ -189,6 +189,25 @@ async def test_duplicates_of_a_keyed_request_share_one_execution(repo):
     await dp.close()
 
 
+async def test_a_keyed_retry_joining_a_run_is_held_to_its_own_timeout(tmp_path):
+    # The retry took the first request's outcome: a late 200 past its own 3 ms timeout.
+    from shared.errors import DeadlineExceeded
+
+    root = build_slow_repository(tmp_path)
+    dp = DataPlane(ModelRepository(root), "n", idempotency_ttl_s=60)
+    await dp.load("slow")
+    x = np.ones((1, 4), np.float32)
+    busy = [asyncio.ensure_future(dp.infer("slow", _request(x + i))) for i in range(3)]
+    await asyncio.sleep(0.01)
+    first = asyncio.ensure_future(dp.infer("slow", _request(x, idempotency_key="k")))
+    await asyncio.sleep(0.01)
+    with pytest.raises(DeadlineExceeded, match="earlier request with this"):
+        await dp.infer("slow", _request(x, idempotency_key="k", timeout=3000))
+    assert "duplicate" not in (await first).parameters
+    await asyncio.gather(*busy)
+    await dp.close()
+
+
 async def test_refused_requests_are_counted_with_reason_other(repo):
     dp = DataPlane(ModelRepository(repo), "n")
     await dp.load("a")

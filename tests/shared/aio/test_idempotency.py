@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from shared.aio.idempotency import IdempotencyCache
-from shared.errors import InternalError, InvalidInput
+from shared.errors import DeadlineExceeded, InternalError, InvalidInput
 from shared.idempotency import idempotency_key
 
 
@@ -194,3 +194,40 @@ def test_the_mqtt_sender_is_the_broker_user_in_its_reply_topic():
     assert reply_principal(reply_topic("ferry-edge-9z9z", "edge-7")) == "edge-7"
     assert reply_principal(reply_topic("ferry-edge-1a2b")) == ""
     assert reply_principal(None) == "" and reply_principal("elsewhere/x/y") == ""
+
+
+async def test_a_duplicate_waits_within_its_own_deadline_and_outlives_a_shorter_one():
+    import time
+
+    from shared.errors import DeadlineExceeded
+
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
+    work = Counter()
+    first = asyncio.ensure_future(cache.run("k", work, deadline=time.monotonic() + 60))
+    await asyncio.sleep(0)
+    with pytest.raises(DeadlineExceeded, match="earlier request with this"):
+        await cache.run("k", work, deadline=time.monotonic() + 0.02)  # not a late answer
+    work.release.set()
+    assert await first == ("result-1", False)
+
+
+async def missed() -> str:
+    """A run whose own, shorter deadline passes while it waits."""
+    await asyncio.sleep(0.02)
+    raise DeadlineExceeded("deadline passed in queue")
+
+
+@pytest.mark.parametrize("left_s", [60.0, None])
+async def test_a_duplicate_with_time_left_runs_afresh_when_the_run_missed_its_deadline(left_s):
+    import time
+
+    cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
+    short = asyncio.ensure_future(cache.run("k", missed))
+    await asyncio.sleep(0)
+    again = Counter()
+    again.release.set()
+    deadline = None if left_s is None else time.monotonic() + left_s
+    assert await cache.run("k", again, deadline=deadline) == ("result-1", False)
+    with pytest.raises(DeadlineExceeded):
+        await short
+    assert again.runs == 1
