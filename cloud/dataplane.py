@@ -702,12 +702,13 @@ class DataPlane:
                     )
                 await asyncio.sleep(0.05)
             if name not in self._models:
-                if principal and "idempotency_key" in request.parameters:
+                key = idempotency_key(request.parameters)
+                if principal and key is not None:
                     # The host scopes keys by who sent them there: this node.  Its
                     # senders' keys are kept apart here (two tokens' "order-1" had met at
-                    # the host: one got the other's answer, or its 409).
-                    key = idempotency_key(request.parameters)
-                    scoped = scoped_key(principal, key or "")
+                    # the host: one got the other's answer, or its 409).  (A null key is
+                    # no key: scoped, every such request had been one retry of the first.)
+                    scoped = scoped_key(principal, key)
                     request = replace(
                         request, parameters={**request.parameters, "idempotency_key": scoped}
                     )

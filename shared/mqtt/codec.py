@@ -370,7 +370,9 @@ def topic_name_problem(topic: str) -> str | None:
         topic.encode("utf-8")
     except UnicodeEncodeError:
         return "it is not valid UTF-8"
-    bad = _DISALLOWED.search(topic)
+    # (ASCII first: the full class, with its supplementary-plane non-characters, took
+    # 2 us of every publish's header)
+    bad = (_DISALLOWED_ASCII if topic.isascii() else _DISALLOWED).search(topic)
     if bad is not None:
         return f"it holds U+{ord(bad.group()):04X} (a control character or a non-character)"
     return None
@@ -380,6 +382,7 @@ def topic_name_problem(topic: str) -> str | None:
 #: in a topic (mosquitto_validate_utf8) with a disconnect: the C0 and C1 controls and the
 #: Unicode non-characters.  One 3.1.1 request naming such a reply topic had the node cut
 #: off at every reconnect while it resent the reply.
+_DISALLOWED_ASCII = re.compile("[\x01-\x1f\x7f]")
 _DISALLOWED = re.compile(
     "[\x01-\x1f\x7f-\x9f\ufdd0-\ufdef"
     + "".join(chr(plane << 16 | low) for plane in range(0x11) for low in (0xFFFE, 0xFFFF))

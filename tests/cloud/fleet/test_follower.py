@@ -378,8 +378,8 @@ def test_a_forwarded_keyed_request_keeps_its_senders_scope(
         repo, broker, tmp_path, "n2", extra=f'[http]\ntokens_file = "{tokens}"\n'
     )
 
-    def keyed(token: str, x: np.ndarray) -> tuple[int, dict[str, Any]]:
-        body = {**_infer_body(x), "parameters": {"idempotency_key": "order-1"}}
+    def keyed(token: str, x: np.ndarray, key: str | None = "order-1") -> tuple[int, dict]:
+        body = {**_infer_body(x), "parameters": {"idempotency_key": key}}
         request = urllib.request.Request(
             f"{nodes['n2'].http_url}/v2/models/alpha/infer",
             data=json.dumps(body).encode(),
@@ -402,6 +402,11 @@ def test_a_forwarded_keyed_request_keeps_its_senders_scope(
         assert keyed("tok-b", x + 1)[0] == 409  # (its own key, other inputs)
         again = keyed("tok-a", x)
         assert again[0] == 200 and again[1]["parameters"]["duplicate"] is True
+        # a null key is no key, forwarded too (scoped, every such request had been a
+        # retry of the first: 409 for other inputs, or its cached answer)
+        for value in (x, x + 1, x):
+            status, answer = keyed("tok-a", value, None)
+            assert status == 200 and "duplicate" not in answer.get("parameters", {}), answer
     finally:
         for node in nodes.values():
             node.terminate()
