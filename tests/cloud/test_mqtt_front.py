@@ -338,23 +338,11 @@ def test_a_311_client_past_the_in_flight_cap_is_answered_overloaded_on_its_reply
 ):
     # Only a served request read the envelope's reply_topic: one refused on intake got
     # no answer at all, and its client waited out its own timeout.
-    import queue
-
     node = _slow_node(
         broker, build_slow_repository(tmp_path / "repo"), toml="[limits]\nmax_inflight_mqtt = 1\n"
     )
-    answers: queue.Queue = queue.Queue()
-    old = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id="dev311",
-        protocol=mqtt.MQTTv311,
-    )
-    old.on_message = lambda client, userdata, message: answers.put(message)
+    old, answers = _mqtt311(broker, "dev311", "ferry/v1/replies/dev311")
     try:
-        old.connect("127.0.0.1", broker.port)
-        old.loop_start()
-        old.subscribe("ferry/v1/replies/dev311", qos=1)
-        time.sleep(0.3)
         x = np.ones((1, 4), np.float32)
         for i in range(6):
             request = InferRequest(
@@ -365,8 +353,7 @@ def test_a_311_client_past_the_in_flight_cap_is_answered_overloaded_on_its_reply
             old.publish("ferry/v1/models/slow/infer", envelope.encode_request(request), qos=1)
         got = [envelope.decode_reply(answers.get(timeout=30).payload) for _ in range(6)]
     finally:
-        old.disconnect()
-        old.loop_stop()
+        _close311(old)
         node.terminate()
     assert sorted(request_id for request_id, _ in got) == [f"r{i}" for i in range(6)]
     assert any(isinstance(reply, Overloaded) for _, reply in got)
@@ -377,20 +364,10 @@ def test_a_reply_topic_with_a_control_character_is_not_served_and_the_node_stays
 ):
     # One 3.1.1 request naming ".../\x01" had the broker cut the node off, again at
     # every reconnect while it resent the held answer: every other device unanswered.
-    import queue
-
     node = _slow_node(broker, build_slow_repository(tmp_path / "repo"))
     raw = RawClient(broker)
-    answers: queue.Queue = queue.Queue()
-    old = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id="dev311",
-        protocol=mqtt.MQTTv311,
-    )
-    old.on_message = lambda client, userdata, message: answers.put(message)
+    old, answers = _mqtt311(broker, "dev311")
     try:
-        old.connect("127.0.0.1", broker.port)
-        old.loop_start()
         x = np.ones((1, 4), np.float32)
         for i, bad in enumerate(("ferry/v1/replies/dev311/\x01", "ferry/v1/replies/dev311/\ufffe")):
             request = InferRequest(
@@ -401,8 +378,7 @@ def test_a_reply_topic_with_a_control_character_is_not_served_and_the_node_stays
         sent = [raw.publish("slow", x * (i + 1)) for i in range(4)]
         raw.wait_replies(sent, timeout=30)
     finally:
-        old.disconnect()
-        old.loop_stop()
+        _close311(old)
         raw.close()
         node.terminate()
     assert all(len(raw.replies[c]) == 1 for c in sent)
@@ -605,67 +581,64 @@ async def test_a_draining_front_answers_every_request_it_received(broker, tmp_pa
             assert isinstance(r[0][1], ShuttingDown | ModelNotReady)
 
 
+def _mqtt311(broker, client_id: str, subscribe: str | None = None):
+    """A paho MQTT 3.1.1 client, connected (and subscribed): (client, its messages)."""
+    import queue
+
+    got: queue.Queue = queue.Queue()
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        protocol=mqtt.MQTTv311,
+    )
+    client.on_message = lambda c, userdata, message: got.put(message)
+    client.connect("127.0.0.1", broker.port)
+    client.loop_start()
+    if subscribe is not None:
+        client.subscribe(subscribe, qos=1)
+        time.sleep(0.3)
+    return client, got
+
+
+def _close311(client) -> None:
+    client.disconnect()
+    client.loop_stop()
+
+
 def test_an_mqtt_311_client_is_answered_on_the_reply_topic_its_request_names(broker, tmp_path):
     """An MQTT v3.1.1 client has no Response Topic property: it names its reply topic in
     the envelope's parameters (it had no way to be answered).  One that names none is
     not run (it was, and its answer thrown away), and clearing a retained message on a
     request topic is no request at all."""
-    import queue
     import urllib.request
+
+    def named(request_id: str, client_id: str) -> bytes:
+        parameters = {"reply_topic": f"ferry/v1/replies/{client_id}"}
+        return envelope.encode_request(
+            InferRequest(inputs=[Tensor.from_array("x", x)], id=request_id, parameters=parameters)
+        )
 
     node = _slow_node(broker, build_slow_repository(tmp_path / "repo"))
     raw = RawClient(broker)
-    answers: queue.Queue = queue.Queue()
-    old = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id="dev311",
-        protocol=mqtt.MQTTv311,
-    )
-    old.on_message = lambda client, userdata, message: answers.put(message)
-    second = mqtt.Client(
-        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id="dev312",
-        protocol=mqtt.MQTTv311,
-    )
+    clients = []
     try:
-        old.connect("127.0.0.1", broker.port)
-        old.loop_start()
-        old.subscribe("ferry/v1/replies/dev311", qos=1)
-        time.sleep(0.3)
+        old, answers = _mqtt311(broker, "dev311", "ferry/v1/replies/dev311")
+        clients.append(old)
         x = np.ones((1, 4), np.float32)
         bare = envelope.encode_request(InferRequest(inputs=[Tensor.from_array("x", x)], id="v3"))
         old.publish("ferry/v1/models/slow/infer", bare, qos=1).wait_for_publish(5)
         old.publish("ferry/v1/models/slow/infer", b"", qos=1, retain=True).wait_for_publish(5)
-        named = envelope.encode_request(
-            InferRequest(
-                inputs=[Tensor.from_array("x", x)],
-                id="v3-named",
-                parameters={"reply_topic": "ferry/v1/replies/dev311"},
-            )
-        )
-        old.publish("ferry/v1/models/slow/infer", named, qos=1).wait_for_publish(5)
-        message = answers.get(timeout=30)
-        request_id, reply = envelope.decode_reply(message.payload)
+        old.publish("ferry/v1/models/slow/infer", named("v3-named", "dev311"), qos=1)
+        request_id, reply = envelope.decode_reply(answers.get(timeout=30).payload)
         assert request_id == "v3-named" and reply.outputs[0].data.shape == (1, 4)
         # A second 3.1.1 device is answered on its own topic, and a bare request after
         # a named one is still not served: the first reply topic had been written into
         # the instance every PUBLISH without properties shares, so every later 3.1.1
         # reply (and every status the node sent) went to dev311's topic.
-        other: queue.Queue = queue.Queue()
-        second.on_message = lambda client, userdata, message: other.put(message)
-        second.connect("127.0.0.1", broker.port)
-        second.loop_start()
-        second.subscribe("ferry/v1/replies/dev312", qos=1)
-        time.sleep(0.3)
+        second, other = _mqtt311(broker, "dev312", "ferry/v1/replies/dev312")
+        clients.append(second)
         old.publish("ferry/v1/models/slow/infer", bare, qos=1).wait_for_publish(5)
-        mine = envelope.encode_request(
-            InferRequest(
-                inputs=[Tensor.from_array("x", x)],
-                id="v3-second",
-                parameters={"reply_topic": "ferry/v1/replies/dev312"},
-            )
-        )
-        second.publish("ferry/v1/models/slow/infer", mine, qos=1).wait_for_publish(5)
+        second.publish("ferry/v1/models/slow/infer", named("v3-second", "dev312"), qos=1)
         got = other.get(timeout=30)
         assert got.topic == "ferry/v1/replies/dev312"
         assert envelope.decode_reply(got.payload)[0] == "v3-second"
@@ -675,9 +648,8 @@ def test_an_mqtt_311_client_is_answered_on_the_reply_topic_its_request_names(bro
         assert stats["success"]["count"] == 3  # (the named ones and raw's, not the bare ones)
         assert answers.empty()
     finally:
-        for client in (old, second):
-            client.disconnect()
-            client.loop_stop()
+        for client in clients:
+            _close311(client)
         raw.close()
         node.terminate()
     said = node.output()

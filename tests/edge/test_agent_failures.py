@@ -325,27 +325,12 @@ async def test_a_cascade_whose_scores_are_not_scores_is_refused_when_it_loads(
                 pass
 
 
-async def test_a_network_change_survives_an_unrelated_config_reload(tmp_path, edge_repos, cloud):
-    cfg = agent_toml(
-        tmp_path,
-        edge_repos[1],
-        http=cloud.http_url,
-        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\n',
-    )
-    async with Agent(load_agent_config(cfg)) as agent:
-        agent.set_link("http", "lte")
-        cfg.write_text(cfg.read_text().replace("deadline_ms = 2000", "deadline_ms = 1500"))
-        os.utime(cfg, (6, 6))
-        await agent._watch_config()
-        assert agent.dataplane.policy.config.default_deadline_ms == 1500
-        assert agent.links["http"].name == "lte"
-
-
-async def test_editing_one_transports_link_keeps_the_other_transports_live_hint(
+async def test_a_live_network_hint_survives_reloads_that_leave_its_transport_alone(
     tmp_path, edge_repos, cloud, broker
 ):
-    # Any edit of [links] had reset every transport to the file's link, wiping the
-    # connectivity manager's hint (and the estimates) of a transport the edit left alone.
+    # An unrelated edit, then one of another transport's [links] entry: the latter had
+    # reset every transport to the file's link, wiping the connectivity manager's hint
+    # (and the estimates) of a transport the edit left alone.
     cfg = agent_toml(
         tmp_path,
         edge_repos[1],
@@ -356,6 +341,11 @@ async def test_editing_one_transports_link_keeps_the_other_transports_live_hint(
     )
     async with Agent(load_agent_config(cfg)) as agent:
         agent.set_link("http", "lte")
+        cfg.write_text(cfg.read_text().replace("deadline_ms = 2000", "deadline_ms = 1500"))
+        os.utime(cfg, (5, 5))
+        await agent._watch_config()
+        assert agent.dataplane.policy.config.default_deadline_ms == 1500
+        assert agent.links["http"].name == "lte"
         cfg.write_text(cfg.read_text().replace('mqtt = "wifi"', 'mqtt = "3g"'))
         os.utime(cfg, (6, 6))
         await agent._watch_config()
