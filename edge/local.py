@@ -219,12 +219,26 @@ class LocalModels:
             emulated = max(seconds * self.slowdown, self.latency_floor_s)
             if emulated > seconds:
                 lock = self._emulated.setdefault(name, asyncio.Lock())
-                async with lock:
-                    _check_deadline(name, deadline, waiting)  # (the emulated device's queue)
+                # (the emulated device's queue: its deadline is kept while waiting for the
+                # device, not only checked once the device is free, 100+ ms late)
+                if deadline is None:
+                    await lock.acquire()
+                else:
+                    try:
+                        await asyncio.wait_for(
+                            lock.acquire(), max(0.0, deadline - time.monotonic())
+                        )
+                    except TimeoutError:
+                        _check_deadline(name, deadline, waiting)  # (passed: raises)
+                        raise
+                try:
+                    _check_deadline(name, deadline, waiting)
                     if cancel is not None and cancellable(model.session):
                         await _emulated_run(loop, emulated - seconds, cancel)
                     else:
                         await asyncio.sleep(emulated - seconds)
+                finally:
+                    lock.release()
                 seconds = emulated
         finally:
             self._backlog[name] -= 1

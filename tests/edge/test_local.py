@@ -242,3 +242,23 @@ async def test_the_models_queue_policy_bounds_and_times_its_local_queue(tmp_path
     assert [type(d).__name__ for d in done] == ["tuple", "tuple", "DeadlineExceeded"]
     assert isinstance(done[2], DeadlineExceeded)
     local.close()
+
+
+async def test_a_request_waiting_for_the_emulated_device_is_refused_at_its_deadline(tmp_path):
+    # It had waited for the device to be free (200 ms) and only then found its deadline
+    # long passed: a 504 ~100 ms late.
+    import time
+
+    from shared.errors import DeadlineExceeded
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx", seed=1)
+    local = LocalModels(ModelRepository(tmp_path), latency_floor_s=0.3)
+    await asyncio.to_thread(local.load, "lin")
+    x = {"x": np.ones((1, 4), np.float32)}
+    busy = asyncio.ensure_future(local.run("lin", x))
+    await asyncio.sleep(0.05)
+    with pytest.raises(DeadlineExceeded):
+        await local.run("lin", x, deadline=time.monotonic() + 0.05)
+    assert not busy.done()  # refused while the device was still busy, not once it was free
+    await busy
+    local.close()
