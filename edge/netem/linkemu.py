@@ -11,8 +11,13 @@ Model, per direction:
   releases 1500 bytes of budget; bytes wait until budget exists, and
   opportunities nobody was waiting for are lost (a link does not bank idle
   capacity);
-* then ``delay_ms`` of one-way propagation, applied by a per-connection writer
-  task so the delay never holds back the shaping stage;
+* ``delay_ms`` of one-way propagation on the far side of the bottleneck, as
+  in mahimahi's ``mm-delay D mm-link UP DOWN`` (the device is inside the
+  link): going up, bytes cross the bottleneck and then travel; coming down,
+  they travel and then cross it, so the downlink trace is read at the time
+  the bytes reach the radio (``edge.evaluation.sim`` prices an attempt the
+  same way).  A per-connection task applies the delay, so it never holds
+  back the shaping stage;
 * an outage (no opportunities) stalls bytes but leaves connections open.
 
 ``up`` shapes client -> target; ``down`` shapes target -> client, and
@@ -41,7 +46,9 @@ _CHUNK = 64 * 1024
 #: or delayed by event-loop jitter) is still owed the opportunities it missed; after a
 #: longer pause the link was idle and those opportunities are gone.
 _GRACE_S = 0.010
-#: Bytes a connection may have in its delay line before its reader pauses (flow control).
+#: Bytes a connection may hold beyond what the link carries in one delay (flow control):
+#: bytes in propagation are not a backlog, and a link of rate x delay above this must
+#: not be throttled by it (4 MiB per delay had capped 60 Mbps at 800 ms to 41 Mbps).
 _QUEUE_LIMIT = 4 * 1024 * 1024
 
 
@@ -71,6 +78,9 @@ class _Link:
         self._last_grant = -math.inf
         self._lock = asyncio.Lock()
         self._wake: asyncio.Future[None] | None = None
+
+    def now(self) -> float:
+        return self._clock.now()
 
     def reset(self, trace: Trace | None) -> None:
         """Switch traces: the new schedule applies from the current trace time."""
@@ -154,7 +164,10 @@ class _Clock:
 
 
 class _Pipe:
-    """One direction of one connection: read, shape on the shared link, delay, write."""
+    """One direction of one connection: read, shape on the shared link, delay, write.
+
+    Up: shaped as read, then delayed.  Down: delayed as read, then shaped as it
+    is written (the bottleneck is on the device's side of the delay)."""
 
     def __init__(self, emu: LinkEmulator, up: bool, src: _Reader, dst: _Writer) -> None:
         self._emu, self._up, self._reader, self._writer = emu, up, src, dst
@@ -165,6 +178,18 @@ class _Pipe:
         self._room = asyncio.Event()
         self._room.set()
 
+    def _limit(self) -> int:
+        """Bytes this connection may hold: what the link carries within one delay
+        (around now), plus the backlog bound for a slow reader."""
+        trace, delay = self._link.trace, self._emu.delay_s
+        if trace is None or delay <= 0:
+            return _QUEUE_LIMIT
+        now = self._link.now()
+        in_flight = max(
+            trace.bytes_between(now - delay, now), trace.bytes_between(now, now + delay)
+        )
+        return _QUEUE_LIMIT + in_flight
+
     async def pump(self) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -173,13 +198,16 @@ class _Pipe:
                 if not data:
                     return
                 view = memoryview(data)
+                if not self._up:  # (shaped after the delay: see deliver)
+                    self._push(loop.time() + self._emu.delay_s, view)
+                    view = view[len(view) :]
                 while view:
                     n = await self._link.acquire(len(view))
                     self._push(loop.time() + self._emu.delay_s, view[:n])
                     view = view[n:]
-                    if self._queued > _QUEUE_LIMIT:
-                        self._room.clear()
-                        await self._room.wait()
+                if self._queued > self._limit():
+                    self._room.clear()
+                    await self._room.wait()
         finally:
             self._push(loop.time() + self._emu.delay_s, None)  # EOF travels with the delay too
 
@@ -205,15 +233,18 @@ class _Pipe:
                 if self._writer.can_write_eof() and not self._writer.is_closing():
                     self._writer.write_eof()  # half-close reaches the peer
                 return
-            self._writer.write(piece)
-            self._queued -= len(piece)
-            if self._up:
-                self._emu.bytes_up += len(piece)
-            else:
-                self._emu.bytes_down += len(piece)
-            if self._queued <= _QUEUE_LIMIT:
-                self._room.set()
-            await self._writer.drain()
+            while piece:
+                n = len(piece) if self._up else await self._link.acquire(len(piece))
+                self._writer.write(piece[:n])
+                piece = piece[n:]
+                self._queued -= n
+                if self._up:
+                    self._emu.bytes_up += n
+                else:
+                    self._emu.bytes_down += n
+                if self._queued <= self._limit():
+                    self._room.set()
+                await self._writer.drain()
 
 
 class LinkEmulator:

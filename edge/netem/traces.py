@@ -243,6 +243,7 @@ def read_tsmbps(path: Path) -> Trace:
         raise ConfigError(f"{path}: empty trace (expected lines 't_seconds mbps')")
     last_step = times[-1] - times[-2] if len(times) > 1 else 1.0
     durations = [*np.diff(times).tolist(), last_step]
+    _check_size(durations, rates, path.name)  # (before a day at 1e12 Mbps is allocated)
     return _from_segments(durations, rates, path.name)
 
 

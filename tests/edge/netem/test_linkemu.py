@@ -173,6 +173,43 @@ async def test_added_delay_shows_in_a_small_round_trip() -> None:
             assert max(rtts) < 0.03
 
 
+async def test_downlink_trace_is_read_when_the_reply_reaches_the_radio_after_the_delay() -> None:
+    # mahimahi's mm-delay D mm-link: a reply travels first, then crosses the downlink;
+    # the replay (edge.evaluation.sim) prices it that way, so the live link must too.
+    # Downlink: 24 Mbps for 0.5 s, then an outage for 0.5 s, looping; 100 ms each way.
+    # A request sent at phase 0.3 has its reply reach the radio at 0.5, in the outage:
+    # it waits until 1.0 (~700 ms), where shaping before the delay gave 200 ms.
+    up, down, delay = steady(100, 60), from_phases([(0.5, 24), (0.5, 0)]), 0.1
+    async with through(echo, up, down, delay_ms=delay * 1000) as emu:
+        reader, writer = await asyncio.open_connection(HOST, emu.port)
+        rtts = []
+        for phase in (1.3, 2.6):
+            await until(emu, phase)
+            sent = emu.elapsed_s
+            writer.write(b"q")
+            await reader.readexactly(1)
+            model = down.finish_time(up.finish_time(sent, 1) + 2 * delay, 1)
+            rtts.append((emu.elapsed_s - sent, model - sent))
+        writer.close()
+    (slow, slow_model), (fast, fast_model) = rtts
+    assert slow_model == pytest.approx(0.7, abs=0.02)
+    assert slow == pytest.approx(slow_model, abs=0.06)
+    assert fast == pytest.approx(fast_model, abs=0.06)  # (phase 0.6: out of the outage at 0.8)
+
+
+async def test_a_long_delay_does_not_throttle_a_fast_link() -> None:
+    # 60 Mbps with 800 ms one way holds 6 MB in propagation: a fixed 4 MiB allowance
+    # per connection had delivered 41 Mbps of the 60.
+    trace = steady(60, 60)
+    sink = Sink()
+    async with through(sink.handle, trace, delay_ms=800) as emu:
+        sink.clock = lambda: emu.elapsed_s
+        pusher = asyncio.create_task(push(emu.port))
+        await until(emu, 3.2)
+        pusher.cancel()
+    assert sink.mbps(1.2, 3.2) == pytest.approx(60, rel=0.1)
+
+
 async def test_outage_stalls_delivery_keeps_the_connection_and_traffic_resumes() -> None:
     trace = from_phases([(1.0, 8), (1.5, 0), (10.0, 8)])
     sink = Sink()

@@ -160,6 +160,16 @@ def test_a_steady_rate_past_what_a_trace_may_hold_is_refused_before_allocating()
         steady(1e12, 60)
 
 
+@pytest.mark.parametrize("body", ["0 1e12\n", "0 1e12\n1 1\n", "0 0\n1e9 0\n"])
+def test_a_rate_file_past_what_a_trace_may_hold_is_refused_before_allocating(
+    tmp_path: Path, body: str
+) -> None:
+    path = tmp_path / "huge.tsv"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match="past what a generated trace may hold"):
+        read_tsmbps(path)
+
+
 def test_from_phases_follows_each_phase_and_zero_is_an_outage() -> None:
     trace = from_phases([(3, 4), (2, 0), (3, 12)])
     assert trace.period_ms == 8000
