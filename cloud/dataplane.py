@@ -42,7 +42,12 @@ from cloud.loading import (
 from cloud.stats import OTHER, ModelStats
 from cloud.workers import NodeActivity
 from shared import v2
-from shared.aio.idempotency import IdempotencyCache, as_duplicate, response_bytes
+from shared.aio.idempotency import (
+    IdempotencyCache,
+    as_duplicate,
+    owned_response,
+    response_bytes,
+)
 from shared.errors import (
     DeadlineExceeded,
     FerryError,
@@ -146,7 +151,11 @@ class DataPlane:
         self._memory = MemoryProbe()
         self._planned_sessions = 0
         self._idempotency: IdempotencyCache[InferResponse] = IdempotencyCache(
-            idempotency_ttl_s, idempotency_max_entries, idempotency_max_bytes, response_bytes
+            idempotency_ttl_s,
+            idempotency_max_entries,
+            idempotency_max_bytes,
+            response_bytes,
+            owned_response,
         )
         self._closing = False
         # leaving the fleet (a SIGTERM in fleet mode): still serving, reported as closing

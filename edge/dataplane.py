@@ -43,7 +43,12 @@ from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
 from shared import v2
-from shared.aio.idempotency import IdempotencyCache, as_duplicate, response_bytes
+from shared.aio.idempotency import (
+    IdempotencyCache,
+    as_duplicate,
+    owned_response,
+    response_bytes,
+)
 from shared.errors import (
     DeadlineExceeded,
     EndpointUnavailable,
@@ -97,7 +102,7 @@ class EdgeDataPlane:
         # Answers to apps' keyed requests, for their retries (bounded: an evicted key
         # only means a late retry runs again, as at the cloud)
         self._answers: IdempotencyCache[InferResponse] = IdempotencyCache(
-            ANSWERS_TTL_S, ANSWERS_MAX_ENTRIES, ANSWERS_MAX_BYTES, response_bytes
+            ANSWERS_TTL_S, ANSWERS_MAX_ENTRIES, ANSWERS_MAX_BYTES, response_bytes, owned_response
         )
 
     # ---- the core's state, as the agent and its fronts read it ------------------
@@ -138,13 +143,30 @@ class EdgeDataPlane:
             for name, t in self.transports.items()
             if t.connected and getattr(t, "serves", lambda _: None)(cloud_model) is False
         ]
-        if not unserved:
+        # (and a transport whose cloud answered "no such model": the policy skips it
+        # until the cooldown ends, which it also reads as "no link")
+        now = time.monotonic()
+        absent = {
+            name: until - now
+            for name, t in self.transports.items()
+            if t.connected
+            and name not in unserved
+            and (until := self.core.missing.get((name, cloud_model), 0.0)) > now
+        }
+        if not unserved and not absent:
             return error
-        return ModelNotReady(
-            f"{error.message}; connected over {', '.join(unserved)}, where no cloud node "
-            f"serves model {cloud_model!r} now",
-            retry_after=error.retry_after,
-        )
+        said = []
+        if unserved:
+            said.append(
+                f"connected over {', '.join(unserved)}, where no cloud node serves model "
+                f"{cloud_model!r} now"
+            )
+        if absent:
+            said.append(
+                f"the cloud over {', '.join(absent)} answered that it has no model "
+                f"{cloud_model!r} (asked again in {max(absent.values()):.0f} s)"
+            )
+        return ModelNotReady(f"{error.message}; {'; '.join(said)}", retry_after=error.retry_after)
 
     def usable(self, now: float, cloud_model: str | None = None) -> dict[str, bool]:
         """Transports a request for ``cloud_model`` may take now."""
@@ -470,6 +492,7 @@ class EdgeDataPlane:
                     deferrable=deferrable,
                     cloud_only=cloud_version,
                 )
+                flow.versioned = cloud_version
                 return await self._drive(flow, request, start, principal, client_id)
 
             duplicate = False

@@ -23,19 +23,13 @@ from typing import Annotated, Any
 import msgspec
 
 from cloud.placement.types import NodeSpec, Placement
+from shared.mqtt.topics import DEFAULT_STATUS_INTERVAL_S, silence_limit_s, status_interval_s
 
 #: smoothing of observed rates (per report): new = old + ALPHA * (sample - old)
 RATE_ALPHA = 0.5
 
 log = logging.getLogger(__name__)
 
-#: A node publishes its status this often unless its status says otherwise (cloud.toml's
-#: mqtt.status_interval_s); one silent for SILENT_INTERVALS of them, and at least
-#: SILENT_MIN_S, is gone: its last will is lost when it died while the broker was down.
-DEFAULT_STATUS_INTERVAL_S = 5.0
-MAX_STATUS_INTERVAL_S = 3600.0
-SILENT_INTERVALS = 3
-SILENT_MIN_S = 15.0
 #: Models whose measured memory is remembered after their hosts are gone.
 REMEMBERED_MODELS = 10_000
 
@@ -199,7 +193,7 @@ class FleetView:
             if self._connected_at is not None and self._connected_at > since:
                 since = self._connected_at
             silent = now - since
-            if silent > max(SILENT_INTERVALS * state.interval_s, SILENT_MIN_S):
+            if silent > silence_limit_s(state.interval_s):
                 state.online = False
                 state.models.clear()
                 gone.append(state.name)
@@ -232,12 +226,7 @@ class FleetView:
         restarted = uptime < state.uptime_s
         state.online = True
         state.uptime_s = uptime
-        interval = status.get("interval_s")
-        state.interval_s = (
-            min(float(interval), MAX_STATUS_INTERVAL_S)
-            if isinstance(interval, int | float) and interval > 0
-            else DEFAULT_STATUS_INTERVAL_S
-        )
+        state.interval_s = status_interval_s(status.get("interval_s"))
         state.utilisation = float(status.get("utilisation", 0.0))
         state.queue_depth = int(status.get("queue_depth", 0))
         following = status.get("following")

@@ -279,6 +279,7 @@ class RequestFlow:
         "model",
         "mp",
         "policy",
+        "versioned",
         "wants_confidence",
     )
 
@@ -306,6 +307,10 @@ class RequestFlow:
         self.connected, self.local_backlog, self.battery = connected, local_backlog, battery
         self.deferrable, self.mode, self.budget_ms = deferrable, mode, budget_ms
         self.local_cancellable = local_cancellable
+        # The app asked for a version of the model: the cloud's "no such version" says
+        # nothing of the model (two such 404s had made every app's requests for it
+        # skip the cloud for the missing-model cooldown).
+        self.versioned = False
         self.policy = core.policy  # one snapshot for the whole request
         self.decision: Decision | None = None
         self._attempt: Option | None = None  # the offload in flight or given up on
@@ -608,7 +613,9 @@ class RequestFlow:
             # says nothing of the endpoint (too large: its limit, not its health)
             core.breakers[choice.transport].release(now)
         else:
-            core.learn_failure(choice, self.mp.cloud_model or self.model, error, self.began, now)
+            core.learn_failure(
+                choice, self.mp.cloud_model or self.model, error, self.began, now, self.versioned
+            )
         if (
             isinstance(error, IdempotencyConflict)
             and self._local_started is False
@@ -906,13 +913,23 @@ class EdgeCore:
         )
 
     def learn_failure(
-        self, choice: Option, cloud_model: str, error: FerryError, start: float, now: float
+        self,
+        choice: Option,
+        cloud_model: str,
+        error: FerryError,
+        start: float,
+        now: float,
+        versioned: bool = False,
     ) -> None:
-        """What an offload that ended without an answer teaches."""
+        """What an offload that ended without an answer teaches (``versioned``: the
+        request named a version, whose absence says nothing of the model's others)."""
         assert choice.transport is not None
         transport = choice.transport
         # Bytes that left the device count against the daily cap even without an answer.
         self.usage.add(choice.up_bytes, now)
+        if versioned and isinstance(error, ModelNotFound | ModelNotReady):
+            self.breakers[transport].release(now)
+            return
         if isinstance(error, ModelNotFound | ModelNotReady):
             cooldown = (
                 MISSING_MODEL_COOLDOWN_S

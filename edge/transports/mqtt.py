@@ -45,6 +45,7 @@ from shared.mqtt import PREFIX, BrokerAddress, reply_topic, request_topic
 from shared.mqtt.codec import Publish, PublishProperties, expiry_s
 from shared.mqtt.documents import decode_document
 from shared.mqtt.session import PacketTooLarge
+from shared.mqtt.topics import silence_limit_s, status_interval_s
 from shared.tensors import DEFAULT_LIMITS, Limits
 
 NODE_STATUS_TOPICS = f"{PREFIX}/nodes/+/status"
@@ -75,6 +76,12 @@ _NO_MATCHING_SUBSCRIBERS = 0x10
 #: seconds after subscribing during which no node status yet means "not known": the
 #: broker sends its retained statuses right after the SUBACK
 STATUS_GRACE_S = 1.0
+#: cloud nodes one agent keeps track of (statuses past it drop the longest-silent one:
+#: anyone who may publish a status could otherwise grow the table without end)
+MAX_NODES = 4096
+#: how often silent nodes are looked for (a node that died with the broker down
+#: leaves no last will: its models stayed "served" for good)
+SWEEP_S = 1.0
 _NODES = f"{PREFIX}/nodes/"
 
 log = logging.getLogger(__name__)
@@ -139,6 +146,9 @@ class MqttTransport:
         self._status_seen = False
         self._subscribed_at: float | None = None  # (monotonic) this session's SUBACK
         self._user_topics: dict[str, bool] = {}  # live node -> takes users' own topics
+        #: live node -> (last status, silence allowed), for nodes that say their interval
+        self._heard: dict[str, tuple[float, float]] = {}
+        self._next_sweep = 0.0
         self._plain_only: set[str] = set()  # models whose user topic the broker refused
         self._round_trips: dict[str, collections.deque[float]] = {}  # model -> seconds
         self._hedge_tokens = HEDGE_BURST
@@ -166,6 +176,9 @@ class MqttTransport:
         """
         if not self._status_seen:
             return None if self._statuses_may_come() else False
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._sweep(now)
         return any(model in models for models in self.nodes.values())
 
     def _statuses_may_come(self) -> bool:
@@ -422,6 +435,7 @@ class MqttTransport:
         # SUBACK's callback runs a loop turn later, after those statuses).
         self.nodes.clear()
         self._user_topics.clear()
+        self._heard.clear()
         self._status_seen = False
         self._subscribed_at = None
         subscribed = self._client.subscribe(self.reply_topic, NODE_STATUS_TOPICS)
@@ -477,23 +491,47 @@ class MqttTransport:
         except (ConfigError, ValueError, TypeError, KeyError, AttributeError):
             log.warning("unreadable status from cloud node %s", node)
             return
+        now = time.monotonic()
         if online:
             arrived = node not in self.nodes
             self.nodes[node] = models
             self._user_topics[node] = doc.get("user_topics") is True
+            self._heard.pop(node, None)  # (re-inserted: the dict stays in order heard)
+            if "interval_s" in doc:
+                self._heard[node] = (now, silence_limit_s(status_interval_s(doc["interval_s"])))
+            if arrived and len(self.nodes) > MAX_NODES:
+                silent = next(n for n in [*self._heard, *self.nodes] if n != node)
+                log.warning("more than %d cloud nodes: forgetting node %s", MAX_NODES, silent)
+                self._node_gone(silent)
             if arrived and self._pending:
                 # A node that (re)joins may have missed what was sent while it was
                 # away (a broker restarted without its sessions drops requests that
                 # no subscriber took): its models' waiting requests go out again.
                 self._republish(lambda pending: pending.model in models)
         else:
-            self._user_topics.pop(node, None)
-            if self.nodes.pop(node, None) is not None and self._pending:
-                # A node that dies takes the requests in its hands with it (Mosquitto does
-                # not deal a dead member's messages to another, DESIGN.md section 5): send
-                # every waiting one again; the first answer wins, and the request id (the
-                # cloud's idempotency key) keeps a node that had it from running it twice.
-                self._republish(lambda pending: pending.resends < _MAX_RESENDS)
+            self._node_gone(node)
+        if now >= self._next_sweep:
+            self._sweep(now)
+
+    def _node_gone(self, node: str) -> None:
+        self._user_topics.pop(node, None)
+        self._heard.pop(node, None)
+        if self.nodes.pop(node, None) is not None and self._pending:
+            # A node that dies takes the requests in its hands with it (Mosquitto does
+            # not deal a dead member's messages to another, DESIGN.md section 5): send
+            # every waiting one again; the first answer wins, and the request id (the
+            # cloud's idempotency key) keeps a node that had it from running it twice.
+            self._republish(lambda pending: pending.resends < _MAX_RESENDS)
+
+    def _sweep(self, now: float) -> None:
+        """Nodes whose statuses stopped are gone, as the controller's fleet view has it."""
+        self._next_sweep = now + SWEEP_S
+        since = self._subscribed_at or 0.0  # (statuses flow again only once subscribed)
+        for node, (last, allowed) in list(self._heard.items()):
+            if now - max(last, since) <= allowed:
+                continue
+            log.warning("no status from cloud node %s for %.0f s: taken as gone", node, now - last)
+            self._node_gone(node)
 
     def _resolve(self, correlation: bytes, payload: bytes) -> None:
         probe = self._probes.get(correlation)

@@ -35,6 +35,7 @@ from shared.aio.eager import eager_future
 from shared.errors import DeadlineExceeded, IdempotencyConflict
 from shared.idempotency import PARAMETER
 from shared.messages import InferResponse
+from shared.tensors import Tensor
 
 T = TypeVar("T")
 
@@ -50,6 +51,10 @@ ENTRY_OVERHEAD = 3584
 class _Entry(Generic[T]):
     task: asyncio.Future[T]
     fingerprint: bytes
+    #: the settled result as the cache keeps it (``compact``ed); the run's own task is
+    #: let go then, so nothing it held (a batch's whole output) outlives the first answer
+    kept: Any = None
+    settled: bool = False
     expires: float | None = None  # set once the run succeeded
     size: int = 0
     keep: Callable[[T], bool] | None = None  # which results a later duplicate may share
@@ -62,8 +67,10 @@ class IdempotencyCache(Generic[T]):
         max_entries: int,
         max_bytes: int = 64 << 20,
         sizeof: Callable[[T], int] = lambda _result: 0,
+        compact: Callable[[T], T] = lambda result: result,
     ) -> None:
         self.ttl_s = float(ttl_s)
+        self.compact = compact
         self.max_entries = max(1, int(max_entries))
         self.max_bytes = max(0, int(max_bytes))
         self.sizeof = sizeof
@@ -98,6 +105,8 @@ class IdempotencyCache(Generic[T]):
                         f"{PARAMETER} was already used for a request with other inputs or requested outputs"
                     )
                 self._entries.move_to_end(key)
+                if entry.settled:
+                    return entry.kept, True
                 if entry.task.done():
                     return await asyncio.shield(entry.task), True
                 try:
@@ -163,13 +172,43 @@ class IdempotencyCache(Generic[T]):
             self._drop(key)
             return
         entry.expires = time.monotonic() + self.ttl_s
+        entry.kept, entry.settled = self.compact(task.result()), True
+        entry.task = _settled(entry.task)
         # (what an entry costs beside its answer's tensors: the key, the entry, the
         # response object; counted, or small answers' entries passed the byte bound)
-        entry.size = self.sizeof(task.result()) + ENTRY_OVERHEAD
+        entry.size = self.sizeof(entry.kept) + ENTRY_OVERHEAD
         self.bytes += entry.size
         if entry.size > self.max_bytes:
             self._drop(key)  # bigger than the whole cache: a late duplicate runs again
         self._trim()
+
+
+def _settled(task: asyncio.Future[T]) -> asyncio.Future[T]:
+    """A done future in the run's place, holding nothing: the entry answers from ``kept``."""
+    done: asyncio.Future[T] = task.get_loop().create_future()
+    done.set_result(None)  # type: ignore[arg-type]
+    return done
+
+
+def owned_response(response: InferResponse) -> InferResponse:
+    """``response`` with every output owning its memory, as a cache must keep it.
+
+    A batched run hands each request a view of the batch's output, and a decoded reply
+    views its whole body: cached as they are, a keyed answer of 1 MiB had pinned the
+    batch's 8 MiB, and the byte bound counted the 1 MiB."""
+    if all(t.data.base is None for t in response.outputs):
+        return response
+    outputs = [
+        t if t.data.base is None else Tensor(t.name, t.datatype, t.data.copy(), t.parameters)
+        for t in response.outputs
+    ]
+    return InferResponse(
+        model_name=response.model_name,
+        model_version=response.model_version,
+        id=response.id,
+        outputs=outputs,
+        parameters=response.parameters,
+    )
 
 
 def as_duplicate(response: InferResponse) -> InferResponse:

@@ -8,6 +8,7 @@ requests over every node that hosts the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from shared.errors import ConfigError
@@ -19,6 +20,29 @@ PLACEMENT_TOPIC = f"{PREFIX}/placement"
 CONTROLLER_TOPIC = f"{PREFIX}/controller/status"
 #: the utilisation alerts in force (retained)
 ALERTS_TOPIC = f"{PREFIX}/fleet/alerts"
+
+
+#: A node publishes its status this often unless its status says otherwise (``interval_s``,
+#: cloud.toml's mqtt.status_interval_s); one silent for SILENT_INTERVALS of them, and at
+#: least SILENT_MIN_S, is gone: its last will is lost when it died while the broker was
+#: down.  The controller's fleet view and the agents' MQTT transport both read it so.
+DEFAULT_STATUS_INTERVAL_S = 5.0
+MAX_STATUS_INTERVAL_S = 3600.0
+SILENT_INTERVALS = 3
+SILENT_MIN_S = 15.0
+
+
+def status_interval_s(value: Any) -> float:
+    """The interval a node's status names (``interval_s``), or the default where it
+    names none or nonsense."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return min(float(value), MAX_STATUS_INTERVAL_S)
+    return DEFAULT_STATUS_INTERVAL_S
+
+
+def silence_limit_s(interval_s: float) -> float:
+    """How long a node publishing every ``interval_s`` may be silent and still be live."""
+    return max(SILENT_INTERVALS * interval_s, SILENT_MIN_S)
 
 
 #: where every reply goes: a Response Topic outside it is refused (a node would

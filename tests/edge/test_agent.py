@@ -558,6 +558,12 @@ async def test_a_version_the_cloud_serves_is_routed_there_through_the_local_api(
                     assert (await s.get("/v2/models/only/versions/7/ready")).status == 503
                     r = await s.post("/v2/models/only/versions/7/infer", json=body)
                     assert r.status == 404, await r.text()
+                    # ... and says nothing of the model: two such 404s had made the agent
+                    # skip the cloud for every app's requests for 30 s ("no link")
+                    r = await s.post("/v2/models/only/versions/8/infer", json=body)
+                    assert r.status == 404, await r.text()
+                    r = await s.post("/v2/models/only/infer", json=body)
+                    assert r.status == 200, await r.text()
             finally:
                 await server.close()
     finally:

@@ -760,3 +760,51 @@ def test_a_model_the_nodes_catch_is_sent_and_statuses_read_from_messagepack_too(
     mqtt._node_status(status_topic("n1"), msgspec.msgpack.encode(online))
     assert mqtt.serves("m") is True and mqtt.serves("idle") is True
     assert mqtt.serves("other") is False
+
+
+async def test_a_cloud_that_lacks_the_model_is_named_when_no_option_is_left(
+    tmp_path, edge_repos, cloud
+):
+    # After the cloud's 404 the policy skips it for a cooldown, which it reads as
+    # "no link": the error said "cloud-http: no link" with the link up and well.
+    from shared.errors import ModelNotFound, ModelNotReady
+
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=cloud.http_url,
+        models='[models.ghost]\ncloud = "nowhere"\nmode = "cloud"\n',
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        with pytest.raises(ModelNotFound):
+            await agent.infer("ghost", {"x": X}, deadline_ms=3000)
+        with pytest.raises(ModelNotReady, match="answered that it has no model 'nowhere'"):
+            await agent.infer("ghost", {"x": X}, deadline_ms=3000)
+
+
+def test_the_agent_forgets_cloud_nodes_that_fell_silent_and_keeps_a_bounded_table(monkeypatch):
+    # Nodes left the table only on an "offline" status: one that died with the broker
+    # down (no last will) served its models for good, and 3,000 statuses from anyone who
+    # may publish one grew the table (and every request's walk of it) to 3,001 nodes.
+    import json
+
+    from edge.transports import mqtt as mqtt_transport
+    from edge.transports.mqtt import MqttTransport
+    from shared.mqtt import BrokerAddress, status_topic
+
+    mqtt = MqttTransport(BrokerAddress("127.0.0.1", 1))
+    status = {"state": "online", "models": [{"name": "m"}], "interval_s": 5}
+    mqtt._node_status(status_topic("timed"), json.dumps(status).encode())
+    untimed = {"state": "online", "models": [{"name": "n"}]}  # (an older node: no interval)
+    mqtt._node_status(status_topic("old"), json.dumps(untimed).encode())
+    assert mqtt.serves("m") and mqtt.serves("n")
+    mqtt._sweep(time.monotonic() + 14)  # three intervals, at least 15 s: not yet
+    assert mqtt.serves("m")
+    mqtt._sweep(time.monotonic() + 16)
+    assert set(mqtt.nodes) == {"old"} and mqtt.serves("m") is False and mqtt.serves("n")
+
+    monkeypatch.setattr(mqtt_transport, "MAX_NODES", 3)
+    for i in range(10):
+        mqtt._node_status(status_topic(f"n{i}"), json.dumps(status).encode())
+    assert len(mqtt.nodes) == 3 and "n9" in mqtt.nodes
+    assert len(mqtt._heard) <= 3 and set(mqtt._user_topics) == set(mqtt.nodes)

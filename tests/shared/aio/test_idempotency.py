@@ -136,6 +136,39 @@ async def test_the_cache_is_bounded_by_the_bytes_of_its_answers():
     assert len(huge) == 0 and huge.bytes == 0  # bigger than the cache: not kept
 
 
+async def test_a_cached_answer_owns_its_outputs_and_lets_the_batch_it_came_from_go():
+    """A batched run hands each request a view of the batch's output: cached as a view,
+    a 1 MiB keyed answer had pinned its 8 MiB batch while the bound counted 1 MiB."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from shared.aio.idempotency import owned_response, response_bytes
+    from shared.messages import InferResponse
+    from shared.tensors import Tensor
+
+    batch = np.ones((8, 1 << 18), np.float32)
+    gone = weakref.ref(batch)
+    first = InferResponse("m", [Tensor("y", "FP32", batch[2:3])])
+    del batch
+
+    async def work() -> InferResponse:
+        return first
+
+    cache: IdempotencyCache[InferResponse] = IdempotencyCache(
+        60, 10, sizeof=response_bytes, compact=owned_response
+    )
+    answer, duplicate = await cache.run("k", work)
+    assert answer is first and not duplicate
+    del answer, first, work
+    gc.collect()
+    assert gone() is None  # only the request's own row is kept
+    again, duplicate = await cache.run("k", lambda: None)  # type: ignore[arg-type,return-value]
+    assert duplicate and again.outputs[0].data.shape == (1, 1 << 18)
+    assert again.outputs[0].data.base is None and float(again.outputs[0].data[0, 5]) == 1.0
+
+
 async def test_expired_entries_are_let_go_not_kept_until_the_bounds_push_them_out():
     """The ttl had bounded nothing: 3000 keys with a 10 ms ttl were all still held."""
     import time
