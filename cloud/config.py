@@ -28,6 +28,7 @@ from shared.configcheck import NUMBER, check_keys, read_toml
 from shared.errors import ConfigError
 from shared.mqtt import BrokerAddress, parse_broker_url
 from shared.mqtt.codec import topic_name_problem
+from shared.redact import redact_url
 from shared.tensors import Limits
 
 #: a node's name, in UTF-8 bytes (a topic level and a Prometheus label: a host name's
@@ -254,7 +255,7 @@ def parse_mqtt_section(mqtt_data: dict[str, Any], source: str, base: Path) -> Mq
             if mqtt_data.get(key):
                 raise ConfigError(
                     f"{source}: key 'mqtt.{key}': TLS options need an mqtts:// broker URL, "
-                    f"but mqtt.url is {mqtt_data['url']!r} (plain TCP)"
+                    f"but mqtt.url is {redact_url(mqtt_data['url'])!r} (plain TCP)"
                 )
     if mqtt_data.get("key_file") and not mqtt_data.get("cert_file"):
         raise ConfigError(f"{source}: key 'mqtt.key_file': needs mqtt.cert_file as well")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +22,7 @@ from edge.core.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weigh
 from shared.configcheck import NUMBER, check_keys, loads_toml, read_config_text, read_toml
 from shared.errors import ConfigError
 from shared.mqtt import parse_broker_url
+from shared.redact import redact_url
 
 #: What an agent runs on when its agent.toml names no device and no link profiles.
 AGENT_DEFAULT_DEVICE = "x86-laptop"
@@ -35,8 +36,8 @@ def _agent_links(data: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CloudEndpoints:
-    mqtt_url: str | None = None
-    http_url: str | None = None
+    mqtt_url: str | None = field(default=None, repr=False)  # (shown redacted: __repr__)
+    http_url: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
     ca_file: str | None = None
     tls_insecure: bool = False
@@ -45,6 +46,16 @@ class CloudEndpoints:
     mqtt_password: str | None = field(default=None, repr=False)  # user name rides in the URL
     mqtt_client_id: str | None = None  # (None: a fresh random one per start)
     mqtt_keepalive_s: int = 30  # (a cellular NAT's idle timeout and the battery decide it)
+
+    def __repr__(self) -> str:
+        shown = {
+            "mqtt_url": None if self.mqtt_url is None else redact_url(self.mqtt_url),
+            "http_url": None if self.http_url is None else redact_url(self.http_url),
+        }
+        rest = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.repr and f.name not in shown
+        }
+        return f"CloudEndpoints({', '.join(f'{k}={v!r}' for k, v in (shown | rest).items())})"
 
 
 @dataclass(frozen=True)
@@ -333,7 +344,8 @@ def _cloud(data: dict[str, Any], source: str, base: Path) -> CloudEndpoints:
             parts = None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
-                f"{source}: key 'cloud.http': expected an http:// or https:// URL, got {http_url!r}"
+                f"{source}: key 'cloud.http': expected an http:// or https:// URL, got "
+                f"{redact_url(http_url)!r}"
             )
     if cloud.get("key_file") and not cloud.get("cert_file"):
         raise ConfigError(f"{source}: key 'cloud.key_file': needs cloud.cert_file as well")

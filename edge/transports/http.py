@@ -24,6 +24,7 @@ from shared.errors import (
     error_from_code,
 )
 from shared.messages import InferRequest, InferResponse
+from shared.redact import redact_url
 from shared.tensors import DEFAULT_LIMITS, Limits
 
 #: seconds a transport whose endpoint refused a connection reads as down
@@ -103,7 +104,7 @@ class HttpTransport:
             if _not_there(exc):
                 self._refused_at = time.monotonic()
             raise EndpointUnavailable(
-                f"cloud endpoint {self.base_url} unreachable: {exc}"
+                f"cloud endpoint {redact_url(self.base_url)} unreachable: {exc}"
             ) from None
         self._refused_at = None
         if resp.status in (401, 403) and path != "/v2/health/live":
@@ -111,7 +112,7 @@ class HttpTransport:
                 log.warning(
                     "cloud endpoint %s refused this agent's token (HTTP %d): offloads over it "
                     "fail until [cloud] token_file holds a token it accepts (a restart reads it)",
-                    self.base_url,
+                    redact_url(self.base_url),
                     resp.status,
                 )
             self._denied = f"the cloud refused this agent's token (HTTP {resp.status})"

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from shared.errors import ConfigError
+from shared.redact import redact_url
 
 PREFIX = "ferry/v1"
 SHARE_GROUP = "ferry"
@@ -143,16 +144,16 @@ def parse_broker_url(url: str) -> BrokerAddress:
     try:
         parts = urlsplit(url)
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket
-        raise ConfigError(f"broker URL {url!r}: {exc}") from None
+        raise ConfigError(f"broker URL {redact_url(url)!r}: {exc}") from None
     if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
-        raise ConfigError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
+        raise ConfigError(f"broker URL {redact_url(url)!r}: scheme must be mqtt:// or mqtts://")
     tls = parts.scheme in ("mqtts", "ssl")
     if not parts.hostname:
-        raise ConfigError(f"broker URL {url!r} has no host")
+        raise ConfigError(f"broker URL {redact_url(url)!r} has no host")
     try:
         port = parts.port or (8883 if tls else 1883)
     except ValueError:
-        raise ConfigError(f"broker URL {url!r} has a bad port") from None
+        raise ConfigError(f"broker URL {redact_url(url)!r} has a bad port") from None
     return BrokerAddress(
         host=parts.hostname,
         port=port,
