@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from edge.store import DeferredItem, DeferredResult, DeferredStore, db_error
+from edge.store import DeferredItem, DeferredResult, DeferredStore, StoreFailed, db_error
 from shared import envelope
 from shared.errors import (
     DeadlineExceeded,
@@ -37,6 +37,7 @@ from shared.errors import (
     Unauthenticated,
 )
 from shared.messages import InferRequest, InferResponse
+from shared.recurring import Recurring
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class Deferrer:
         self._unsaved_bytes = 0
         self._flushing = asyncio.Lock()  # one flush at a time: "sending" rows are its own
         self._closed = False
+        # A store that fails (a full or read-only disk) is said once, then once a minute,
+        # and its recovery once: a flush a second had logged a line a second.
+        self._store_trouble = Recurring(log, f"the deferred store {store.path}")
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._closed:  # (a call queued behind close would reopen the store, and leak it)
@@ -117,17 +121,16 @@ class Deferrer:
         tokens) is the only one :meth:`result` answers about it."""
         assert request.id is not None
         now = time.time()
-        await self._call(
-            self.store.put,
-            model,
-            envelope.encode_request(request),
-            request_id=request.id,
-            created_wall=now,
-            expires_wall=now + self.ttl_s,
-            priority=int(request.parameters.get("priority", 0) or 0),
-            owner=owner,
-            app_id=app_id,
-        )
+        try:
+            await self._put(model, request, now, owner, app_id)
+        except StoreFailed as exc:
+            self._store_trouble.failed(
+                f"{exc.message} (requests that would wait for a link are refused until it "
+                "can write: free room on its disk, or fix the state_dir)",
+                logging.ERROR,
+            )
+            raise
+        self._store_trouble.ok()
         return InferResponse(
             model_name=model,
             outputs=[],
@@ -138,6 +141,21 @@ class Deferrer:
                 "request_id": request.id,
                 "decision": reason,
             },
+        )
+
+    async def _put(
+        self, model: str, request: InferRequest, now: float, owner: str, app_id: str | None
+    ) -> None:
+        await self._call(
+            self.store.put,
+            model,
+            envelope.encode_request(request),
+            request_id=request.id,
+            created_wall=now,
+            expires_wall=now + self.ttl_s,
+            priority=int(request.parameters.get("priority", 0) or 0),
+            owner=owner,
+            app_id=app_id,
         )
 
     async def flush(
@@ -157,10 +175,18 @@ class Deferrer:
         """
         async with self._flushing:
             try:
-                return await self._flush(send, can_send, limit)
+                sent = await self._flush(send, can_send, limit)
             except db_error() as exc:  # the store failed its own bookkeeping
-                log.warning("deferred flush stopped: the store failed (%s)", exc)
+                self._store_trouble.failed(f"stored requests wait: it failed ({exc})")
                 return 0
+            if self._unsaved:  # (answers it could not write wait in memory)
+                self._store_trouble.failed(
+                    f"it cannot write the answers of {len(self._unsaved)} delivered requests "
+                    "(kept in memory until it can)"
+                )
+            else:
+                self._store_trouble.ok()
+            return sent
 
     async def _flush(self, send: Sender, can_send: Callable[[str | None], bool], limit: int) -> int:
         if not self.store.opened:

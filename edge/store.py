@@ -68,6 +68,11 @@ def db_error() -> type[Exception]:
     return sqlite3.Error
 
 
+class StoreFailed(Overloaded):
+    """The store's own fault (a full or read-only disk), not its bounds: still an
+    ``overloaded`` answer for the app (retry later), but one the operator must hear of."""
+
+
 @dataclass
 class DeferredItem:
     request_id: str
@@ -245,7 +250,7 @@ class DeferredStore:
             if old is not None:
                 self._count_held()
         except sqlite3.Error as exc:
-            raise Overloaded(
+            raise StoreFailed(
                 f"the deferred store cannot take the request: {exc}", retry_after=60.0
             ) from None
 

@@ -46,6 +46,7 @@ from shared.mqtt.codec import (
 from shared.mqtt.framing import Oversized, PacketFramer
 from shared.mqtt.session import ClientSession, decode
 from shared.mqtt.topics import BrokerAddress
+from shared.recurring import Recurring
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,9 @@ class MqttClient:
         self._closing = False
         self._runner: asyncio.Task[None] | None = None
         self.connections = 0  # CONNACKs accepted so far
+        # A broker that stays away is logged once, then once a minute with a count; its
+        # return once (a log whose last MQTT line was a failure read as "still down").
+        self._outage = Recurring(log, f"MQTT broker {broker.host}:{broker.port}")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, wait_s: float = 5.0) -> bool:
@@ -327,21 +331,21 @@ class MqttClient:
                 await self._connect_once()
             except (OSError, TimeoutError, ConnectionError, RefusedError) as exc:
                 self.last_error = str(exc) or type(exc).__name__
-                log.warning(
-                    "MQTT broker %s:%s: %s", self.broker.host, self.broker.port, self.last_error
-                )
-                if isinstance(exc, RefusedError) and exc.reason in (0x86, 0x87):
+                denied = isinstance(exc, RefusedError) and exc.reason in (0x86, 0x87)
+                if denied:
                     delay = self.reconnect_max_s  # bad credentials: no point hurrying
+                    who = self.broker.username or "(anonymous)"
+                    self._outage.failed(
+                        f"{self.last_error}; check the user name ({who}) and password this "
+                        "process gives the broker",
+                        logging.ERROR,
+                    )
+                else:
+                    self._outage.failed(self.last_error)
             except Exception as exc:  # (a host name no resolver takes: UnicodeError ...)
                 # the loop had ended for good on these while start() said "retrying"
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                log.error(
-                    "MQTT broker %s:%s: %s: %s",
-                    self.broker.host,
-                    self.broker.port,
-                    type(exc).__name__,
-                    exc,
-                )
+                self._outage.failed(self.last_error, logging.ERROR)
                 delay = self.reconnect_max_s
             if self._closing:
                 return
@@ -389,6 +393,7 @@ class MqttClient:
             self.connections += 1
             up = True
             self.last_error = None
+            self._outage.ok("connected again")
             self._connected.set()
             pinger = asyncio.create_task(self._keepalive(conn, keepalive))
             if self.on_connect is not None:
@@ -405,6 +410,8 @@ class MqttClient:
                 conn.transport.abort()
             self._conn = None
             self._fail_waiters(EndpointUnavailable("MQTT connection lost"))
+        if up and not self._closing and not self._outage.failing:
+            self._outage.since = time.monotonic()  # (lost: its return is logged)
         if up and self.on_disconnect is not None and not self._closing:
             try:
                 self.on_disconnect(error)

@@ -215,6 +215,49 @@ async def test_an_answer_the_full_store_cannot_write_is_kept_and_written_later(t
     await deferrer.close()
 
 
+async def test_a_failing_store_is_logged_once_with_its_path_and_its_recovery_once(
+    tmp_path, caplog
+):
+    # A full disk logged "deferred flush stopped" at every flush (one a second), naming
+    # no file, and nothing at all when deferrals were refused or when it worked again.
+    import logging
+    import time
+
+    import numpy as np
+    import pytest
+
+    from edge.deferred import Deferrer
+    from edge.store import StoreFailed
+    from shared.messages import InferRequest, InferResponse
+    from shared.tensors import Tensor
+
+    caplog.set_level(logging.INFO, "edge.deferred")
+    store = DeferredStore(tmp_path / "d.db")
+    store.put("m", _request_bytes("r1"), request_id="r1", created_wall=time.time(),
+              expires_wall=None)  # fmt: skip
+    _fill_up(store)
+    deferrer = Deferrer(store)
+    big = np.ones(100_000, np.float32)
+
+    async def send(model, request):
+        return InferResponse(model_name=model, outputs=[Tensor.from_array("y", big)], id=request.id)
+
+    for _ in range(5):
+        await deferrer.flush(send, lambda model: True)
+    huge = InferRequest(inputs=[Tensor.from_array("x", big)], id="r2")
+    for _ in range(3):
+        with pytest.raises(StoreFailed):
+            await deferrer.defer("m", huge, deadline_ms=None, reason="no link")
+    said = [r for r in caplog.records if str(tmp_path / "d.db") in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.ERROR], said
+    store._db.execute("PRAGMA max_page_count = 1000000")  # room again
+    await deferrer.flush(send, lambda model: True)
+    await deferrer.flush(send, lambda model: True)
+    back = [r for r in caplog.records if "works again" in r.getMessage()]
+    assert len(back) == 1 and str(tmp_path / "d.db") in back[0].getMessage()
+    await deferrer.close()
+
+
 def _request_bytes(request_id: str) -> bytes:
     import numpy as np
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
 
 import paho.mqtt.client as paho
+import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -123,7 +125,10 @@ async def test_the_will_is_published_when_the_connection_drops_not_on_close(
         watcher.loop_stop()
 
 
-async def test_it_reconnects_after_a_broker_restart_and_subscribes_again(broker: Broker) -> None:
+async def test_it_reconnects_after_a_broker_restart_and_subscribes_again(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "shared.aio.mqtt")
     got: list[Publish] = []
     ours = MqttClient(
         parse_broker_url(broker.url), "again", on_message=got.append, reconnect_max_s=0.5
@@ -137,6 +142,8 @@ async def test_it_reconnects_after_a_broker_restart_and_subscribes_again(broker:
     await asyncio.to_thread(broker.restart, 0.3)
     await until(lambda: ours.connections == 2, 10)
     assert disconnects and (pending is None or pending.done())
+    # its return is said (the log's last MQTT line had been the failure: "still down")
+    assert any("connected again" in r.getMessage() for r in caplog.records)
     await asyncio.sleep(0.2)
     peer = paho_client(broker)
     try:
@@ -190,10 +197,21 @@ async def test_a_silent_broker_is_noticed_by_the_keepalive(broker: Broker) -> No
     await ours.close()
 
 
-async def test_an_unreachable_broker_leaves_the_client_retrying_quietly() -> None:
-    ours = MqttClient(parse_broker_url("mqtt://127.0.0.1:9"), "nobody", reconnect_max_s=0.2)
+async def test_an_unreachable_broker_leaves_the_client_retrying_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "shared.aio.mqtt")
+    ours = MqttClient(
+        parse_broker_url("mqtt://127.0.0.1:9"),
+        "nobody",
+        reconnect_min_s=0.05,
+        reconnect_max_s=0.05,
+    )
     assert await ours.start(0.5) is False
     assert ours.publish("t", b"x") is None
+    assert ours._outage.count > 2
+    # once, not once per attempt (a broker outage had logged a line every few seconds)
+    assert len([r for r in caplog.records if "127.0.0.1:9" in r.getMessage()]) == 1
     await ours.close()
 
 
