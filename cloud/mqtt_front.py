@@ -35,6 +35,7 @@ from cloud.config import MqttConfig
 from cloud.dataplane import DataPlane
 from shared import envelope
 from shared.admission import ByteBudget
+from shared.aio.http_server import CUT_ANSWER_S
 from shared.aio.mqtt import MqttClient
 from shared.errors import (
     FerryError,
@@ -129,6 +130,7 @@ class MqttFront:
         self._client: MqttClient | None = None
         self._subscribed: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._cut = False  # the drain's grace ran out: requests still running answer so
         self._status_task: asyncio.Task[None] | None = None
         self._accepting = True  # False once intake stopped: late requests get "unavailable"
         self._closed = False
@@ -207,9 +209,18 @@ class MqttFront:
         while self._tasks:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                # The grace is over: each request still running is answered that the node
+                # stops (it was acknowledged on receipt: the broker will not send it again,
+                # and its sender had waited out its own deadline for nothing).
                 log.warning(
-                    "MQTT drain: %d requests still running at the deadline", len(self._tasks)
+                    "MQTT drain: %d requests still running at the deadline: answered shutting_down",
+                    len(self._tasks),
                 )
+                self._cut = True
+                tasks = list(self._tasks)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks, timeout=CUT_ANSWER_S)
                 return
             await asyncio.wait(list(self._tasks), timeout=remaining)
             await asyncio.sleep(0)  # let messages already received spawn their tasks
@@ -671,6 +682,17 @@ class MqttFront:
         except FerryError as exc:
             request_id = request_id or envelope.peek_request_id(payload) or ""
             reply = envelope.encode_error_reply(request_id, exc)
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
+            request_id = request_id or envelope.peek_request_id(payload) or ""
+            stopped = ShuttingDown(
+                f"node {self.node} stopped before this request's answer (its shutdown grace "
+                "ran out): send it again"
+            )
+            self._reply(props, envelope.encode_error_reply(request_id, stopped))
+            self.replies_sent += 1
+            raise
         except Exception:  # never let one message take the front down
             log.exception("MQTT request failed")
             request_id = request_id or envelope.peek_request_id(payload) or ""

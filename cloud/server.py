@@ -37,6 +37,7 @@ from shared.aio.http_server import (
     check_listen,
     default_max_connections,
 )
+from shared.aio.signals import stop_on_signals
 from shared.errors import FerryError
 from shared.heap import trim_heap
 from shared.repository import ModelRepository
@@ -228,8 +229,7 @@ async def serve(config: CloudConfig) -> int:
     server = CloudServer(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop, f"at most {config.shutdown_grace_s:g} s: shutdown_grace_s")
     # SIGHUP's default killed the node on the spot, requests in flight and all.  Now a
     # standalone node reads its repository again (Triton's poll mode, on demand); in a
     # fleet the controller rescans on its own and places what changed.

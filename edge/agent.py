@@ -62,6 +62,9 @@ RELOAD_RETRY_S = 10.0
 #: seconds a local variant the config no longer names stays loaded (requests that
 #: began before the reload may still run it), after which it is unloaded when idle
 RETIRE_AFTER_S = 30.0
+#: after a drain runs out, how long the requests still queued for a local run have to be
+#: answered (they fail at once; the runs already under way end first)
+STOP_QUEUED_S = 1.5
 
 #: what POST /v2/agent/link may name: a profile of devices/links, not a path
 _LINK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -261,7 +264,15 @@ class Agent:
     async def _close(self, drain_s: float) -> None:
         self.ready = False
         if not await self.dataplane.drain(drain_s):
-            log.warning("stopping with requests still in flight after %g s", drain_s)
+            # what waits for a local run is answered shutting_down now (the run under way
+            # ends first), while the fronts are still open to write those answers
+            log.warning(
+                "stopping with requests still in flight after %g s: those still queued for a "
+                "local run are answered shutting_down",
+                drain_s,
+            )
+            self.local.stop_queued()
+            await self.dataplane.drain(STOP_QUEUED_S)
         for task in (*self._tasks, *self._reloads):
             task.cancel()
         for task in (*self._tasks, *self._reloads):

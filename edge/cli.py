@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from shared.aio.signals import stop_on_signals
 from shared.errors import FerryError
 
 COMMANDS = ("run", "emulate-link", "evaluate", "profile", "build-native")
@@ -93,8 +94,7 @@ async def _run(config_path: Path, api_port: int | None) -> int:
     agent = Agent(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop, f"at most {DRAIN_S + 2:g} s")
     # SIGHUP (a closed terminal, an operator's "reload"): re-read the config now; by
     # default it killed the agent on the spot, requests in flight and estimates lost.
     loop.add_signal_handler(signal.SIGHUP, agent.reload_soon)

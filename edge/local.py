@@ -24,6 +24,7 @@ from shared.errors import (
     ModelNotReady,
     Overloaded,
     RunCancelled,
+    ShuttingDown,
 )
 from shared.pipeline import open_session
 from shared.repository import ModelConfig, ModelRepository, complete_config
@@ -83,6 +84,7 @@ class LocalModels:
         self._emulated: dict[str, asyncio.Lock] = {}
         self._lock = threading.Lock()  # (load runs in a worker thread, close on the loop)
         self._closed = False
+        self._stopping = False  # the agent's drain ran out: queued runs are not made
 
     def backlog(self, name: str) -> int:
         """Requests submitted to ``name`` and not finished (one runs at a time)."""
@@ -162,6 +164,8 @@ class LocalModels:
         model = self.get(name)
         loop = asyncio.get_running_loop()
         waiting = self._backlog.get(name, 0)
+        if self._stopping:
+            raise _stopped(name)
         _check_deadline(name, deadline, waiting)
         # (runs whose callers gave up stay queued on the thread, holding their inputs,
         # until it skips them: counted against the bound until then)
@@ -195,14 +199,14 @@ class LocalModels:
                 if model.thread is None:
                     model.thread = SessionThread(f"local-{name}", loop)
                 handed = time.perf_counter_ns()
-                run = model.run_sync
                 started: list[bool] = []
-                if deadline is not None:
 
-                    def run(i: Any, o: Any, c: Any, w: int = waiting) -> Any:
-                        started.append(True)
-                        _check_deadline(name, deadline, w)  # (in the thread, as it starts)
-                        return model.run_sync(i, o, c)
+                def run(i: Any, o: Any, c: Any, w: int = waiting) -> Any:
+                    started.append(True)
+                    if self._stopping:  # (the agent stops: answered at once, not run)
+                        raise _stopped(name)
+                    _check_deadline(name, deadline, w)  # (in the thread, as it starts)
+                    return model.run_sync(i, o, c)
 
                 self._queued[name] = self._queued.get(name, 0) + 1
 
@@ -232,6 +236,8 @@ class LocalModels:
                         _check_deadline(name, deadline, waiting)  # (passed: raises)
                         raise
                 try:
+                    if self._stopping:
+                        raise _stopped(name)
                     _check_deadline(name, deadline, waiting)
                     if cancel is not None and cancellable(model.session):
                         await _emulated_run(loop, emulated - seconds, cancel)
@@ -243,6 +249,12 @@ class LocalModels:
         finally:
             self._backlog[name] -= 1
         return result, seconds
+
+    def stop_queued(self) -> None:
+        """The agent stops and its drain ran out: runs not yet started are answered
+        ``shutting_down`` at once instead of made, one after another, while the app
+        that sent them had been cut off (a 250-deep queue held the exit 37 s)."""
+        self._stopping = True
 
     def take_back(self, name: str) -> LocalModel | None:
         """Withdraw ``name`` unless a run of it is under way (None then): no run can
@@ -291,6 +303,10 @@ async def _queued(
     except asyncio.CancelledError:
         future.cancel()
         raise
+
+
+def _stopped(name: str) -> ShuttingDown:
+    return ShuttingDown(f"local model {name!r}: the agent stopped before this request ran")
 
 
 def _check_deadline(name: str, deadline: float | None, ahead: int) -> None:

@@ -39,6 +39,7 @@ from cloud.fleet.follower import STATUS_PATTERN
 from cloud.mqtt_front import new_client
 from shared.aio.http_server import HttpServer, Request, Response, RoutedApp, Router, json_response
 from shared.aio.mqtt import MqttClient
+from shared.aio.signals import stop_on_signals
 from shared.errors import ConfigError, FerryError
 from shared.mqtt import (
     ALERTS_TOPIC,
@@ -108,6 +109,7 @@ class ControllerService(RoutedApp):
         self._leader_seen = 0.0  # when its status last came (monotonic)
         self._beat = -math.inf  # when this one last said it is alive
         self._rescan_task: asyncio.Task[None] | None = None
+        self._scan_now = False  # SIGHUP: read the repository at the next step
         self._removing: set[str] = set()  # models one scan found gone (a second confirms)
         # after a (re)connect: when to put ours back as the retained placement, unless
         # the broker's (its generation, once read) is as new
@@ -137,12 +139,21 @@ class ControllerService(RoutedApp):
             self._http = HttpServer(self)
             self.http_port = await self._http.start(self.options.http_host, self.options.http_port)
 
+    def rescan_soon(self) -> None:
+        """Read the repository at the next step, not only every RESCAN_S (SIGHUP)."""
+        if self.options.rescan is None:
+            log.info("SIGHUP: this controller has no repository to read again")
+            return
+        log.info("SIGHUP: reading the repository again")
+        self._scan_now = True
+
     async def run(self, stop: asyncio.Event) -> None:
         last_scan = time.monotonic()
         while not stop.is_set():
             now = time.monotonic()
-            if self.options.rescan is not None and now - last_scan >= RESCAN_S:
-                last_scan = now
+            due = now - last_scan >= RESCAN_S or self._scan_now
+            if self.options.rescan is not None and due:
+                last_scan, self._scan_now = now, False
                 if self._rescan_task is None or self._rescan_task.done():
                     self._rescan_task = asyncio.create_task(self._rescan())
             self.tick(now)
@@ -383,8 +394,10 @@ async def run_controller(core: ControllerCore, options: ControllerOptions) -> in
     service = ControllerService(core, options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop, "it ends within a second or two")
+    # SIGHUP's default killed the controller (its will published "offline"): it reads
+    # the repository again now, as a standalone node does on SIGHUP.
+    loop.add_signal_handler(signal.SIGHUP, service.rescan_soon)
     await service.start()
     http = f" http=http://{options.http_host}:{service.http_port}" if service.http_port else ""
     print(

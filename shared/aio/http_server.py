@@ -46,7 +46,7 @@ from urllib.parse import unquote
 
 from shared.aio.eager import eager_future
 from shared.buffered import tail_for
-from shared.errors import ConfigError, FerryError
+from shared.errors import ConfigError, FerryError, ShuttingDown
 from shared.http.wire import CONTINUE, BodyPool, Head, HttpError, RequestParser, response_head
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 _JOIN_BELOW = 64 * 1024  # answers smaller than this leave in one write (one syscall)
 _PAUSE_ABOVE = 1 << 20  # pipelined bytes buffered before reading pauses
+#: how long requests cut off at the end of a shutdown's grace have to send that answer
+CUT_ANSWER_S = 0.5
 
 
 class Request:
@@ -394,6 +396,16 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             try:
                 response = await self.server.app.handle(request)
+            except asyncio.CancelledError:
+                if not self.server.cut or self.closing:
+                    raise
+                # the shutdown's grace ran out with this one unanswered: say so, not a reset
+                response = ferry_error_response(
+                    ShuttingDown(
+                        "the server stopped before this request's answer (its shutdown "
+                        "grace ran out): send it again, to another server"
+                    )
+                )
             except Exception:
                 log.exception("unhandled error on %s %s", request.method, request.path)
                 response = error_response(500, "internal server error", "internal")
@@ -475,6 +487,19 @@ class _Connection(asyncio.BufferedProtocol):
             self._finish(self.request)
         self._end()
 
+    def _stopped(self) -> None:
+        """A request whose body is still coming when the server's grace ends."""
+        request = self.request
+        message = (
+            "the server stopped before this request arrived whole (its shutdown grace ran out)"
+        )
+        response = ferry_error_response(ShuttingDown(message))
+        response.close = True
+        self._send(response)
+        if request is not None:
+            self._finish(request)
+        self._end()
+
     def _end(self) -> None:
         self.closing = True
         if self.transport is not None:
@@ -545,6 +570,7 @@ class HttpServer:
         self._reaper: asyncio.Task[None] | None = None
         self.bodies = BodyPool(max_bytes=self.options.body_pool_bytes)
         self.closing = False
+        self.cut = False  # a drain's grace ran out: requests still going are answered 503
         self.refused = 0
         self.reaped = 0
 
@@ -590,11 +616,20 @@ class HttpServer:
             if not busy and now >= linger_until:
                 break
             await asyncio.sleep(0.01)
+        # The grace is over: a request still running or still arriving is answered that
+        # the server stops (503 shutting_down), not cut off without a word.
+        self.cut = True
+        tasks = []
+        for conn in list(self._connections):
+            if conn.task is not None:
+                conn.task.cancel()
+                tasks.append(conn.task)
+            elif conn.state in (_HEAD, _BODY) and conn.request is not None:
+                conn._stopped()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CUT_ANSWER_S)
         for conn in list(self._connections):
             conn._end()
-        tasks = [c.task for c in self._connections if c.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(0.001, deadline - time.monotonic()))
 
     async def close(self) -> None:
         self.stop_listening()

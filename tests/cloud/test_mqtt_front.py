@@ -581,6 +581,41 @@ async def test_a_draining_front_answers_every_request_it_received(broker, tmp_pa
             assert isinstance(r[0][1], ShuttingDown | ModelNotReady)
 
 
+async def test_requests_still_running_when_the_grace_ends_are_answered_not_dropped(
+    broker, tmp_path
+):
+    """They were acknowledged on receipt (the broker never sends them again): at the
+    deadline they had been left without a reply, their senders waiting out their own."""
+    from cloud.config import MqttConfig
+    from cloud.dataplane import DataPlane
+    from cloud.mqtt_front import MqttFront
+    from shared.repository import ModelRepository
+    from shared.tensors import Limits
+
+    dp = DataPlane(ModelRepository(build_slow_repository(tmp_path / "repo")), "d")
+    await dp.load("slow")
+    front = MqttFront(dp, MqttConfig(broker=parse_broker_url(broker.url)), Limits(), "d")
+    await front.start()
+    raw = await asyncio.to_thread(RawClient, broker)
+    try:
+        await asyncio.sleep(0.3)  # the front's subscription is in place
+        sent = [raw.publish("slow", np.full((1, 4), i + 1, np.float32)) for i in range(4)]
+        while front.received < len(sent):
+            await asyncio.sleep(0.01)
+        front.stop_intake()
+        await front.drain(time.monotonic() + 0.01)  # the grace ends with all still running
+        assert not front._tasks
+        await front.close()
+        await asyncio.sleep(1.0)  # replies in transit reach the client
+    finally:
+        raw.close()
+        await dp.close()
+    replies = [raw.replies.get(c, []) for c in sent]
+    assert all(len(r) == 1 for r in replies), replies
+    cut = [r[0][1] for r in replies if isinstance(r[0][1], Exception)]
+    assert cut and all(isinstance(e, ShuttingDown) and "grace ran out" in str(e) for e in cut)
+
+
 def _mqtt311(broker, client_id: str, subscribe: str | None = None):
     """A paho MQTT 3.1.1 client, connected (and subscribed): (client, its messages)."""
     import queue

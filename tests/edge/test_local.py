@@ -262,3 +262,40 @@ async def test_a_request_waiting_for_the_emulated_device_is_refused_at_its_deadl
     assert not busy.done()  # refused while the device was still busy, not once it was free
     await busy
     local.close()
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+async def test_runs_still_queued_when_the_agent_stops_are_answered_shutting_down_not_made(
+    tmp_path, emulated
+):
+    # The agent's drain ran out with 250 local runs queued: each was still made, one
+    # after another, while its app had been cut off, and the exit took 37 s.
+    import time
+
+    from shared.errors import ShuttingDown
+
+    write_linear_model(tmp_path / "lin" / "1" / "model.onnx")
+    local = LocalModels(ModelRepository(tmp_path), latency_floor_s=0.2 if emulated else 0.0)
+    model = local.load("lin")
+    started = []
+    run_sync = model.run_sync
+
+    def slow(inputs, outputs, cancel=None):
+        started.append(time.monotonic())
+        time.sleep(0 if emulated else 0.2)
+        return run_sync(inputs, outputs, cancel)
+
+    model.run_sync = slow
+    x = {"x": np.ones((1, 4), np.float32)}
+    runs = [asyncio.ensure_future(local.run("lin", x)) for _ in range(6)]
+    await asyncio.sleep(0.05)
+    local.stop_queued()
+    t0 = time.monotonic()
+    results = await asyncio.gather(*runs, return_exceptions=True)
+    assert not isinstance(results[0], BaseException)  # the run under way ends
+    assert all(isinstance(r, ShuttingDown) for r in results[1:]), results
+    assert time.monotonic() - t0 < 0.5  # (not 0.2 s for each)
+    assert emulated or len(started) <= 2  # (emulated: each computes at once, then waits)
+    with pytest.raises(ShuttingDown):
+        await local.run("lin", x)
+    local.close()

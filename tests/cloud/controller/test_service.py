@@ -226,3 +226,42 @@ def test_a_controller_whose_http_port_is_taken_exits_with_the_error(broker, tmp_
             assert "error [invalid_config]: cannot listen on 127.0.0.1" in done.stderr
     finally:
         taken.close()
+
+
+def test_sighup_reads_the_repository_again_and_a_second_sigterm_is_said(broker, tmp_path):
+    # SIGHUP killed the controller on the spot (exit 129, its will "offline"), and a
+    # second signal during a stop was swallowed without a word.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.support import ROOT, write_linear_model
+
+    write_linear_model(tmp_path / "repo" / "linear" / "1" / "model.onnx")
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "cloud.cli", "controller", "--broker", broker.url),
+            *("--repository", str(tmp_path / "repo"), "--http-port", "0"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "ready" in proc.stdout.readline()
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)  # (a second SIGTERM may merge with the first)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "SIGHUP: reading the repository again" in err
+    assert ": already stopping" in err  # (either signal may be taken first)

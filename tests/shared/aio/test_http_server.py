@@ -323,6 +323,30 @@ async def test_a_stop_finishes_running_requests_and_refuses_new_connections() ->
     await server.close()
 
 
+async def test_requests_still_going_when_the_grace_ends_are_answered_503_not_cut() -> None:
+    # At the drain's deadline a running request and one still sending its body had
+    # their connections closed without a word: the client saw a bare disconnect.
+    app = Echo()
+    app.gate.clear()  # never answers by itself
+    server = await serve(app)
+    port = server.port
+    running = asyncio.create_task(
+        exchange(port, b"POST /slow HTTP/1.1\r\nContent-Length: 1\r\n\r\ns", b"}")
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nhalf")
+    await asyncio.sleep(0.2)
+    await server.drain(time.monotonic() + 0.3)
+    out = await asyncio.wait_for(running, 5)
+    assert out.startswith(b"HTTP/1.1 503") and b'"code": "shutting_down"' in out.replace(
+        b'":"', b'": "'
+    )
+    stalled = await asyncio.wait_for(reader.read(), 5)
+    assert stalled.startswith(b"HTTP/1.1 503") and b"shutting_down" in stalled
+    writer.close()
+    await server.close()
+
+
 def test_the_router_matches_templates_decodes_segments_and_says_405() -> None:
     router = Router()
     router.add("GET", "/v2/models/{model}", "meta")
