@@ -3,7 +3,7 @@
 Each model's ``[placement]`` table (latency objective, min/max copies, a rate
 to plan for until one is observed, allowed backends) is the operator's word;
 the backends it can run on are the ones its files allow (a config that names
-a backend pins it).  A model whose folder is broken is reported, not fatal:
+a backend pins it, unless ``[placement] backends`` names the ones the fleet may use).  A model whose folder is broken is reported, not fatal:
 the rest of the fleet still gets placed.
 """
 
@@ -52,14 +52,21 @@ def _entry(repository: ModelRepository, name: str) -> ModelEntry:
     folder = repository.model_dir(name) / str(versions[-1])
     # (OpenVINO serves a model.onnx: a model configured so had been placed nowhere)
     present = repository.backends(name, versions[-1])
-    if config.backend is not None:
+    if config.placement.backends:
+        # the operator's word for the fleet: it overrides the config's own backend (the
+        # one a standalone node serves), as tune, which measures and picks among them,
+        # reads it; each copy's backend goes with the placement to its node
+        backends = [b for b in present if b in config.placement.backends]
+    elif config.backend is not None:
         backends = [config.backend] if config.backend in present else []
     else:
         backends = list(present)  # a folder may hold the same model for several runtimes
-    if config.placement.backends:
-        backends = [b for b in backends if b in config.placement.backends]
     if not backends:
-        raise FerryError(f"model {name!r}: no backend both allowed and present in {folder}")
+        raise FerryError(
+            f"model {name!r}: no backend both allowed ([placement] backends "
+            f"{list(config.placement.backends) or 'any'}, backend "
+            f"{config.backend or 'any'}) and present in {folder} ({', '.join(present) or 'none'})"
+        )
     _, path = repository.model_file(name, versions[-1], config.backend)
     memory = model_file_bytes(path) * SESSION_MEMORY_FACTOR * len(versions)
     memory *= config.instance_group.count

@@ -35,6 +35,12 @@ def add_fleet_commands(sub: Any) -> None:
         help="coefficient of variation of arrivals to plan headroom for (1: Poisson)",
     )
     controller.add_argument("--alert-window-s", type=float, default=60.0)
+    controller.add_argument(
+        "--idle-unload-s",
+        type=float,
+        default=300.0,
+        help="unload a min_copies = 0 model no request asked for in this long (default 300)",
+    )
     fleet = sub.add_parser("fleet", help="show nodes, models, copies, rates and alerts")
     _broker_arguments(fleet)
     fleet.add_argument("--wait-s", type=float, default=1.5, help="time to collect retained state")
@@ -93,6 +99,7 @@ def _controller(args: argparse.Namespace) -> int:
         ("--interval-s", args.interval_s, False),
         ("--burst-cv", args.burst_cv, True),
         ("--alert-window-s", args.alert_window_s, False),
+        ("--idle-unload-s", args.idle_unload_s, False),
     ):
         if not (0.0 <= value < float("inf")) or (value == 0.0 and not zero_ok):
             least = ">= 0" if zero_ok else "> 0"
@@ -116,6 +123,7 @@ def _controller(args: argparse.Namespace) -> int:
         interval_s=args.interval_s,
         headroom=Headroom(cv=args.burst_cv),
         alerts=AlertSettings(window_s=args.alert_window_s),
+        idle_unload_s=args.idle_unload_s,
     )
     core = ControllerCore(catalogue, profiles, settings)
     for name, why in sorted(problems.items()):

@@ -41,6 +41,10 @@ FAILED_LOAD_HOLD_S = 300.0
 #: a model with no profile and no measurement is planned as this (seconds)
 FALLBACK_A_S = 0.005
 FALLBACK_BETA_S = 0.002
+#: what a min_copies = 0 model in use is planned at, at least: its one copy, however
+#: rare its requests (below alerts.MIN_PLANNED_RATE: no "over-provisioned" for it)
+IN_USE_FLOOR = 0.005
+
 #: executions (over the fleet, after each host's first report) before their mean compute
 #: time stands for the model: the first runs after a load are the slow ones (8 cold runs
 #: of a 21 ms model read as one too slow for its objective, and its serving copy was
@@ -54,6 +58,9 @@ class ControllerSettings:
     settle_s: float = 2.0
     rate_tolerance: float = 0.25
     min_rate_change: float = 0.5  # req/s: smaller moves never trigger a re-placement
+    #: a min_copies = 0 model asked for by no request for this long is unloaded (its
+    #: measured rate had decayed to ~0 without ever being a change worth a step)
+    idle_unload_s: float = 300.0
     headroom: Headroom | None = None
     alerts: AlertSettings = field(default_factory=AlertSettings)
 
@@ -86,6 +93,7 @@ class ControllerCore:
         self.started = started
         self.settle_until = -math.inf  # (see reconnected)
         self.last_step = -math.inf
+        self.now = -math.inf  # the clock of the last step
         self.moves_total = 0
         self.steps = 0
         self._membership_dirty = True
@@ -137,7 +145,20 @@ class ControllerCore:
             measured = self.view.rate(name)
         else:
             measured = self.planned_rates.get(name, 0.0)
-        return max(entry.policy.rate, measured)
+        rate = max(entry.policy.rate, measured)
+        if entry.policy.min_copies == 0 and entry.policy.rate <= 0:
+            # Loaded while asked for (a miss loads it: ModelMesh's cache), unloaded once
+            # idle: a few requests a minute are no rate change worth a step, so by rate
+            # alone such a model was never loaded, and once loaded never left.
+            if not self.in_use(name):
+                return 0.0
+            rate = max(rate, IN_USE_FLOOR)
+        return rate
+
+    def in_use(self, name: str) -> bool:
+        """Whether ``name`` was asked for within ``idle_unload_s``."""
+        used = self.view.last_used(name)
+        return used is not None and self.now - used <= self.settings.idle_unload_s
 
     def profiles_for(self, entry: ModelEntry) -> tuple[LatencyProfile, ...]:
         measured = self.view.memory_of(entry.name)
@@ -179,11 +200,22 @@ class ControllerCore:
             )
         return out
 
+    def _woken(self) -> str | None:
+        """A model placed nowhere that is asked for now (a miss): placed at once."""
+        for name, entry in sorted(self.catalogue.items()):
+            if self.planned_rates.get(name, 0.0) <= 0 and self.demand_rate(entry) > 0:
+                return f"{name} asked for (a miss)"
+        return None
+
     def _rates_moved(self) -> str | None:
         s = self.settings
         for name, entry in sorted(self.catalogue.items()):
             now = self.demand_rate(entry)
             before = self.planned_rates.get(name, 0.0)
+            if (now > 0) != (before > 0) and entry.policy.min_copies == 0:
+                if now > 0:
+                    return f"{name} asked for"
+                return f"{name} idle for {self.settings.idle_unload_s:g} s: unloaded"
             change = abs(now - before)
             if change >= s.min_rate_change and change > s.rate_tolerance * max(before, 1e-9):
                 return f"rate of {name} {before:.1f} -> {now:.1f} req/s"
@@ -191,6 +223,7 @@ class ControllerCore:
 
     def step(self, now: float) -> Step | None:
         """Recompute when due; a :class:`Step` when the placement changed."""
+        self.now = now
         self._observe(now)
         if now - self.started < self.settings.settle_s or now < self.settle_until:
             return None
@@ -203,6 +236,8 @@ class ControllerCore:
             reason = "nodes " + ",".join(sorted(n.name for n in nodes))
         elif self.current is None:
             reason = "first placement"
+        elif (reason := self._woken()) is not None:
+            rate_step = True
         elif now - self.last_step >= self.settings.interval_s:
             reason = self._rates_moved()
             rate_step = reason is not None

@@ -148,6 +148,10 @@ class FleetView:
         # keeps what nodes since gone counted (the online nodes' own sums went down when
         # one left, and Prometheus read the drop as a reset)
         self._missed: dict[str, int] = {}
+        #: model -> when (the statuses' clock) a status last showed it asked for: its
+        #: requests grew, or a miss; first seen hosted counts as now (a restarted
+        #: controller cannot tell, and must not unload what may be in use)
+        self._used: dict[str, float] = {}
 
     # ---- input -------------------------------------------------------------------
     def on_status(self, node: str, status: dict[str, Any] | None, now: float | None = None) -> bool:
@@ -167,7 +171,7 @@ class FleetView:
                 return False
             if state is None:
                 state = self.nodes[node] = NodeState(node)
-            self._fold(state, status)
+            self._fold(state, status, now)
             # Timed only when it says how often it reports (a node of an older version,
             # maybe on a 30 s interval, would flap on a guessed one).
             state.last_seen = now if "interval_s" in status else None
@@ -220,7 +224,7 @@ class FleetView:
         self.placement = placement
         return placement
 
-    def _fold(self, state: NodeState, status: dict[str, Any]) -> None:
+    def _fold(self, state: NodeState, status: dict[str, Any], now: float | None = None) -> None:
         uptime = float(status.get("uptime_s", 0.0))
         elapsed = uptime - state.uptime_s if state.online else 0.0
         restarted = uptime < state.uptime_s
@@ -288,6 +292,8 @@ class FleetView:
                         else old.exec_s + RATE_ALPHA * (sample - old.exec_s)
                     )
                     hosted.exec_count = old.exec_count + runs
+            if now is not None and (old is None or hosted.requests > old.requests or restarted):
+                self._used_at(name, now)
             if old is not None and elapsed > 0 and not restarted:
                 sample = max(0, hosted.requests - old.requests) / elapsed
                 if old.rate_known:
@@ -308,6 +314,8 @@ class FleetView:
             counted = before if before is not None and not restarted else 0
             if count > counted:
                 self._missed[name] = self._missed.pop(name, 0) + count - counted
+                if now is not None:
+                    self._used_at(name, now)
             if before is not None and elapsed > 0 and not restarted:
                 sample = max(0, count - before) / elapsed
                 old_rate = state.miss_rate.get(name)
@@ -350,6 +358,16 @@ class FleetView:
         """True once every online node hosting ``model`` has reported a rate for it."""
         hosting = [s.models[model] for s in self.online() if model in s.models]
         return bool(hosting) and all(h.rate_known for h in hosting)
+
+    def _used_at(self, model: str, now: float) -> None:
+        self._used.pop(model, None)  # (re-inserted last: the oldest go first)
+        self._used[model] = now
+        while len(self._used) > REMEMBERED_MODELS:
+            del self._used[next(iter(self._used))]
+
+    def last_used(self, model: str) -> float | None:
+        """When a status last showed ``model`` asked for (its requests grew, or a miss)."""
+        return self._used.get(model)
 
     def misses(self, model: str) -> int:
         """Requests for ``model`` any node got while no node hosted it, since this view

@@ -226,7 +226,14 @@ def test_the_catalogue_reads_placement_tables_and_reports_broken_models(tmp_path
     (tmp_path / "bad" / "config.toml").write_text('backend = "tensorrt"\n')  # (no model.plan)
     write_linear_model(tmp_path / "ov" / "1" / "model.onnx")
     (tmp_path / "ov" / "config.toml").write_text('backend = "openvino"\n')
+    # the fleet's backends override the config's own one (tune picks among them too):
+    # with both set, the documented snippet had left the model placed nowhere
+    write_linear_model(tmp_path / "fleet-ov" / "1" / "model.onnx")
+    (tmp_path / "fleet-ov" / "config.toml").write_text(
+        'backend = "onnxruntime"\n[placement]\nbackends = ["openvino"]\n'
+    )
     entries, problems = read_catalogue(ModelRepository(tmp_path))
+    assert entries["fleet-ov"].backends == ("openvino",)
     assert entries["good"].policy.rate == 12.5 and entries["good"].policy.min_copies == 2
     # (OpenVINO serves the model.onnx as it is: one so configured had been placed nowhere)
     assert entries["good"].backends == ("onnxruntime", "openvino")
@@ -347,3 +354,35 @@ def test_a_broker_restart_moves_nothing_while_the_nodes_reconnect() -> None:
     core.on_status("n1", _status("n1", 36.0, hosting["n1"]))
     assert core.step(38.5) is None  # the same fleet: nothing moves
     assert core.current is not None and core.current.generation == first.placement.generation
+
+
+def _missing(node: str, uptime: float, misses: dict[str, int], hosted=None) -> dict:
+    return {**_status(node, uptime, hosted), "misses": misses}
+
+
+def test_an_idle_model_is_loaded_on_its_first_miss_and_unloaded_once_idle_again() -> None:
+    # min_copies = 0: misses turned into a rate only, and a few a minute never moved it
+    # by min_rate_change (0.5 req/s): the model was never loaded; once loaded by a burst,
+    # its rate decayed to ~0 by less than that and it stayed loaded for good.
+    core = _core([_entry("a"), _entry("idle", rate=0.0, min_copies=0)], idle_unload_s=60.0)
+    core.on_status("n1", _status("n1", 1.0), now=1.0)
+    first = core.step(2.0)
+    assert first is not None and {c.model for c in first.placement.copies} == {"a"}
+    assert core.step(20.0) is None  # no traffic: stays unloaded
+    core.on_status("n1", _missing("n1", 21.0, {"idle": 1}), now=21.0)  # one request
+    step = core.step(21.5)  # at once, not at the next interval
+    assert step is not None and "idle" in step.reason
+    assert ("idle", "n1") in {(c.model, c.node) for c in step.placement.copies}
+    hosted = {"a": 0, "idle": 2}  # a few requests on its copy, then none
+    for t in (30.0, 40.0, 60.0, 75.0):
+        core.on_status("n1", _missing("n1", t, {"idle": 1}, hosted), now=t)
+        assert core.step(t + 0.5) is None  # in use: kept
+    for t in (100.0, 130.0, 141.0):
+        core.on_status("n1", _missing("n1", t, {"idle": 1}, hosted), now=t)
+        step = core.step(t + 0.5)
+        if step is not None:
+            break
+    assert step is not None and "idle for 60 s" in step.reason
+    assert {c.model for c in step.placement.copies} == {"a"}
+    # (its tiny plan while in use raised no over-provisioned alert)
+    assert all(alert.model != "idle" for alert in core.alerts())
