@@ -226,12 +226,12 @@ class DataPlane:
                 if not serving:
                     self._failed[name] = exc.message
                 # (said only to the caller of the API, a failed rollout left no trace)
-                log.error("failed to load %s: %s", name, exc.message)
+                log.error("failed to load %s: %s%s", name, exc.message, _kept(serving))
                 raise
             except Exception as exc:  # a runtime's own failure
                 if not serving:
                     self._failed[name] = str(exc)
-                log.error("failed to load %s: %s", name, exc)
+                log.error("failed to load %s: %s%s", name, exc, _kept(serving))
                 raise ModelNotReady(f"model {name!r} failed to load: {exc}") from exc
             finally:
                 self._loading.discard(name)
@@ -835,3 +835,7 @@ class _Run:
     classes: dict[str, int] | None
     deadline: float | None
     priority: int | None
+
+
+def _kept(serving: bool) -> str:
+    return " (the versions loaded before keep serving)" if serving else ""

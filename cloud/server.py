@@ -152,8 +152,14 @@ class CloudServer:
         except (FerryError, OSError) as exc:
             log.error("rescan failed: %s", exc)
             return
-        said = [f"{what} {', '.join(names)}" for what, names in done.items() if names]
-        log.warning("rescanned the repository: %s", "; ".join(said) or "nothing changed")
+        # (what failed was logged as it failed, with why: counted here, not said twice)
+        said = [
+            f"{what} {', '.join(names)}" if what != "failed" else f"{len(names)} failed"
+            for what, names in done.items()
+            if names
+        ]
+        level = logging.WARNING if done.get("failed") else logging.INFO
+        log.log(level, "rescanned the repository: %s", "; ".join(said) or "nothing changed")
 
     def _capacity(self) -> dict[str, object]:
         """What the controller may fill on this node (the status reports it)."""

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
 
@@ -101,6 +102,8 @@ class EdgeDataPlane:
         self._closing = False
         # Answers to apps' keyed requests, for their retries (bounded: an evicted key
         # only means a late retry runs again, as at the cloud)
+        self._breaker_said: dict[str, str] = {}  # transport -> the breaker state last logged
+        self._last_failure: dict[str, str] = {}  # transport -> its last failure, for the log
         self._answers: IdempotencyCache[InferResponse] = IdempotencyCache(
             ANSWERS_TTL_S, ANSWERS_MAX_ENTRIES, ANSWERS_MAX_BYTES, response_bytes, owned_response
         )
@@ -559,11 +562,15 @@ class EdgeDataPlane:
             elif isinstance(action, Offload):
                 transport = self.transports[action.option.transport or ""]
                 try:
-                    result = await transport.infer(action.cloud_model, request, action.give_up_at)
+                    result = await self._offloaded(
+                        action.option.transport or "",
+                        transport.infer(action.cloud_model, request, action.give_up_at),
+                    )
                 except FerryError as exc:
                     if not isinstance(exc, InvalidInput):
                         log.info("offload failed: %s", exc)
                     action = flow.offload_failed(time.monotonic(), exc)
+                    self._say_breakers()
                     continue
                 cloud = result.response
                 action = _reply_event(flow, result)
@@ -619,7 +626,10 @@ class EdgeDataPlane:
         offload = hedge.offload
         transport = self.transports[offload.option.transport or ""]
         cloud_t = asyncio.create_task(
-            transport.infer(offload.cloud_model, request, offload.give_up_at)
+            self._offloaded(
+                offload.option.transport or "",
+                transport.infer(offload.cloud_model, request, offload.give_up_at),
+            )
         )
         local_t: asyncio.Task[Any] | None = None
         cancel = Cancel()  # stops the local run when the cloud answers first (flow's call)
@@ -781,18 +791,68 @@ class EdgeDataPlane:
         )
         return await self._drive(flow, request, start)
 
+    async def _offloaded(self, name: str, sent: Awaitable[TransferResult]) -> TransferResult:
+        """An offload's outcome, noted for the log (see _say_breakers)."""
+        try:
+            result = await sent
+        except FerryError as exc:
+            self._last_failure[name] = exc.message
+            raise
+        if self._breaker_said.get(name, "ok") != "ok":  # (said unusable: back now)
+            self._say_breakers(worked=name)
+        return result
+
+    def _say_breakers(self, worked: str | None = None) -> None:
+        """A transport that became unusable (its endpoint down, or its breaker open after
+        repeated failures), and its return (``worked``: it just answered), are said once
+        each: during a cloud outage the agent had logged nothing while every request fell
+        back to local."""
+        for name, transport in self.transports.items():
+            breaker = self.core.breakers.get(name)
+            if not transport.connected:
+                state = "down"
+            elif breaker is not None and breaker.state == "open":
+                state = "open"
+            elif name == worked or self._breaker_said.get(name, "ok") == "ok":
+                state = "ok"
+            else:
+                continue  # (seems up again: said once it answers, not at every recheck)
+            if state == self._breaker_said.get(name, "ok"):
+                continue
+            self._breaker_said[name] = state
+            last = self._last_failure.get(name)
+            if state == "ok":
+                log.info("cloud over %s: usable again", name)
+            elif state == "down":
+                log.warning(
+                    "cloud over %s: not reachable%s; requests run locally or wait until it is",
+                    name,
+                    f" (last: {last})" if last else "",
+                )
+            else:
+                log.warning(
+                    "cloud over %s: offloads paused after repeated failures (last: %s); "
+                    "requests run locally or wait, and a probe tries it again",
+                    name,
+                    last or "unknown",
+                )
+
     async def probe(self) -> None:
         """Carry out the core's probes (open breakers' trials, stale RTTs on a warm radio)."""
+        self._say_breakers()
         for name in self.core.probes(time.monotonic()):
             probe = getattr(self.transports[name], "probe", None)
             if probe is None:
                 continue
             try:
                 rtt = await probe(deadline=time.monotonic() + 2.0)
-            except FerryError:
+            except FerryError as exc:
+                self._last_failure[name] = exc.message
                 self.core.probe_failed(name, time.monotonic())
                 continue
             self.core.probe_done(name, time.monotonic(), rtt)
+            self._say_breakers(worked=name)
+        self._say_breakers()
 
 
 def _reply_event(flow: RequestFlow, result: TransferResult) -> Action | None:

@@ -151,7 +151,7 @@ class TokensFile:
             log.error("%s; keeping the %d tokens in use", exc.message, len(self.tokens.grants))
             return None
         self.tokens = tokens
-        log.warning("%s: tokens file changed: %d tokens in use", self.path, len(tokens.grants))
+        log.info("%s: tokens file changed: %d tokens in use", self.path, len(tokens.grants))
         return tokens
 
 

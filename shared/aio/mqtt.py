@@ -427,7 +427,10 @@ class MqttClient:
             await asyncio.sleep(period / 2)
             now = time.monotonic()
             if now - conn.last_read > keepalive_s * 1.5:
-                log.warning("MQTT broker silent for %.0f s; reconnecting", now - conn.last_read)
+                silent = f"broker silent for {now - conn.last_read:.0f} s: dropped by this client"
+                log.warning("MQTT %s; reconnecting", silent)
+                if not conn.closed.done():  # (why, for on_disconnect: not "broker closed")
+                    conn.closed.set_result(TimeoutError(silent))
                 if conn.transport is not None:
                     conn.transport.abort()
                 return

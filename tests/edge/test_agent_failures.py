@@ -808,3 +808,49 @@ def test_the_agent_forgets_cloud_nodes_that_fell_silent_and_keeps_a_bounded_tabl
         mqtt._node_status(status_topic(f"n{i}"), json.dumps(status).encode())
     assert len(mqtt.nodes) == 3 and "n9" in mqtt.nodes
     assert len(mqtt._heard) <= 3 and set(mqtt._user_topics) == set(mqtt.nodes)
+
+
+async def test_a_cloud_that_goes_away_and_comes_back_is_said_once_each_way(
+    tmp_path, edge_repos, cloud, caplog
+):
+    # During a 30 s cloud outage the agent logged nothing at all while every request fell
+    # back to local: the operator could not tell from the log that the cloud was gone.
+    import logging
+    from urllib.parse import urlsplit
+
+    caplog.set_level(logging.INFO, "edge.dataplane")
+    target = urlsplit(cloud.http_url)
+    emu = LinkEmulator(("127.0.0.1", 0), (target.hostname, target.port), steady(1000, 60))
+    await emu.start()
+    port = emu.port
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=f"http://127.0.0.1:{port}",
+        models='[models.lin]\nlocal = "lin-local"\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        first = await agent.infer("lin", {"x": X}, deadline_ms=3000)
+        assert first.parameters["where"].startswith("cloud")
+        await emu.close()  # the cloud goes away: connections refused
+        for _ in range(4):
+            answer = await agent.infer("lin", {"x": X}, deadline_ms=3000)
+            assert answer.parameters["where"] == "local"
+        await agent.dataplane.probe()
+        emu = LinkEmulator(("127.0.0.1", port), (target.hostname, target.port), steady(1000, 60))
+        await emu.start()  # back, on the same address
+        try:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                await agent.dataplane.probe()
+                answer = await agent.infer("lin", {"x": X}, deadline_ms=3000)
+                if answer.parameters["where"].startswith("cloud"):
+                    break
+                await asyncio.sleep(0.3)
+            assert answer.parameters["where"].startswith("cloud")
+            await agent.dataplane.probe()
+        finally:
+            await emu.close()
+    said = [r.getMessage() for r in caplog.records if "cloud over http" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "not reachable" in said[0] and "usable again" in said[1]
