@@ -438,6 +438,13 @@ class Agent:
         await self._unload_retired()
         mtime = self._mtime()
         if mtime is None:
+            if self._config_mtime is not None and self.config.source is not None:
+                # (once: a deleted or unreadable file had said nothing at all)
+                log.warning(
+                    "agent config %s cannot be read: the running config stays in force",
+                    self.config.source,
+                )
+                self._config_mtime = None
             return
         now = time.monotonic()
         failed = self._reload_failed

@@ -320,3 +320,29 @@ def test_the_mqtt_client_id_and_keepalive_reach_the_transport(tmp_path: Path):
     )
     transport = build_transports(load_agent_config(path))["mqtt"]
     assert transport.client_id == "edge-7.pump" and transport.keepalive_s == 240
+
+
+async def test_a_config_file_that_goes_away_is_said_once_and_its_return_reloaded(
+    tmp_path, edge_repos, caplog
+):
+    # Deleting agent.toml under a running agent logged nothing at all.
+    import os
+
+    from edge.agent import Agent
+    from tests.edge.conftest import agent_toml
+
+    path = agent_toml(tmp_path, edge_repos[1], models='[models.lin]\nlocal = "lin-local"\n')
+    text = path.read_text()
+    agent = Agent(load_agent_config(path))
+    await agent.start()
+    try:
+        path.unlink()
+        for _ in range(3):
+            await agent._watch_config()
+        assert caplog.text.count("cannot be read: the running config stays in force") == 1
+        path.write_text(text + '[models.soft]\nlocal = "soft-local"\n')
+        os.utime(path, (7, 7))
+        await agent._watch_config()
+        assert "soft" in agent.dataplane.policy.config.models
+    finally:
+        await agent.stop()
