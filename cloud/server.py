@@ -32,6 +32,7 @@ from cloud.metrics import make_registry, render_metrics
 from cloud.mqtt_front import MqttFront
 from shared.admission import ByteBudget
 from shared.aio.http_server import (
+    CUT_ANSWER_S,
     HttpServer,
     ServerOptions,
     check_listen,
@@ -208,12 +209,16 @@ class CloudServer:
         # 2. drain both fronts at once. Kept-alive connections linger (answers carry
         #    Connection: close; a request already on its way gets 503, not a reset),
         #    then idle ones are closed and running handlers awaited.
+        #    What is still going at the end is answered shutting_down, which takes a
+        #    moment of its own: kept inside the grace.
         drains = []
+        answers_by = deadline - min(CUT_ANSWER_S, self.config.shutdown_grace_s / 4)
         if self.http is not None:
             assert self.config.http is not None
-            drains.append(self.http.drain(deadline, linger_s=self.config.http.shutdown_linger_s))
+            linger = self.config.http.shutdown_linger_s
+            drains.append(self.http.drain(answers_by, linger_s=linger))
         if self.mqtt is not None:
-            drains.append(self.mqtt.drain(deadline))
+            drains.append(self.mqtt.drain(answers_by))
         await asyncio.gather(*drains)
         # 3. runtimes, then the broker, with whatever time is left
         try:

@@ -186,6 +186,7 @@ class EdgeDataPlane:
         mode: str | None = None,
         cloud_only: bool = False,
         record: bool = True,
+        versioned: bool = False,
     ) -> RequestFlow:
         mp = self.core.policy.model_policy(model)
         local_model = None if cloud_only else mp.local_model
@@ -204,6 +205,7 @@ class EdgeDataPlane:
             mode=mode,
             cloud_only=cloud_only,
             record=record,
+            versioned=versioned,
         )
 
     def decide(
@@ -494,8 +496,8 @@ class EdgeDataPlane:
                     deadline_ms=deadline_ms,
                     deferrable=deferrable,
                     cloud_only=cloud_version,
+                    versioned=cloud_version,
                 )
-                flow.versioned = cloud_version
                 return await self._drive(flow, request, start, principal, client_id)
 
             duplicate = False
@@ -804,37 +806,31 @@ class EdgeDataPlane:
 
     def _say_breakers(self, worked: str | None = None) -> None:
         """A transport that became unusable (its endpoint down, or its breaker open after
-        repeated failures), and its return (``worked``: it just answered), are said once
-        each: during a cloud outage the agent had logged nothing while every request fell
-        back to local."""
+        repeated failures: one state, or a refused endpoint's rechecks flip between the
+        two every few seconds), and its return (``worked``: it just answered), are said
+        once each: during a cloud outage the agent had logged nothing while every
+        request fell back to local."""
         for name, transport in self.transports.items():
             breaker = self.core.breakers.get(name)
+            said = self._breaker_said.get(name, "ok")
             if not transport.connected:
-                state = "down"
+                why = "not reachable"
             elif breaker is not None and breaker.state == "open":
-                state = "open"
-            elif name == worked or self._breaker_said.get(name, "ok") == "ok":
-                state = "ok"
-            else:
-                continue  # (seems up again: said once it answers, not at every recheck)
-            if state == self._breaker_said.get(name, "ok"):
-                continue
-            self._breaker_said[name] = state
-            last = self._last_failure.get(name)
-            if state == "ok":
+                why = "offloads paused after repeated failures"
+            elif name == worked and said != "ok":
+                self._breaker_said[name] = "ok"
                 log.info("cloud over %s: usable again", name)
-            elif state == "down":
-                log.warning(
-                    "cloud over %s: not reachable%s; requests run locally or wait until it is",
-                    name,
-                    f" (last: {last})" if last else "",
-                )
+                continue
             else:
+                continue  # (usable, or seems so again: said once it answers)
+            if said == "ok":
+                self._breaker_said[name] = "unusable"
+                last = self._last_failure.get(name)
                 log.warning(
-                    "cloud over %s: offloads paused after repeated failures (last: %s); "
-                    "requests run locally or wait, and a probe tries it again",
+                    "cloud over %s: %s%s; requests run locally or wait until it answers again",
                     name,
-                    last or "unknown",
+                    why,
+                    f" (last: {last})" if last else "",
                 )
 
     async def probe(self) -> None:

@@ -10,10 +10,22 @@ from __future__ import annotations
 
 import re
 
-#: ``scheme://user:password@`` (or ``//user:password@``), however malformed the rest is
-_USERINFO = re.compile(r"(//[^/?#@]*?):[^/?#]*@")
+#: ``//user:`` at the start of an authority (the user name has no ``/?#@:``)
+_USER = re.compile(r"//[^/?#@:]*:")
 
 
 def redact_url(url: object) -> str:
-    """``url`` with any password in its authority replaced by ``***``."""
-    return _USERINFO.sub(r"\1:***@", str(url))
+    """``url`` with any password in its authority replaced by ``***``.
+
+    A password may hold an unencoded ``/``, ``?``, ``#`` or ``@`` (generated ones
+    often do), which ends a well-formed authority early: everything from the user
+    name's ``:`` to the last ``@`` is hidden (a path with an ``@`` in it loses a
+    little more than the password: the safe side)."""
+    text = str(url)
+    user = _USER.search(text)
+    if user is None:
+        return text
+    at = text.rfind("@", user.end())
+    if at < 0:
+        return text
+    return f"{text[: user.end()]}***{text[at:]}"

@@ -67,7 +67,8 @@ def _entry(repository: ModelRepository, name: str) -> ModelEntry:
             f"{list(config.placement.backends) or 'any'}, backend "
             f"{config.backend or 'any'}) and present in {folder} ({', '.join(present) or 'none'})"
         )
-    _, path = repository.model_file(name, versions[-1], config.backend)
+    # (the file the first allowed backend serves: the config's own backend may have none)
+    _, path = repository.model_file(name, versions[-1], backends[0])
     memory = model_file_bytes(path) * SESSION_MEMORY_FACTOR * len(versions)
     memory *= config.instance_group.count
     return ModelEntry(

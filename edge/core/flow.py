@@ -849,10 +849,12 @@ class EdgeCore:
         cloud_only: bool = False,
         record: bool = True,
         local_cancellable: bool = False,
+        versioned: bool = False,
     ) -> RequestFlow:
         """A new request's flow; raises the request's own errors (unknown model, bad deadline).
 
         ``record=False`` asks what-if: no arrival is counted and nothing journalled.
+        ``versioned``: the app asked for a version of the model (see RequestFlow).
         """
         policy = self.policy
         mp = policy.model_policy(model)
@@ -891,10 +893,11 @@ class EdgeCore:
                         mode,
                         cloud_only,
                         local_cancellable,
+                        versioned,
                     )
                 )
         run_mode = mode or (mp.mode if mp.local_model is not None else "cloud")
-        return RequestFlow(
+        flow = RequestFlow(
             self,  # (by position, in __init__'s order: keywords cost ~0.3 us per request)
             fid,
             model,
@@ -911,6 +914,8 @@ class EdgeCore:
             budget_ms,
             local_cancellable,
         )
+        flow.versioned = versioned
+        return flow
 
     def learn_failure(
         self,
@@ -1064,7 +1069,7 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
         kind = event[0]
         if kind == "begin":
             (_, fid, model, now, in_bytes, links, local_ok, deadline_ms, batch) = event[:9]
-            backlog, battery, deferrable, mode, cloud_only, cancellable = event[9:]
+            backlog, battery, deferrable, mode, cloud_only, cancellable, *more = event[9:]
             flow = core.begin(
                 model,
                 now=now,
@@ -1079,6 +1084,7 @@ def replay_journal(events: Iterable[tuple[Any, ...]], core: EdgeCore) -> list[De
                 mode=mode,
                 cloud_only=cloud_only,
                 local_cancellable=cancellable,
+                versioned=bool(more and more[0]),
             )
             flows[fid] = flow
         elif kind == "start":

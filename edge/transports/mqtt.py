@@ -146,8 +146,9 @@ class MqttTransport:
         self._status_seen = False
         self._subscribed_at: float | None = None  # (monotonic) this session's SUBACK
         self._user_topics: dict[str, bool] = {}  # live node -> takes users' own topics
-        #: live node -> (last status, silence allowed), for nodes that say their interval
-        self._heard: dict[str, tuple[float, float]] = {}
+        #: live node -> (last status, silence allowed; None: it says no interval), in the
+        #: order heard (the least recently heard first: the one a full table lets go)
+        self._heard: dict[str, tuple[float, float | None]] = {}
         self._next_sweep = 0.0
         self._plain_only: set[str] = set()  # models whose user topic the broker refused
         self._round_trips: dict[str, collections.deque[float]] = {}  # model -> seconds
@@ -497,10 +498,11 @@ class MqttTransport:
             self.nodes[node] = models
             self._user_topics[node] = doc.get("user_topics") is True
             self._heard.pop(node, None)  # (re-inserted: the dict stays in order heard)
-            if "interval_s" in doc:
-                self._heard[node] = (now, silence_limit_s(status_interval_s(doc["interval_s"])))
+            timed = "interval_s" in doc
+            allowed = silence_limit_s(status_interval_s(doc["interval_s"])) if timed else None
+            self._heard[node] = (now, allowed)
             if arrived and len(self.nodes) > MAX_NODES:
-                silent = next(n for n in [*self._heard, *self.nodes] if n != node)
+                silent = next(iter(self._heard))  # (heard least recently)
                 log.warning("more than %d cloud nodes: forgetting node %s", MAX_NODES, silent)
                 self._node_gone(silent)
             if arrived and self._pending:
@@ -528,7 +530,7 @@ class MqttTransport:
         self._next_sweep = now + SWEEP_S
         since = self._subscribed_at or 0.0  # (statuses flow again only once subscribed)
         for node, (last, allowed) in list(self._heard.items()):
-            if now - max(last, since) <= allowed:
+            if allowed is None or now - max(last, since) <= allowed:
                 continue
             log.warning("no status from cloud node %s for %.0f s: taken as gone", node, now - last)
             self._node_gone(node)

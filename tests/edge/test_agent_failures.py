@@ -808,6 +808,13 @@ def test_the_agent_forgets_cloud_nodes_that_fell_silent_and_keeps_a_bounded_tabl
         mqtt._node_status(status_topic(f"n{i}"), json.dumps(status).encode())
     assert len(mqtt.nodes) == 3 and "n9" in mqtt.nodes
     assert len(mqtt._heard) <= 3 and set(mqtt._user_topics) == set(mqtt.nodes)
+    # the one heard least recently goes, whether or not it says its interval (statuses
+    # without one had pushed out a node heard a moment before)
+    fresh = MqttTransport(BrokerAddress("127.0.0.1", 1))
+    fresh._node_status(status_topic("old"), json.dumps(untimed).encode())
+    for name in ("a", "b", "c"):
+        fresh._node_status(status_topic(name), json.dumps(status).encode())
+    assert set(fresh.nodes) == {"a", "b", "c"}
 
 
 async def test_a_cloud_that_goes_away_and_comes_back_is_said_once_each_way(
@@ -833,10 +840,12 @@ async def test_a_cloud_that_goes_away_and_comes_back_is_said_once_each_way(
         first = await agent.infer("lin", {"x": X}, deadline_ms=3000)
         assert first.parameters["where"].startswith("cloud")
         await emu.close()  # the cloud goes away: connections refused
-        for _ in range(4):
+        away = time.monotonic() + 5  # (past the refused endpoint's rechecks, every 2 s)
+        while time.monotonic() < away:
             answer = await agent.infer("lin", {"x": X}, deadline_ms=3000)
             assert answer.parameters["where"] == "local"
-        await agent.dataplane.probe()
+            await agent.dataplane.probe()
+            await asyncio.sleep(0.2)
         emu = LinkEmulator(("127.0.0.1", port), (target.hostname, target.port), steady(1000, 60))
         await emu.start()  # back, on the same address
         try:

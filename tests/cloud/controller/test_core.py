@@ -232,8 +232,13 @@ def test_the_catalogue_reads_placement_tables_and_reports_broken_models(tmp_path
     (tmp_path / "fleet-ov" / "config.toml").write_text(
         'backend = "onnxruntime"\n[placement]\nbackends = ["openvino"]\n'
     )
+    write_linear_model(tmp_path / "fleet-ort" / "1" / "model.onnx")  # (no model.plan)
+    (tmp_path / "fleet-ort" / "config.toml").write_text(
+        'backend = "tensorrt"\n[placement]\nbackends = ["onnxruntime"]\n'
+    )
     entries, problems = read_catalogue(ModelRepository(tmp_path))
     assert entries["fleet-ov"].backends == ("openvino",)
+    assert entries["fleet-ort"].backends == ("onnxruntime",) and "fleet-ort" not in problems
     assert entries["good"].policy.rate == 12.5 and entries["good"].policy.min_copies == 2
     # (OpenVINO serves the model.onnx as it is: one so configured had been placed nowhere)
     assert entries["good"].backends == ("onnxruntime", "openvino")

@@ -579,3 +579,24 @@ def test_a_deferrable_offload_gives_up_in_time_for_its_receipt_by_the_deadline(d
     assert action.give_up_at == pytest.approx(flow.deadline - reserve)
     after = flow.offload_failed(action.give_up_at, DeadlineExceeded("no reply"))
     assert isinstance(after, Defer)
+
+
+def test_a_missing_version_marks_nothing_missing_live_and_in_the_replay():
+    # "No such version" says nothing of the model's others: no missing-model cooldown.
+    # Set after begin() and not journalled, it had made the replay decide otherwise.
+    from shared.errors import ModelNotFound
+
+    live = _core(journal=1000)
+    flow = live.begin(
+        "m", now=1.0, in_bytes=60_000, connected={"http": True}, cloud_only=True, versioned=True
+    )
+    assert isinstance(flow.start(), Offload)
+    flow.offload_failed(1.2, ModelNotFound("model 'm' has no version 7"))
+    assert not live.missing
+    after = live.begin("m", now=2.0, in_bytes=60_000, connected={"http": True})
+    after.start()
+    replica = _core(journal=100)
+    replica.events.clear()
+    replayed = replay_journal([e for e in live.events if e[0] != "warmed"], replica)
+    assert [d.where for d in replayed] == [d.where for d in live.decisions]
+    assert not replica.missing
