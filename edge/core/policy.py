@@ -180,6 +180,14 @@ class Decision:
         return self.choice.name if self.choice else "none"
 
 
+LEAST_COST = "least cost"
+LOW_BATTERY = "low battery: least energy"
+
+
+def explore_late_reason(o: Option) -> str:
+    return f"no option meets the deadline: trying {o.name} beside the local run (explore)"
+
+
 # Time kept back from the cloud for a local answer, as a multiple of the local
 # latency quantile (room for the local run's own jitter), and at least enough
 # to get the fallback scheduled at all.
@@ -580,7 +588,12 @@ class Policy:
             for transport in mp.transports:
                 if transport in self.links:
                     options.append(self.cloud_option(mp, transport, ctx, server, tails))
-        return self.choose(options, ctx)
+        decision = self.choose(options, ctx)
+        if mode in ("local", "cloud") and decision.reason in (LEAST_COST, LOW_BATTERY):
+            # (the mode decided, not the prices: "least energy" had named a cloud run
+            # that cost more energy than the local one)
+            decision.reason = f"mode {mode}"
+        return decision
 
     def choose(self, options: list[Option], ctx: Context) -> Decision:
         cfg = self.config
@@ -658,15 +671,43 @@ class Policy:
                 explore = self._exploration(options, best, ctx)
                 if explore is not None:
                     return explore
-            return Decision(
-                best, options, "low battery: least energy" if low_battery else "least cost"
-            )
+            reason = LOW_BATTERY if low_battery else LEAST_COST
+            capped = [o.name for o in options if o.reason == "data cap"]
+            if capped and best.transport is None:  # (the cap, not the prices, kept it local)
+                reason = f"{reason} ({', '.join(capped)}: data cap)"
+            return Decision(best, options, reason)
         # Nothing meets every constraint: keep the deadline soft, never the link or the cap.
         usable = [o for o in options if o.reason == "deadline"]
         if usable:
             fallback = min(usable, key=lambda o: o.latency_q_s)
+            if fallback.transport is None and not low_battery and cfg.explore_after_s > 0:
+                late = self._late_exploration(usable, ctx)
+                if late is not None:
+                    return Decision(late, options, explore_late_reason(late), True, True)
             return Decision(fallback, options, "no option meets the deadline: fastest")
         return Decision(None, options, "no usable option")
+
+    def _late_exploration(self, usable: list[Option], ctx: Context) -> Option | None:
+        """An offload to try beside the local run when every option misses the deadline.
+
+        A link never measured is priced by its prior, which a tight deadline may rule
+        out for good: every request ran locally and missed (a 150 ms deadline, a 200 ms
+        device, a WiFi link answering in 10 ms).  The request is late anyway, so one
+        doubtful link is tried at once beside the local run (the first answer wins),
+        one request per ``explore_after_s``, and what it teaches decides the next."""
+        pick: Option | None = None
+        for o in usable:
+            if o.transport is None or o.rate_sigma < 0.05:
+                continue  # (a link it knows well: its prices stand)
+            claim = self.est.link(o.transport).exploring_since
+            if claim is not None and ctx.now - claim < self.config.explore_after_s:
+                continue
+            if pick is None or o.latency_s < pick.latency_s:
+                pick = o
+        if pick is not None:
+            assert pick.transport is not None
+            self.est.link(pick.transport).exploring_since = ctx.now
+        return pick
 
     def _warm_up(self, options: list[Option], best: Option, ctx: Context) -> Decision | None:
         """Offload from an idle radio when the warm run it starts pays for the wake-up.

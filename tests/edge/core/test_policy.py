@@ -159,6 +159,39 @@ def test_cascade_offloads_only_unsure_answers(confidence, offload):
     assert p.cascade_offload("m", confidence) is offload
 
 
+def test_the_reason_names_the_data_cap_or_the_mode_that_decided():
+    # "least cost" had named a local run the cap forced, and "low battery: least energy"
+    # a cloud run the mode forced (that cost more energy than the local one).
+    p = _policy(local_ms=400, up_mbps=100, data_cap_mb_per_day=5.0)
+    capped = p.decide("m", _ctx(data_used_mb_today=4.8))
+    assert capped.where == "local" and "data cap" in capped.reason, capped.reason
+    forced = _policy(local_ms=1, model={"mode": "cloud"}, battery_floor_percent=15)
+    d = forced.decide("m", _ctx(battery_percent=5.0))
+    assert d.where.startswith("cloud-") and d.reason == "mode cloud", d.reason
+    local = _policy(local_ms=900, model={"mode": "local"}).decide("m", _ctx())
+    assert local.reason == "mode local"
+
+
+def test_a_link_no_prior_lets_meet_a_tight_deadline_is_tried_beside_the_late_local_run():
+    # A 150 ms deadline, a 200 ms device, a link only known by its prior (a wide belief
+    # whose tail misses the deadline): every request ran locally and missed, though the
+    # cloud answered in 10 ms.  Late anyway: the link is tried beside the local run.
+    p = _policy(local_ms=200, up_mbps=2.0, explore_after_s=5.0)
+    ctx = _ctx(deadline_ms=150, in_bytes=602_112)
+    first = p.decide("m", ctx)
+    assert first.where.startswith("cloud-") and first.hedge and first.exploring, first.reason
+    assert "beside the local run" in first.reason
+    second = p.decide("m", ctx)  # the other transport, then the claims hold
+    assert second.where.startswith("cloud-") and second.where != first.where
+    assert p.decide("m", ctx).where == "local"
+    # a link it knows well is not tried again and again
+    known = _policy(local_ms=200, up_mbps=2.0, explore_after_s=5.0)
+    for t in ("mqtt", "http"):
+        for _ in range(50):
+            known.est.link(t).observe(602_112, 500, 2.5, 0.005, time.monotonic())
+    assert known.decide("m", ctx).where == "local"
+
+
 def test_a_link_that_could_win_is_explored_once_then_the_claim_holds():
     # Never measured: the cloud's rate is only the prior (a wide belief); at its
     # mean the cloud loses narrowly to local, but it may well be faster.
