@@ -27,7 +27,7 @@ from typing import Any
 from shared.configcheck import NUMBER, check_keys, read_toml
 from shared.errors import ConfigError
 from shared.mqtt import BrokerAddress, parse_broker_url
-from shared.mqtt.codec import topic_name_problem
+from shared.mqtt.topics import check_user_name, topic_level_problem
 from shared.redact import redact_url
 from shared.tensors import Limits
 
@@ -223,7 +223,7 @@ def _node_name(value: object, source: str) -> str:
     retried for good without saying why."""
     if not isinstance(value, str):
         raise ConfigError(f"{source}: key 'node': expected a string, got {value!r}")
-    problem = topic_name_problem(value) or ("it holds a '/'" if "/" in value else None)
+    problem = topic_level_problem(value)
     if problem is None and len(value.encode("utf-8")) > MAX_NODE_NAME_BYTES:
         problem = f"it is longer than {MAX_NODE_NAME_BYTES} bytes"
     if problem is not None:
@@ -242,7 +242,15 @@ def parse_mqtt_section(mqtt_data: dict[str, Any], source: str, base: Path) -> Mq
         return None
     broker = parse_broker_url(mqtt_data["url"])
     if mqtt_data.get("username"):
+        check_user_name(mqtt_data["username"], f"{source}: key 'mqtt.username'")
         broker = replace(broker, username=mqtt_data["username"])
+    client_id = mqtt_data.get("client_id")
+    if client_id and (problem := topic_level_problem(client_id)) is not None:
+        # (a node's forwarder takes its replies on ferry/v1/replies/[user/]<client_id>-fwd)
+        raise ConfigError(
+            f"{source}: key 'mqtt.client_id': {client_id!r} cannot be used ({problem}; it "
+            "becomes a level of the node's MQTT reply topic)"
+        )
     if mqtt_data.get("password_file"):
         secret = _read_secret(str(base / mqtt_data["password_file"]), source, "mqtt.password_file")
         broker = replace(broker, password=secret)

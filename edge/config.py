@@ -20,9 +20,10 @@ from urllib.parse import urlsplit
 from devices.profiles import load_device, load_link
 from edge.core.policy import MODES, TRANSPORTS, ModelPolicy, PolicyConfig, Weights
 from shared.configcheck import NUMBER, check_keys, loads_toml, read_config_text, read_toml
-from shared.errors import ConfigError
+from shared.errors import ConfigError, InvalidInput
 from shared.mqtt import parse_broker_url
 from shared.redact import redact_url
+from shared.repository.repository import validate_model_name
 
 #: What an agent runs on when its agent.toml names no device and no link profiles.
 AGENT_DEFAULT_DEVICE = "x86-laptop"
@@ -223,6 +224,15 @@ def _model_policy(name: str, data: Any, source: str) -> ModelPolicy:
         raise ConfigError(f"{source}: key '{key}.local': mode 'cascade' needs a local model")
     if not local and not cloud:
         raise ConfigError(f"{source}: key {key!r}: needs a local model, a cloud model or both")
+    for part, named in (("local", local), ("cloud", cloud)):
+        if named is None:
+            continue
+        try:
+            validate_model_name(named)
+        except InvalidInput as exc:
+            # (a model repository's rule, on both tiers: unchecked, a cloud name went into
+            # the URL as it was, '中文' a 500 and 'a.b/versions/1' another model's path)
+            raise ConfigError(f"{source}: key '{key}.{part}': {exc.message}") from None
     threshold = _range(source, f"{key}.cascade_threshold", data.get("cascade_threshold", 0.8), 0, 1)
     deadline = data.get("deadline_ms")
     if deadline is not None:

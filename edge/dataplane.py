@@ -13,6 +13,7 @@ predicted vs actual latency, estimated energy, bytes moved, and why.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -20,6 +21,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -234,7 +236,8 @@ class EdgeDataPlane:
             raise ModelNotFound(
                 f"unknown model {name!r}: not in the agent's [models], and not a local model "
                 "it loaded (the agent loads the local variants its [models] name: add "
-                f"[models.{name}] with local = {name!r} to serve that folder)"
+                f"[models.{_toml_key(name)}] with local = {json.dumps(name)} to serve that "
+                "folder)"
             )
 
     def resolve(self, name: str, version: str | None = None) -> Any:
@@ -297,7 +300,9 @@ class EdgeDataPlane:
         cloud_model = self.core.policy.model_policy(name).cloud_model
         try:
             await http.get_json(  # type: ignore[attr-defined]
-                f"/v2/models/{cloud_model}/versions/{version}/ready", time.monotonic() + 5.0
+                f"/v2/models/{quote(cloud_model or '', safe='')}/versions/"
+                f"{quote(version or '', safe='')}/ready",
+                time.monotonic() + 5.0,
             )
         except FerryError:
             return False
@@ -370,9 +375,9 @@ class EdgeDataPlane:
                 f"model {name!r} runs in the cloud only and no HTTP endpoint is configured "
                 f"to read its {what} from"
             )
-        at = f"/versions/{version}" if version else ""
+        at = f"/versions/{quote(version, safe='')}" if version else ""
         doc = await http.get_json(  # type: ignore[attr-defined]
-            f"/v2/models/{mp.cloud_model}{at}{'/config' if what == 'config' else ''}",
+            f"/v2/models/{quote(mp.cloud_model, safe='')}{at}{'/config' if what == 'config' else ''}",
             time.monotonic() + 5.0,
         )
         doc["name"] = name
@@ -888,3 +893,10 @@ def _cascade_confidence(raw: dict[str, np.ndarray], name: str) -> float:
 
 
 __all__ = ["DeadlineExceeded", "EdgeDataPlane", "ModelPolicy"]
+
+
+def _toml_key(name: str) -> str:
+    """``name`` as one TOML key (quoted unless bare: ``a.b`` bare is two tables)."""
+    if name and all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
+        return name
+    return json.dumps(name)

@@ -12,6 +12,7 @@ import json
 import logging
 import ssl
 import time
+from urllib.parse import quote
 
 from edge.transports.base import TransferResult
 from shared import v2
@@ -155,11 +156,10 @@ class HttpTransport:
         sent = sum(len(c) for c in chunks)
         started = time.monotonic()
         version = request.model_version
-        path = (
-            f"/v2/models/{model}/versions/{version}/infer"
-            if version
-            else f"/v2/models/{model}/infer"
-        )
+        # (each name one path segment, however the app spelt it: a version decoded from
+        # the app's '%2F' had become a path of the cloud's own)
+        at = f"/v2/models/{quote(model, safe='')}"
+        path = f"{at}/versions/{quote(version, safe='')}/infer" if version else f"{at}/infer"
         resp = await self._call("POST", path, deadline, f"model {model!r}", chunks, headers)
         if resp.status != 200:
             raise _http_error(resp.status, bytes(resp.body))

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from shared.errors import ConfigError
+from shared.mqtt.codec import topic_name_problem
 from shared.redact import redact_url
 
 PREFIX = "ferry/v1"
@@ -140,6 +141,26 @@ class BrokerAddress:
     password: str | None = field(default=None, repr=False)
 
 
+def topic_level_problem(name: str) -> str | None:
+    """Why ``name`` cannot be one level of a topic Ferry publishes or subscribes to (a
+    node, a broker user, a client id), or None: a wildcard made the broker refuse the
+    subscription and drop the client for good, and a '/' sent requests to a topic no
+    node listens on, each waiting out its deadline."""
+    return topic_name_problem(name) or ("it holds a '/'" if "/" in name else None)
+
+
+def check_user_name(user: str | None, where: str) -> None:
+    """A broker user name, as Ferry uses it: a level of its reply and request topics."""
+    if user is None:
+        return
+    problem = topic_level_problem(user)
+    if problem is not None:
+        raise ConfigError(
+            f"{where}: user name {user!r} cannot be used ({problem}; Ferry makes it a level "
+            "of its MQTT topics: ferry/v1/replies/<user>/..., ferry/v1/models/<m>/infer/<user>)"
+        )
+
+
 def parse_broker_url(url: str) -> BrokerAddress:
     try:
         parts = urlsplit(url)
@@ -154,10 +175,12 @@ def parse_broker_url(url: str) -> BrokerAddress:
         port = parts.port or (8883 if tls else 1883)
     except ValueError:
         raise ConfigError(f"broker URL {redact_url(url)!r} has a bad port") from None
+    user = unquote(parts.username) if parts.username else None
+    check_user_name(user, f"broker URL {redact_url(url)!r}")
     return BrokerAddress(
         host=parts.hostname,
         port=port,
         tls=tls,
-        username=unquote(parts.username) if parts.username else None,
+        username=user,
         password=unquote(parts.password) if parts.password else None,
     )

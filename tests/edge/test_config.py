@@ -346,3 +346,17 @@ async def test_a_config_file_that_goes_away_is_said_once_and_its_return_reloaded
         assert "soft" in agent.dataplane.policy.config.models
     finally:
         await agent.stop()
+
+
+@pytest.mark.parametrize("name", ["中文", "a.b/versions/1", "a%2Eb", "a.b?x=1", "#", "x+y"])
+@pytest.mark.parametrize("part", ["cloud", "local"])
+def test_a_model_name_no_repository_can_hold_is_refused_naming_its_key(tmp_path, part, name):
+    # A cloud name went into the URL as it was: '中文' a 500, 'a.b/versions/1' served by
+    # model 'a.b', and '#' over MQTT "no node serves it now" for good.
+    path = tmp_path / "agent.toml"
+    other = "cloud" if part == "local" else "local"
+    path.write_text(
+        f'repository = "{tmp_path}"\n[models.m]\n{part} = "{name}"\n{other} = "fine"\n'
+    )
+    with pytest.raises(ConfigError, match=f"key 'models.m.{part}'"):
+        load_agent_config(path)
