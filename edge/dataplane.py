@@ -46,6 +46,7 @@ from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
 from shared import v2
+from shared.aio.eager import eager_future
 from shared.aio.idempotency import (
     IdempotencyCache,
     as_duplicate,
@@ -431,6 +432,36 @@ class EdgeDataPlane:
         """Requests taken and not yet answered."""
         return self._inflight
 
+    async def _by_deadline(
+        self, running: asyncio.Future[InferResponse], flow: RequestFlow
+    ) -> InferResponse:
+        """The request's answer by its deadline, else 504 then.
+
+        Where no option was expected to make the deadline, the fastest still runs
+        (its answer may come in time, and what it teaches serves the next): the app
+        had waited for it however long it took (a 2 s deadline answered 200 after 30 s
+        over a crawling link).  What is under way goes on in the background, within
+        its own give-up time, and the flow learns from it; its answer is dropped."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(running), max(0.0, flow.deadline - time.monotonic())
+            )
+        except TimeoutError:
+            self._inflight += 1  # (drain waits for it as for a request)
+            running.add_done_callback(self._background_done)
+            raise DeadlineExceeded(
+                f"model {flow.model!r}: no answer within the request's deadline "
+                f"({flow.budget_ms:g} ms; {flow.decision.reason if flow.decision else 'no decision'})"
+            ) from None
+        except asyncio.CancelledError:
+            running.cancel()  # (the caller left: its work stops, as it did before)
+            raise
+
+    def _background_done(self, running: asyncio.Future[InferResponse]) -> None:
+        if not running.cancelled():
+            running.exception()  # (retrieved: its outcome went to the flow already)
+        self._left()
+
     def _left(self) -> None:
         """One request (or a keyed run that outlives its caller) is done: drain may end."""
         self._inflight -= 1
@@ -503,7 +534,13 @@ class EdgeDataPlane:
                     cloud_only=cloud_version,
                     versioned=cloud_version,
                 )
-                return await self._drive(flow, request, start, principal, client_id)
+                drive = self._drive(flow, request, start, principal, client_id)
+                if flow.deferrable:
+                    return await drive  # (its deadline bounds the receipt: see _drive)
+                running = eager_future(asyncio.get_running_loop(), drive)
+                if running.done():
+                    return running.result()
+                return await self._by_deadline(running, flow)
 
             duplicate = False
             if app_key is None:

@@ -66,6 +66,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.framer = PacketFramer(client.max_packet_bytes, tail=tail_for(loop))
         self.transport: asyncio.Transport | None = None
         self.connack: asyncio.Future[Connack] = loop.create_future()
+        # (a connection lost after its CONNACK wait timed out: read, or asyncio logs
+        # "Future exception was never retrieved" at ERROR on every such reconnect)
+        self.connack.add_done_callback(_retrieved)
         self.closed: asyncio.Future[Exception | None] = loop.create_future()
         self.last_read = time.monotonic()
         self.last_write = self.last_read
@@ -502,3 +505,8 @@ def _raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

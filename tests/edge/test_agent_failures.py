@@ -863,3 +863,39 @@ async def test_a_cloud_that_goes_away_and_comes_back_is_said_once_each_way(
     said = [r.getMessage() for r in caplog.records if "cloud over http" in r.getMessage()]
     assert len(said) == 2, said
     assert "not reachable" in said[0] and "usable again" in said[1]
+
+
+async def test_the_app_gets_its_answer_by_its_deadline_or_a_504_then(tmp_path, edge_repos, cloud):
+    # No option meets the deadline (a link learnt slow, no local variant): the fastest
+    # still goes, but the app had waited for it however long it took (a 2 s deadline
+    # answered 200 after 30 s in a soak).  Now a 504 at the deadline.
+    from urllib.parse import urlsplit
+
+    from shared.errors import DeadlineExceeded
+
+    target = urlsplit(cloud.http_url)
+    emu = LinkEmulator(
+        ("127.0.0.1", 0), (target.hostname, target.port), steady(100, 60), delay_ms=600
+    )
+    await emu.start()
+    cfg = agent_toml(
+        tmp_path,
+        edge_repos[1],
+        http=f"http://127.0.0.1:{emu.port}",
+        models='[models.c]\ncloud = "lin"\nmode = "cloud"\n',
+    )
+    try:
+        async with Agent(load_agent_config(cfg)) as agent:
+            for _ in range(3):  # the link is learnt: ~1.2 s a round trip
+                slow = await agent.infer("c", {"x": X}, deadline_ms=20_000)
+                assert slow.parameters["where"] == "cloud-http"
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded, match="within the request's deadline"):
+                await agent.infer("c", {"x": X}, deadline_ms=400)
+            assert time.monotonic() - started < 0.9  # at its deadline, not the reply's
+            await asyncio.sleep(1.5)  # the attempt ends in the background
+            assert agent.dataplane._inflight == 0
+            again = await agent.infer("c", {"x": X}, deadline_ms=20_000)
+            assert again.parameters["where"] == "cloud-http"
+    finally:
+        await emu.close()
