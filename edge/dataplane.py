@@ -18,9 +18,9 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import numpy as np
@@ -70,6 +70,7 @@ from shared.repository.validation import output_tensor, validated_inputs, valida
 from shared.runtimes.base import Cancel
 from shared.tensors import Tensor
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 #: apps' keyed answers kept for their retries: as long as the cloud keeps them by default,
@@ -433,33 +434,45 @@ class EdgeDataPlane:
         return self._inflight
 
     async def _by_deadline(
-        self, running: asyncio.Future[InferResponse], flow: RequestFlow
-    ) -> InferResponse:
+        self,
+        running: asyncio.Future[T],
+        deadline: float,
+        late: Callable[[], str],
+        background: bool = True,
+    ) -> T:
         """The request's answer by its deadline, else 504 then.
 
         Where no option was expected to make the deadline, the fastest still runs
         (its answer may come in time, and what it teaches serves the next): the app
         had waited for it however long it took (a 2 s deadline answered 200 after 30 s
         over a crawling link).  What is under way goes on in the background, within
-        its own give-up time, and the flow learns from it; its answer is dropped."""
+        its own give-up time, and the flow learns from it; its answer is dropped
+        (``background``: counted for drain here; a keyed run counts itself, and stays
+        in the answers' cache for a retry to join).  An answer due at the deadline
+        itself (a cascade's local one, its offload giving up then) gets
+        ``DEADLINE_GRACE_S`` to come out."""
         try:
             return await asyncio.wait_for(
-                asyncio.shield(running), max(0.0, flow.deadline - time.monotonic())
+                asyncio.shield(running), max(0.0, deadline - time.monotonic())
             )
         except TimeoutError:
-            self._inflight += 1  # (drain waits for it as for a request)
-            running.add_done_callback(self._background_done)
-            raise DeadlineExceeded(
-                f"model {flow.model!r}: no answer within the request's deadline "
-                f"({flow.budget_ms:g} ms; {flow.decision.reason if flow.decision else 'no decision'})"
-            ) from None
+            try:
+                return await asyncio.wait_for(asyncio.shield(running), DEADLINE_GRACE_S)
+            except TimeoutError:
+                pass
+            if background:
+                self._inflight += 1  # (drain waits for it as for a request)
+                running.add_done_callback(self._background_done)
+            else:
+                running.add_done_callback(_retrieved)
+            raise DeadlineExceeded(late()) from None
         except asyncio.CancelledError:
-            running.cancel()  # (the caller left: its work stops, as it did before)
+            if background:
+                running.cancel()  # (the caller left: its work stops, as it did before)
             raise
 
-    def _background_done(self, running: asyncio.Future[InferResponse]) -> None:
-        if not running.cancelled():
-            running.exception()  # (retrieved: its outcome went to the flow already)
+    def _background_done(self, running: asyncio.Future[Any]) -> None:
+        _retrieved(running)  # (its outcome went to the flow already)
         self._left()
 
     def _left(self) -> None:
@@ -517,14 +530,15 @@ class EdgeDataPlane:
 
             async def run() -> InferResponse:
                 # (a keyed run goes on when its caller leaves, to answer the retry:
-                # drain waits for it as for a request)
+                # drain waits for it as for a request; its caller's deadline is kept
+                # outside it, so a retry after that 504 joins the run still going)
                 self._inflight += 1
                 try:
-                    return await answer()
+                    return await answer(bounded=False)
                 finally:
                     self._left()
 
-            async def answer() -> InferResponse:
+            async def answer(bounded: bool = True) -> InferResponse:
                 flow = self._begin(
                     model,
                     request,
@@ -535,12 +549,14 @@ class EdgeDataPlane:
                     versioned=cloud_version,
                 )
                 drive = self._drive(flow, request, start, principal, client_id)
-                if flow.deferrable:
-                    return await drive  # (its deadline bounds the receipt: see _drive)
+                if flow.deferrable or not bounded:
+                    return await drive  # (a deferral's deadline bounds its receipt: _drive)
                 running = eager_future(asyncio.get_running_loop(), drive)
                 if running.done():
                     return running.result()
-                return await self._by_deadline(running, flow)
+                return await self._by_deadline(
+                    running, flow.deadline, lambda: _no_answer(flow.model, flow.budget_ms, flow)
+                )
 
             duplicate = False
             if app_key is None:
@@ -555,13 +571,25 @@ class EdgeDataPlane:
                 budget = (
                     deadline_ms or mp.deadline_ms or self.core.policy.config.default_deadline_ms
                 )
-                response, duplicate = await self._answers.run(
-                    (model, request.model_version, app_key),
-                    run,
-                    fingerprint(request, 0),
-                    keep=lambda answered: answered.parameters.get("where") != "deferred",
-                    deadline=None if deferrable else start + budget / 1000.0,
+                keyed = eager_future(
+                    asyncio.get_running_loop(),
+                    self._answers.run(
+                        (model, request.model_version, app_key),
+                        run,
+                        fingerprint(request, 0),
+                        keep=lambda answered: answered.parameters.get("where") != "deferred",
+                        deadline=None if deferrable else start + budget / 1000.0,
+                    ),
                 )
+                if keyed.done() or deferrable:
+                    response, duplicate = await keyed
+                else:
+                    response, duplicate = await self._by_deadline(
+                        keyed,
+                        start + budget / 1000.0,
+                        lambda: _no_answer(model, budget, None),
+                        background=False,
+                    )
                 if duplicate:
                     response = as_duplicate(response)
         except FerryError as exc:
@@ -937,3 +965,18 @@ def _toml_key(name: str) -> str:
     if name and all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
         return name
     return json.dumps(name)
+
+
+#: how long past its deadline an answer that is due at the deadline itself may take
+#: to come out (a cascade's local answer, its offload giving up at the deadline)
+DEADLINE_GRACE_S = 0.02
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _no_answer(model: str, budget_ms: float, flow: RequestFlow | None) -> str:
+    why = f"; {flow.decision.reason}" if flow is not None and flow.decision else ""
+    return f"model {model!r}: no answer within the request's deadline ({budget_ms:g} ms{why})"

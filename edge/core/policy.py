@@ -181,6 +181,9 @@ class Decision:
 
 
 LEAST_COST = "least cost"
+#: how far above its mean (in the belief's spreads) a link's rate may be for a late
+#: exploration to try it
+LATE_EXPLORE_Z = 2.0
 LOW_BATTERY = "low battery: least energy"
 
 
@@ -589,7 +592,11 @@ class Policy:
                 if transport in self.links:
                     options.append(self.cloud_option(mp, transport, ctx, server, tails))
         decision = self.choose(options, ctx)
-        if mode in ("local", "cloud") and decision.reason in (LEAST_COST, LOW_BATTERY):
+        if (
+            mode == mp.mode
+            and mode in ("local", "cloud")
+            and decision.reason in (LEAST_COST, LOW_BATTERY)
+        ):
             # (the mode decided, not the prices: "least energy" had named a cloud run
             # that cost more energy than the local one)
             decision.reason = f"mode {mode}"
@@ -681,13 +688,13 @@ class Policy:
         if usable:
             fallback = min(usable, key=lambda o: o.latency_q_s)
             if fallback.transport is None and not low_battery and cfg.explore_after_s > 0:
-                late = self._late_exploration(usable, ctx)
+                late = self._late_exploration(usable, fallback, ctx)
                 if late is not None:
                     return Decision(late, options, explore_late_reason(late), True, True)
             return Decision(fallback, options, "no option meets the deadline: fastest")
         return Decision(None, options, "no usable option")
 
-    def _late_exploration(self, usable: list[Option], ctx: Context) -> Option | None:
+    def _late_exploration(self, usable: list[Option], local: Option, ctx: Context) -> Option | None:
         """An offload to try beside the local run when every option misses the deadline.
 
         A link never measured is priced by its prior, which a tight deadline may rule
@@ -699,6 +706,12 @@ class Policy:
         for o in usable:
             if o.transport is None or o.rate_sigma < 0.05:
                 continue  # (a link it knows well: its prices stand)
+            fast = o.latency_s - o.bottleneck_s * (1.0 - math.exp(-LATE_EXPLORE_Z * o.rate_sigma))
+            if fast >= local.latency_s:
+                # even at a rate the belief puts far above its mean it cannot beat the
+                # local run: trying it teaches nothing (a 5 s link, tried every 10 s as
+                # its belief widened with age, spent 434 MB an hour)
+                continue
             claim = self.est.link(o.transport).exploring_since
             if claim is not None and ctx.now - claim < self.config.explore_after_s:
                 continue

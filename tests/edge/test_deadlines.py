@@ -1,0 +1,116 @@
+"""A request's deadline bounds its answer: 504 then, the work under way finishing in the
+background (stats, drain, keyed retries and cascades as before)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from edge.agent import Agent
+from edge.config import load_agent_config
+from shared.errors import DeadlineExceeded
+from tests.edge.conftest import agent_toml
+from tests.edge.test_agent_failures import BlackHole
+
+X = np.ones((1, 4), np.float32)
+SLOW = "[emulation]\nlocal_latency_ms = 400\n"
+LOCAL = '[models.l]\nlocal = "lin-local"\nmode = "local"\n'
+
+
+def _count_local(agent):
+    dp = agent.dataplane
+    calls = []
+    orig = dp._local
+
+    async def counted(flow, request):
+        calls.append(time.monotonic())
+        return await orig(flow, request)
+
+    dp._local = counted
+    return calls
+
+
+async def test_a_keyed_retry_after_its_504_joins_the_run_still_going(tmp_path, edge_repos):
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    async with Agent(load_agent_config(cfg)) as agent:
+        await agent.infer("l", {"x": X}, deadline_ms=5000)  # warm
+        calls = _count_local(agent)
+        with pytest.raises(DeadlineExceeded):
+            await agent.infer("l", {"x": X}, deadline_ms=100, idempotency_key="k1")
+        # the app retries at once with the same key and a longer deadline
+        again = await agent.infer("l", {"x": X}, deadline_ms=5000, idempotency_key="k1")
+        assert again.parameters["where"] == "local"
+        assert len(calls) == 1, f"{len(calls)} local runs for one keyed request"
+
+
+async def test_a_504_at_the_deadline_is_counted_once_and_its_background_run_drains(
+    tmp_path, edge_repos
+):
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    async with Agent(load_agent_config(cfg)) as agent:
+        with pytest.raises(DeadlineExceeded):
+            await agent.infer("l", {"x": X}, deadline_ms=100)
+        await asyncio.sleep(0.8)
+        s = agent.dataplane.stats._get("l")
+        assert (s.success, s.fail) == (0, 1)
+        assert agent.dataplane.inflight == 0
+
+
+async def test_a_caller_that_goes_away_stops_its_work(tmp_path, edge_repos):
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    async with Agent(load_agent_config(cfg)) as agent:
+        t = asyncio.ensure_future(agent.infer("l", {"x": X}, deadline_ms=5000))
+        await asyncio.sleep(0.05)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await asyncio.sleep(0.6)
+        assert agent.dataplane.inflight == 0
+
+
+async def test_a_stop_with_work_in_the_background_logs_no_error(tmp_path, edge_repos, caplog):
+    caplog.set_level(logging.DEBUG)
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    agent = Agent(load_agent_config(cfg))
+    await agent.__aenter__()
+    with pytest.raises(DeadlineExceeded):
+        await agent.infer("l", {"x": X}, deadline_ms=100)
+    await agent.__aexit__(None, None, None)
+    bad = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not bad
+
+
+SOFT = '[models.soft]\nlocal = "soft-local"\ncloud = "soft"\nmode = "cascade"\ncascade_threshold = 0.6\n'
+UNSURE = np.array([[0.2, 0.1, 0, 0]], np.float32)
+
+
+async def test_an_unsure_cascade_whose_cloud_hangs_still_answers_locally_by_its_deadline(
+    tmp_path, edge_repos
+):
+    hole = BlackHole()
+    try:
+        cfg = agent_toml(tmp_path, edge_repos[1], http=f"http://127.0.0.1:{hole.port}", models=SOFT)
+        async with Agent(load_agent_config(cfg)) as agent:
+            results = []
+            for _ in range(5):
+                t = time.monotonic()
+                try:
+                    r = await agent.infer("soft", {"x": UNSURE}, deadline_ms=800)
+                    results.append(
+                        (
+                            r.parameters["where"],
+                            r.parameters.get("cascade"),
+                            round(time.monotonic() - t, 3),
+                        )
+                    )
+                except Exception as exc:
+                    results.append(
+                        (type(exc).__name__, str(exc)[:120], round(time.monotonic() - t, 3))
+                    )
+            assert all(r[0] == "local" for r in results), results
+    finally:
+        hole.close()
