@@ -452,24 +452,28 @@ class EdgeDataPlane:
         itself (a cascade's local one, its offload giving up then) gets
         ``DEADLINE_GRACE_S`` to come out."""
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(running), max(0.0, deadline - time.monotonic())
-            )
-        except TimeoutError:
+            try:
+                return await asyncio.wait_for(
+                    asyncio.shield(running), max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                pass
             try:
                 return await asyncio.wait_for(asyncio.shield(running), DEADLINE_GRACE_S)
             except TimeoutError:
                 pass
-            if background:
-                self._inflight += 1  # (drain waits for it as for a request)
-                running.add_done_callback(self._background_done)
-            else:
-                running.add_done_callback(_retrieved)
-            raise DeadlineExceeded(late()) from None
         except asyncio.CancelledError:
-            if background:
-                running.cancel()  # (the caller left: its work stops, as it did before)
+            # the caller left: its work stops, as it did before (a keyed run's wrapper
+            # stops waiting; the cached run goes on for a retry, see _answers)
+            running.cancel()
+            running.add_done_callback(_retrieved)
             raise
+        if background:
+            self._inflight += 1  # (drain waits for it as for a request)
+            running.add_done_callback(self._background_done)
+        else:
+            running.add_done_callback(_retrieved)
+        raise DeadlineExceeded(late())
 
     def _background_done(self, running: asyncio.Future[Any]) -> None:
         _retrieved(running)  # (its outcome went to the flow already)

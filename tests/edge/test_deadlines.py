@@ -4,6 +4,7 @@ background (stats, drain, keyed retries and cascades as before)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -12,7 +13,7 @@ import pytest
 
 from edge.agent import Agent
 from edge.config import load_agent_config
-from shared.errors import DeadlineExceeded
+from shared.errors import DeadlineExceeded, InternalError
 from tests.edge.conftest import agent_toml
 from tests.edge.test_agent_failures import BlackHole
 
@@ -114,3 +115,105 @@ async def test_an_unsure_cascade_whose_cloud_hangs_still_answers_locally_by_its_
             assert all(r[0] == "local" for r in results), results
     finally:
         hole.close()
+
+
+def _failing_local(agent, after_s=0.3):
+    dp = agent.dataplane
+    calls = []
+
+    async def failing(flow, request, cancel=None):
+        calls.append(time.monotonic())
+        await asyncio.sleep(after_s)
+        raise InternalError("boom after the caller's deadline")
+
+    dp._local = failing
+    return calls
+
+
+def _errors(caplog):
+    gc.collect()
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_cancelled_keyed_duplicate_leaves_no_task_unretrieved(tmp_path, edge_repos, caplog):
+    """A duplicate keyed caller that goes away: its keyed wrapper goes on waiting until its
+    deadline and then fails with nobody to retrieve it."""
+    caplog.set_level(logging.DEBUG)
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    async with Agent(load_agent_config(cfg)) as agent:
+        await agent.infer("l", {"x": X}, deadline_ms=5000)  # warm
+        first = asyncio.ensure_future(
+            agent.infer("l", {"x": X}, deadline_ms=5000, idempotency_key="k")
+        )
+        await asyncio.sleep(0.02)
+        dup = asyncio.ensure_future(
+            agent.infer("l", {"x": X}, deadline_ms=100, idempotency_key="k")
+        )
+        await asyncio.sleep(0.03)
+        dup.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dup
+        await first
+        await asyncio.sleep(0.3)
+        bad = _errors(caplog)
+        assert not bad
+
+
+async def test_a_cancelled_first_keyed_caller_whose_run_fails_leaves_no_error(
+    tmp_path, edge_repos, caplog
+):
+    caplog.set_level(logging.DEBUG)
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    async with Agent(load_agent_config(cfg)) as agent:
+        await agent.infer("l", {"x": X}, deadline_ms=5000)  # warm
+        _failing_local(agent)
+        t = asyncio.ensure_future(
+            agent.infer("l", {"x": X}, deadline_ms=5000, idempotency_key="k2")
+        )
+        await asyncio.sleep(0.05)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await asyncio.sleep(0.5)
+        bad = _errors(caplog)
+        assert agent.dataplane.inflight == 0
+        assert not bad
+
+
+async def test_a_keyed_run_that_fails_after_its_504_is_dropped_and_a_retry_runs_afresh(
+    tmp_path, edge_repos, caplog
+):
+    caplog.set_level(logging.DEBUG)
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    async with Agent(load_agent_config(cfg)) as agent:
+        await agent.infer("l", {"x": X}, deadline_ms=5000)  # warm
+        calls = _failing_local(agent)
+        with pytest.raises(DeadlineExceeded):
+            await agent.infer("l", {"x": X}, deadline_ms=100, idempotency_key="k3")
+        await asyncio.sleep(0.5)
+        assert len(agent.dataplane._answers) == 0
+        with pytest.raises(InternalError):
+            await agent.infer("l", {"x": X}, deadline_ms=5000, idempotency_key="k3")
+        assert len(calls) == 2
+        assert agent.dataplane.inflight == 0
+        assert not _errors(caplog)
+
+
+async def test_a_caller_cancelled_in_the_grace_after_its_deadline_stops_its_work(
+    tmp_path, edge_repos, caplog
+):
+    """Unkeyed: the caller goes away inside DEADLINE_GRACE_S after its deadline (the grace
+    wait sat in the timeout's handler, where the cancel skipped the work's own cancel)."""
+    caplog.set_level(logging.DEBUG)
+    cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
+    async with Agent(load_agent_config(cfg)) as agent:
+        await agent.infer("l", {"x": X}, deadline_ms=5000)  # warm
+        calls = _failing_local(agent, 0.3)
+        t = asyncio.ensure_future(agent.infer("l", {"x": X}, deadline_ms=100))
+        await asyncio.sleep(0.110)  # inside the 20 ms grace
+        t.cancel()
+        with pytest.raises((asyncio.CancelledError, DeadlineExceeded)):
+            await t
+        await asyncio.sleep(0.4)
+        assert len(calls) == 1 and agent.dataplane.inflight == 0
+        assert not _errors(caplog)
