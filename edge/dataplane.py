@@ -46,7 +46,7 @@ from edge.local import LocalModels
 from edge.stats import AgentStats
 from edge.transports.base import TransferResult, Transport
 from shared import v2
-from shared.aio.eager import eager_future
+from shared.aio.eager import eager_future, retrieved
 from shared.aio.idempotency import (
     IdempotencyCache,
     as_duplicate,
@@ -501,7 +501,7 @@ class EdgeDataPlane:
                 timer.cancel()
 
     def _background_done(self, running: asyncio.Future[Any]) -> None:
-        _retrieved(running)  # (its outcome went to the flow already)
+        retrieved(running)  # (its outcome went to the flow already)
         self._left()
 
     def _left(self) -> None:
@@ -993,11 +993,6 @@ def _toml_key(name: str) -> str:
 #: how long past its deadline an answer that is due at the deadline itself may take
 #: to come out (a cascade's local answer, its offload giving up at the deadline)
 DEADLINE_GRACE_S = 0.02
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _no_answer(model: str, budget_ms: float, flow: RequestFlow | None) -> str:

@@ -91,3 +91,10 @@ class _CarryOn(Coroutine[Any, Any, T]):
 
 
 _GONE = object()
+
+
+def retrieved(future: asyncio.Future[Any]) -> None:
+    """A done callback that reads a future's outcome nobody else will: asyncio logs an
+    exception never read at ERROR ("Future exception was never retrieved")."""
+    if not future.cancelled():
+        future.exception()

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shared.aio.eager import retrieved
 from shared.buffered import tail_for
 from shared.errors import EndpointUnavailable
 from shared.mqtt import codec
@@ -68,7 +69,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.connack: asyncio.Future[Connack] = loop.create_future()
         # (a connection lost after its CONNACK wait timed out: read, or asyncio logs
         # "Future exception was never retrieved" at ERROR on every such reconnect)
-        self.connack.add_done_callback(_retrieved)
+        self.connack.add_done_callback(retrieved)
         self.closed: asyncio.Future[Exception | None] = loop.create_future()
         self.last_read = time.monotonic()
         self.last_write = self.last_read
@@ -302,7 +303,7 @@ class MqttClient:
 
     def _waiter(self, packet_id: int) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(_retrieve)
+        future.add_done_callback(retrieved)
         self._waiters[packet_id] = future
         return future
 
@@ -492,11 +493,6 @@ class _Callback:
             log.exception("MQTT publish listener failed")
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()  # nobody has to await a publish: no "never retrieved" noise
-
-
 def _raise_if_cancelled() -> None:
     """Python 3.11's wait_for returns the result when its awaitable finishes in the tick
     its task is cancelled, and the cancel is lost: the connection loop then waited on a
@@ -505,8 +501,3 @@ def _raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
