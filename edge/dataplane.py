@@ -104,10 +104,10 @@ class EdgeDataPlane:
         self._inflight = 0  # requests taken and not yet answered (drain waits on them)
         self._drained: asyncio.Event | None = None
         self._closing = False
-        # Answers to apps' keyed requests, for their retries (bounded: an evicted key
-        # only means a late retry runs again, as at the cloud)
         self._breaker_said: dict[str, str] = {}  # transport -> the breaker state last logged
         self._last_failure: dict[str, str] = {}  # transport -> its last failure, for the log
+        # Answers to apps' keyed requests, for their retries (bounded: an evicted key
+        # only means a late retry runs again, as at the cloud)
         self._answers: IdempotencyCache[InferResponse] = IdempotencyCache(
             ANSWERS_TTL_S, ANSWERS_MAX_ENTRIES, ANSWERS_MAX_BYTES, response_bytes, owned_response
         )
