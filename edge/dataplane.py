@@ -449,8 +449,7 @@ class EdgeDataPlane:
         way goes on in the background, within its own give-up time, and the flow
         learns from it; its answer is dropped (``background``: counted for drain
         here; a keyed run counts itself, and stays in the answers' cache for a retry
-        to join).  An answer due at the deadline itself (a cascade's local one, its
-        offload giving up then) gets ``DEADLINE_GRACE_S`` to come out.
+        to join).
 
         One future, set by the work as it ends or by a timer at the deadline: the
         caller wakes as soon as from awaiting the work (wait_for and shield had cost
@@ -476,18 +475,15 @@ class EdgeDataPlane:
         if out.done():
             return out.result()
 
-        def overdue(final: bool) -> None:
+        def overdue() -> None:
             if out.done():
-                return
-            if not final:  # (the grace: an answer due at the deadline itself)
-                timers.append(loop.call_later(DEADLINE_GRACE_S, overdue, True))
                 return
             if background:
                 self._inflight += 1  # (drain waits for it as for a request)
                 running.add_done_callback(self._background_done)
             out.set_exception(DeadlineExceeded(late()))
 
-        timers = [loop.call_at(deadline, overdue, False)]
+        timer = loop.call_at(deadline, overdue)
         try:
             return await out
         except asyncio.CancelledError:
@@ -497,8 +493,7 @@ class EdgeDataPlane:
                 running.cancel()
             raise
         finally:
-            for timer in timers:
-                timer.cancel()
+            timer.cancel()
 
     def _background_done(self, running: asyncio.Future[Any]) -> None:
         retrieved(running)  # (its outcome went to the flow already)
@@ -988,11 +983,6 @@ def _toml_key(name: str) -> str:
     if name and all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
         return name
     return json.dumps(name)
-
-
-#: how long past its deadline an answer that is due at the deadline itself may take
-#: to come out (a cascade's local answer, its offload giving up at the deadline)
-DEADLINE_GRACE_S = 0.02
 
 
 def _no_answer(model: str, budget_ms: float, flow: RequestFlow | None) -> str:

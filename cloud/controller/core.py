@@ -203,6 +203,8 @@ class ControllerCore:
     def _woken(self) -> str | None:
         """A model placed nowhere that is asked for now (a miss): placed at once."""
         for name, entry in sorted(self.catalogue.items()):
+            if entry.policy.min_copies > 0:
+                continue  # (placed anyway: its rate waits for the interval)
             if self.planned_rates.get(name, 0.0) <= 0 and self.demand_rate(entry) > 0:
                 return f"{name} asked for (a miss)"
         return None

@@ -169,9 +169,10 @@ class FleetView:
             if problem is not None:
                 log.warning("node %s: status ignored: %s", node, problem)
                 return False
+            first = state is None  # (its first status in this view: counters are a baseline)
             if state is None:
                 state = self.nodes[node] = NodeState(node)
-            self._fold(state, status, now)
+            self._fold(state, status, now, first)
             # Timed only when it says how often it reports (a node of an older version,
             # maybe on a 30 s interval, would flap on a guessed one).
             state.last_seen = now if "interval_s" in status else None
@@ -224,7 +225,13 @@ class FleetView:
         self.placement = placement
         return placement
 
-    def _fold(self, state: NodeState, status: dict[str, Any], now: float | None = None) -> None:
+    def _fold(
+        self,
+        state: NodeState,
+        status: dict[str, Any],
+        now: float | None = None,
+        first: bool = False,
+    ) -> None:
         uptime = float(status.get("uptime_s", 0.0))
         elapsed = uptime - state.uptime_s if state.online else 0.0
         restarted = uptime < state.uptime_s
@@ -314,7 +321,10 @@ class FleetView:
             counted = before if before is not None and not restarted else 0
             if count > counted:
                 self._missed[name] = self._missed.pop(name, 0) + count - counted
-                if now is not None:
+                # (a node's first status in this view is its baseline: the misses it counted
+                # before a controller restart are not news, and had reloaded every idle
+                # min_copies = 0 model it ever missed)
+                if now is not None and (not first or restarted):
                     self._used_at(name, now)
             if before is not None and elapsed > 0 and not restarted:
                 sample = max(0, count - before) / elapsed

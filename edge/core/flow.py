@@ -64,6 +64,9 @@ from shared.errors import (
 # count towards a transport's circuit breaker.  A 404 or a bad input says
 # nothing about whether the next request to another model will succeed.
 ENDPOINT_FAILURES = (EndpointUnavailable, DeadlineExceeded, Overloaded)
+#: how long before the deadline a cascade's offload gives up, so that the local answer
+#: it holds goes out by the deadline
+CASCADE_ANSWER_S = 0.02
 # How long a cloud that answered "no such model" is not asked for it again.
 MISSING_MODEL_COOLDOWN_S = 30.0
 # How long a model the cloud says is not ready (failed load, unloading) is not
@@ -542,7 +545,10 @@ class RequestFlow:
         core.breakers[choice.transport].allow(now)
         self._attempt, self._fallback = choice, None
         why = f"cascade: local confidence {confidence:.2f} < {mp.cascade_threshold}"
-        return self._sent(Offload(choice, mp.cloud_model, self.deadline, why), now)
+        # (gives up just before the deadline: the local answer it holds goes out in time;
+        # given up at the deadline itself, it had come out late or been lost to a 504)
+        give_up = max(now, self.deadline - CASCADE_ANSWER_S)
+        return self._sent(Offload(choice, mp.cloud_model, give_up, why), now)
 
     def offload_done(
         self,

@@ -692,8 +692,10 @@ async def test_a_keyed_retry_joining_a_run_keeps_its_own_deadline(tmp_path, edge
             agent.infer("lin", {"x": x}, deadline_ms=5000, idempotency_key="k1")
         )
         await asyncio.sleep(0.05)
-        with pytest.raises(DeadlineExceeded, match="earlier request with this"):
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):  # (its own deadline: not the run's 300 ms)
             await agent.infer("lin", {"x": x}, deadline_ms=60, idempotency_key="k1")
+        assert time.monotonic() - started < 0.2
         assert (await first).parameters["where"] == "local"
         # a busy device: the keyed request's own short deadline passes in the queue; the
         # retry beside it, with time to spare, is answered (afresh)

@@ -199,21 +199,38 @@ async def test_a_keyed_run_that_fails_after_its_504_is_dropped_and_a_retry_runs_
         assert not _errors(caplog)
 
 
-async def test_a_caller_cancelled_in_the_grace_after_its_deadline_stops_its_work(
+async def test_a_caller_cancelled_about_its_deadline_leaves_no_work_uncounted(
     tmp_path, edge_repos, caplog
 ):
-    """Unkeyed: the caller goes away inside DEADLINE_GRACE_S after its deadline (the grace
-    wait sat in the timeout's handler, where the cancel skipped the work's own cancel)."""
+    """Unkeyed: the caller goes away just after its deadline (a grace wait had sat in the
+    timeout's handler, where a cancel skipped the work's own cancel)."""
     caplog.set_level(logging.DEBUG)
     cfg = agent_toml(tmp_path, edge_repos[1], models=LOCAL, extra=SLOW)
     async with Agent(load_agent_config(cfg)) as agent:
         await agent.infer("l", {"x": X}, deadline_ms=5000)  # warm
         calls = _failing_local(agent, 0.3)
         t = asyncio.ensure_future(agent.infer("l", {"x": X}, deadline_ms=100))
-        await asyncio.sleep(0.110)  # inside the 20 ms grace
+        await asyncio.sleep(0.110)  # (just after the deadline)
         t.cancel()
         with pytest.raises((asyncio.CancelledError, DeadlineExceeded)):
             await t
         await asyncio.sleep(0.4)
         assert len(calls) == 1 and agent.dataplane.inflight == 0
         assert not _errors(caplog)
+
+
+async def test_a_run_that_ends_just_after_its_deadline_is_a_504_at_the_deadline(
+    tmp_path, edge_repos
+):
+    # A 20 ms grace after every deadline had turned runs ending within it into late 200s.
+    cfg = agent_toml(
+        tmp_path, edge_repos[1], models=LOCAL, extra="[emulation]\nlocal_latency_ms = 300\n"
+    )
+    async with Agent(load_agent_config(cfg)) as agent:
+        await agent.infer("l", {"x": X}, deadline_ms=5000)  # warm
+        for deadline_ms in (285, 295):
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await agent.infer("l", {"x": X}, deadline_ms=deadline_ms)
+            assert time.monotonic() - started < 0.3  # at its deadline, not the run's end
+            await asyncio.sleep(0.35)  # (the run ends in the background)

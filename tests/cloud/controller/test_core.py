@@ -391,3 +391,17 @@ def test_an_idle_model_is_loaded_on_its_first_miss_and_unloaded_once_idle_again(
     assert {c.model for c in step.placement.copies} == {"a"}
     # (its tiny plan while in use raised no over-provisioned alert)
     assert all(alert.model != "idle" for alert in core.alerts())
+
+
+def test_a_restarted_controller_takes_old_misses_as_no_news() -> None:
+    # A node's miss counter only grows: a new controller had read its first status's
+    # count as fresh misses and reloaded every idle min_copies = 0 model it ever missed.
+    core = _core([_entry("a"), _entry("idle", rate=0.0, min_copies=0)], idle_unload_s=60.0)
+    core.on_status("n1", _missing("n1", 500.0, {"idle": 7}), now=1.0)
+    first = core.step(2.0)
+    assert first is not None and {c.model for c in first.placement.copies} == {"a"}
+    core.on_status("n1", _missing("n1", 505.0, {"idle": 7}), now=6.0)
+    assert core.step(6.5) is None  # still no news
+    core.on_status("n1", _missing("n1", 510.0, {"idle": 8}), now=11.0)  # a new miss
+    step = core.step(11.5)
+    assert step is not None and "idle" in {c.model for c in step.placement.copies}
