@@ -613,9 +613,10 @@ class Agent:
                     **({"error": e} if (e := getattr(t, "last_error", None)) else {}),
                     "link": self.links[name].name,
                     "breaker": self.dataplane.breakers[name].state,
-                    "up_mbps": round(est.link(name).up_bps / 1e6, 3),
-                    "down_mbps": round(est.link(name).down_bps / 1e6, 3),
-                    "rtt_ms": round(est.link(name).rtt_s * 1000, 2),
+                    # what the policy believes now (old news faded into the long run)
+                    "up_mbps": round(est.link(name).rates(now)[0] / 1e6, 3),
+                    "down_mbps": round(est.link(name).rates(now)[1] / 1e6, 3),
+                    "rtt_ms": round(est.link(name).rtt_at(now)[0] * 1000, 2),
                     # requests sent again: a node lost or rejoined, or one slow to answer
                     **({"resent": t.republished + t.hedged} if hasattr(t, "hedged") else {}),
                 }

@@ -351,6 +351,12 @@ class LinkEstimator:
         )
         self.last_update: float | None = None
         self.bandwidth_update: float | None = None  # probes refresh RTT, never this
+        # RTT, like the rates, fades back into the link's long run while unobserved
+        # (see rtt_at): its last sample's time, and the long run's mean log RTT.
+        self.rtt_update: float | None = None
+        self._rtt_home: float | None = None
+        self._rtt_home_n = 0
+        self._rtt_target = 0.0  # log RTT an old estimate fades to (set by _refresh)
         self.exploring_since: float | None = None  # one exploring request at a time
         self.consecutive_failures = 0
         self.samples = 0
@@ -364,6 +370,44 @@ class LinkEstimator:
         self.rtt_quantile = max(q, self.rtt_s) if q is not None else self.rtt_s
         self.up_bps_low = _low(self._up_lo, self.up_bps)
         self.down_bps_low = _low(self._down_lo, self.down_bps)
+        target = math.log(self.prior_rtt_s) if self.prior_rtt_s > 0 else math.log(1e-3)
+        home = self._rtt_home
+        if home is not None:
+            n = float(self._rtt_home_n)
+            target += n / (n + LogRate.HOME_PRIOR_N) * (home - target)
+        self._rtt_target = target
+
+    def rtt_at(self, now: float) -> tuple[float, float]:
+        """(mean, quantile) RTT believed at ``now``: what was learnt, faded into the long run.
+
+        An RTT seen only in a bad spell (an outage's late replies, a congested
+        cell) must not stand for good: once it rules the cloud out nothing
+        sends to correct it (probes refresh RTT only from a radio still up), and
+        three 2.5 s replies kept a WiFi agent local for hours.  Unobserved, it
+        relaxes with the rates' time constant (``LogRate.REVERT_S``) towards the
+        RTTs this link has shown over its life, the profile's prior at first.
+        """
+        updated = self.rtt_update
+        mean, quantile = self.rtt_s, self.rtt_quantile
+        if updated is None or now - updated < 0.06 or not mean > 0:  # (fresh: w > 0.999)
+            return mean, quantile
+        w = math.exp((updated - now) / LogRate.REVERT_S)
+        faded = math.exp(w * math.log(mean) + (1.0 - w) * self._rtt_target)
+        return faded, faded * (quantile / mean) ** w
+
+    def _add_rtt(self, rtt_s: float, now: float) -> None:
+        self._rtt.add(rtt_s)
+        self._rtt_q.add(rtt_s)
+        self.rtt_update = now
+        x = math.log(rtt_s)
+        home = self._rtt_home
+        self._rtt_home_n += 1
+        if home is None:
+            self._rtt_home = x
+        else:
+            n = self._rtt_home_n
+            a = 1.0 / n if n * LogRate.HOME_ALPHA < 1.0 else LogRate.HOME_ALPHA
+            self._rtt_home = home + a * (x - home)
 
     def set_prior(self, up_bps: float, down_bps: float, rtt_s: float) -> None:
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = up_bps, down_bps, rtt_s
@@ -380,14 +424,13 @@ class LinkEstimator:
         self.consecutive_failures = 0
         self.last_update = now
         if sent_bytes < SMALL_BYTES and received_bytes < SMALL_BYTES:
-            self._rtt.add(net)
-            self._rtt_q.add(net)
+            self._add_rtt(net, now)
         elif sent_bytes >= received_bytes:
-            t = net - self.rtt_s - received_bytes * 8 / self.down_bps
+            t = net - self.rtt_at(now)[0] - received_bytes * 8 / self.down_bps
             rate = sent_bytes * 8 / max(t, net * 0.1, 1e-4)
             self._add_rate(rate, self._up, "_up_lo", self.up_belief, now)
         else:
-            t = net - self.rtt_s - sent_bytes * 8 / self.up_bps
+            t = net - self.rtt_at(now)[0] - sent_bytes * 8 / self.up_bps
             rate = received_bytes * 8 / max(t, net * 0.1, 1e-4)
             self._add_rate(rate, self._down, "_down_lo", self.down_belief, now)
         self._refresh()
@@ -445,8 +488,7 @@ class LinkEstimator:
 
     def observe_probe(self, rtt_s: float, now: float) -> None:
         if rtt_s > 0:
-            self._rtt.add(rtt_s)
-            self._rtt_q.add(rtt_s)
+            self._add_rtt(rtt_s, now)
             self.last_update = now
             self.consecutive_failures = 0
             self._refresh()
@@ -521,6 +563,11 @@ class LinkEstimator:
             "prior": [self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s],
             "age_s": None if self.last_update is None else now - self.last_update,
             "bw_age_s": None if self.bandwidth_update is None else now - self.bandwidth_update,
+            "rtt_home": [
+                self._rtt_home,
+                self._rtt_home_n,
+                None if self.rtt_update is None else now - self.rtt_update,
+            ],
         }
 
     @classmethod
@@ -553,6 +600,14 @@ class LinkEstimator:
         e.last_update = None if age is None else now - float(age)
         bw_age = d.get("bw_age_s")
         e.bandwidth_update = None if bw_age is None else now - float(bw_age)
+        rtt_home = d.get("rtt_home")
+        if rtt_home is not None:
+            home, n, rtt_age = rtt_home
+            if home is not None:
+                e._rtt_home, e._rtt_home_n = float(home), int(n)
+            e.rtt_update = None if rtt_age is None else now - float(rtt_age)
+        elif e._rtt.value is not None:  # (older state files: the RTT is as old as the link's news)
+            e.rtt_update = e.last_update
         e._refresh()
         return e
 

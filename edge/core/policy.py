@@ -482,8 +482,9 @@ class Policy:
         # A radio that went idle (past its tail) must be promoted before it sends.
         idle = ctx.radio_idle_s
         promotion = profile.promotion_s if idle is None or idle >= profile.tail_s else 0.0
-        latency = promotion + link.rtt_s + t_up + t_down + server_s
-        latency_q = promotion + link.rtt_quantile + t_q + server_q  # rtt_quantile >= rtt_s
+        rtt, rtt_q = link.rtt_at(ctx.now)
+        latency = promotion + rtt + t_up + t_down + server_s
+        latency_q = promotion + rtt_q + t_q + server_q  # rtt_q >= rtt
         # The tail this transfer opens (see transfer_energy_j): until the next request, at
         # the rate requests come, if each used the radio (``tail``); until the next one
         # that does, at the share that recently did.  From a radio still up,
@@ -516,7 +517,7 @@ class Policy:
             down,
             up_bps,
             down_bps,
-            server_s + link.rtt_s,
+            server_s + rtt,
             self.device,
             ctx.radio_idle_s,
             extra,

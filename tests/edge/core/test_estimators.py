@@ -231,3 +231,22 @@ def test_a_corrupt_estimates_file_starts_fresh_on_either_core(tmp_path):
     assert fresh.local_known("m", 1) is None  # started fresh, and it works:
     fresh.local("m").add(0.1, 2.0)
     assert fresh.local("m").mean is not None
+
+
+def test_an_rtt_seen_in_a_bad_spell_fades_into_the_links_long_run(tmp_path):
+    link = LinkEstimator(prior_rtt_s=0.02)
+    for i in range(30):
+        link.observe_probe(0.03, float(i))  # the link's usual RTT
+    for i in range(5):
+        link.observe(1_000, 1_000, 2.5, 0.0, 30.0 + i)  # an outage's late replies
+    spell = link.rtt_at(35.0)[0]
+    assert spell > 0.5  # believed at once: the policy must stop offloading now
+    mean, quantile = link.rtt_at(35.0 + 600)
+    assert mean < 0.1 and mean <= quantile < 0.15  # ten minutes on: near the link's own again
+    assert link.rtt_s >= spell  # (what was learnt is kept: only the belief fades)
+    # the spell's age survives a restart (a new monotonic clock)
+    est = Estimators()
+    est._links["http"] = link
+    back = Estimators.from_dict(json.loads(json.dumps(est.to_dict(now=40.0))), now=9000.0)
+    assert back.link("http").rtt_at(9000.0)[0] == pytest.approx(link.rtt_at(40.0)[0])
+    assert back.link("http").rtt_at(9600.0)[0] == pytest.approx(mean, rel=0.01)

@@ -600,3 +600,27 @@ def test_a_missing_version_marks_nothing_missing_live_and_in_the_replay():
     replayed = replay_journal([e for e in live.events if e[0] != "warmed"], replica)
     assert [d.where for d in replayed] == [d.where for d in live.decisions]
     assert not replica.missing
+
+
+def test_a_spell_of_slow_replies_does_not_keep_a_cost_mode_agent_local_for_good():
+    # A WiFi agent learns its link, then an outage's replies come 2.5 s late: it goes
+    # local, and from then on nothing it sends could correct the RTT it learnt.
+    models = {"m": ModelPolicy(mode="cost", local_model="m-local", cloud_model="m")}
+    config = PolicyConfig(weights=Weights(latency_s=1.0, energy_j=0.05), models=models)
+    core = fresh_core(config, load_device("raspberry-pi-4b"), {"http": load_link("wifi")})
+    core.warmed("m-local", 0.8, 0.0)
+
+    def request(now: float, elapsed_s: float) -> bool:
+        flow = core.begin("m", now=now, in_bytes=1_000, connected={"http": True})
+        action = flow.start()
+        offload = action.offload if isinstance(action, Hedge) else action
+        if not isinstance(offload, Offload):
+            flow.local_done(now + 0.8, 0.8)
+            return False
+        flow.offload_done(now + elapsed_s, sent=1_000, received=1_000, elapsed_s=elapsed_s)
+        return True
+
+    assert all(request(2.0 * i, 0.03) for i in range(1, 20))
+    spell = [request(40.0 + 2.0 * i, 2.5) for i in range(8)]
+    assert not spell[-2]  # the spell is believed: local while it lasts
+    assert request(56.0 + 120.0, 0.03)  # two minutes on, the cloud is tried again
