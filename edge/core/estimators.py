@@ -715,8 +715,15 @@ class Estimators:
         return e
 
     def snapshot(self) -> bytes:
-        """The state file's bytes; take it where the estimates are updated (the loop)."""
-        return json.dumps(self.to_dict()).encode()
+        """The state file's bytes; take it where the estimates are updated (the loop).
+
+        Ages are kept relative to the save (a new process has a new monotonic
+        clock); the wall clock of the save tells the next process how long the
+        agent was down, which ages everything too (see :meth:`load`).
+        """
+        d = self.to_dict()
+        d["saved_wall"] = time.time()
+        return json.dumps(d).encode()
 
     def save(self, path: Path, data: bytes | None = None) -> None:
         """Write the state file atomically (``data`` from :meth:`snapshot`, or taken now)."""
@@ -736,9 +743,23 @@ class Estimators:
             raise
 
     @classmethod
-    def load(cls, path: Path, now: float, quantile: float = 0.95) -> Estimators:
+    def load(
+        cls, path: Path, now: float, quantile: float = 0.95, wall: float | None = None
+    ) -> Estimators:
+        """The saved estimates, aged by the time the agent was down (``wall``: now's).
+
+        A restart after a day off must not price the link by the outage it
+        stopped in (P(lost) 0.6 again, for the half hour the long memory
+        takes) nor trust a day-old rate as fresh.  A clock that stepped back
+        counts no downtime.
+        """
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()), now, quantile)
+            d = json.loads(Path(path).read_text())
+            saved = d.get("saved_wall") if isinstance(d, dict) else None
+            down = 0.0
+            if isinstance(saved, (int, float)) and math.isfinite(saved):
+                down = max((time.time() if wall is None else wall) - float(saved), 0.0)
+            return cls.from_dict(d, now - down, quantile)
         except FileNotFoundError:
             return cls(quantile)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:

@@ -250,3 +250,24 @@ def test_an_rtt_seen_in_a_bad_spell_fades_into_the_links_long_run(tmp_path):
     back = Estimators.from_dict(json.loads(json.dumps(est.to_dict(now=40.0))), now=9000.0)
     assert back.link("http").rtt_at(9000.0)[0] == pytest.approx(link.rtt_at(40.0)[0])
     assert back.link("http").rtt_at(9600.0)[0] == pytest.approx(mean, rel=0.01)
+
+
+def test_a_restart_after_a_day_down_ages_every_estimate_by_the_downtime(tmp_path):
+    est = Estimators()
+    link = est.link("http")
+    for i in range(20):
+        link.observe(60_000, 1_000, 0.2, 0.01, float(i))
+    for i in range(20):
+        link.observe_failure(20.0 + i)  # it stopped in an outage
+    assert link.failure_rate(40.0) > 0.4
+    path = tmp_path / "estimates.json"
+    assert json.loads(est.snapshot())["saved_wall"] == pytest.approx(time.time(), abs=60)
+    saved = 1.7e9
+    path.write_text(json.dumps({**est.to_dict(now=40.0), "saved_wall": saved}))
+    back = Estimators.load(path, now=5.0, wall=saved + 86_400).link("http")
+    assert back.failure_rate(5.0) < 0.02  # a day on: the outage is long past
+    assert back.up_belief.weight(5.0) < 0.01  # and the rate it learnt is old news
+    # a quick restart keeps what was learnt; a clock stepped back counts no downtime
+    for wall in (saved + 1.0, saved - 3600.0):
+        again = Estimators.load(path, now=5.0, wall=wall).link("http")
+        assert again.failure_rate(5.0) > 0.4 and again.up_belief.weight(5.0) > 0.6
