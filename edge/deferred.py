@@ -38,6 +38,7 @@ from shared.errors import (
 )
 from shared.messages import InferRequest, InferResponse
 from shared.recurring import Recurring
+from shared.wallclock import Step, WallClock
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class Deferrer:
         # A store that fails (a full or read-only disk) is said once, then once a minute,
         # and its recovery once: a flush a second had logged a line a second.
         self._store_trouble = Recurring(log, f"the deferred store {store.path}")
+        self._clock = WallClock()
+        self._unshifted: list[Step] = []  # clock steps the store has yet to apply
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._closed:  # (a call queued behind close would reopen the store, and leak it)
@@ -120,8 +123,8 @@ class Deferrer:
         """Store ``request``; ``owner`` (the app's principal, "" where the agent has no
         tokens) is the only one :meth:`result` answers about it."""
         assert request.id is not None
-        now = time.time()
         try:
+            now = await self._wall()
             await self._put(model, request, now, owner, app_id)
         except StoreFailed as exc:
             self._store_trouble.failed(
@@ -142,6 +145,29 @@ class Deferrer:
                 "decision": reason,
             },
         )
+
+    async def _wall(self) -> float:
+        """The wall clock now; a step of it (NTP, once a clock-less device is online)
+        moves the stamps taken before it, so what was deferred keeps its ttl."""
+        now, step = self._clock.read()
+        if step is not None:
+            if len(self._unshifted) >= 64:  # (a store failing that long: the oldest is lost)
+                self._unshifted.pop(0)
+            self._unshifted.append(step)
+        while self._unshifted:  # in order: each step's stamps are in the clock before it
+            step = self._unshifted[0]
+            try:
+                moved = await self._call(self.store.shift, step.delta_s, step.since)
+            except db_error() as exc:  # (tried again at the next read)
+                self._store_trouble.failed(f"it cannot move its stamps by a clock step ({exc})")
+                break
+            self._unshifted.pop(0)
+            log.warning(
+                "the wall clock was stepped by %+.1f s: %d deferred requests keep their ttl",
+                step.delta_s,
+                moved,
+            )
+        return now
 
     async def _put(
         self, model: str, request: InferRequest, now: float, owner: str, app_id: str | None
@@ -191,7 +217,7 @@ class Deferrer:
     async def _flush(self, send: Sender, can_send: Callable[[str | None], bool], limit: int) -> int:
         if not self.store.opened:
             return 0  # nothing was ever deferred here
-        now = time.time()
+        now = await self._wall()
         if not await self._save_unsaved():
             return 0  # the store still cannot write: nothing more to do now
         # rows left "sending" by a flush whose bookkeeping failed are this flush's again
@@ -214,7 +240,7 @@ class Deferrer:
             items = await self._call(
                 self.store.pending,
                 limit=limit,
-                now_wall=time.time(),  # (a long flush must not send what expired meanwhile)
+                now_wall=await self._wall(),  # (a long flush must not send what expired)
                 skip=frozenset(skip),
                 skip_ids=frozenset(put_back),
             )

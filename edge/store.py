@@ -386,6 +386,24 @@ class DeferredStore:
             self._trim_answers()
         return ids
 
+    def shift(self, delta_s: float, since_wall: float) -> int:
+        """Move the stamps taken at or after ``since_wall`` by ``delta_s``: the wall
+        clock was stepped (see :mod:`shared.wallclock`) and they are in its old time."""
+        if not self.opened:
+            return 0
+        cur = self._db.execute(
+            "UPDATE deferred SET"
+            " expires_wall = CASE WHEN created_wall >= ?2 THEN expires_wall + ?1"
+            " ELSE expires_wall END,"
+            " created_wall = CASE WHEN created_wall >= ?2 THEN created_wall + ?1"
+            " ELSE created_wall END,"
+            " answered_wall = CASE WHEN answered_wall >= ?2 THEN answered_wall + ?1"
+            " ELSE answered_wall END"
+            " WHERE created_wall >= ?2 OR answered_wall >= ?2",
+            (delta_s, since_wall),
+        )
+        return cur.rowcount
+
     def purge(self, before_wall: float) -> int:
         """Forget answered, failed and expired requests created before ``before_wall``.
 

@@ -215,9 +215,7 @@ async def test_an_answer_the_full_store_cannot_write_is_kept_and_written_later(t
     await deferrer.close()
 
 
-async def test_a_failing_store_is_logged_once_with_its_path_and_its_recovery_once(
-    tmp_path, caplog
-):
+async def test_a_failing_store_is_logged_once_with_its_path_and_its_recovery_once(tmp_path, caplog):
     # A full disk logged "deferred flush stopped" at every flush (one a second), naming
     # no file, and nothing at all when deferrals were refused or when it worked again.
     import logging
@@ -562,4 +560,42 @@ async def test_a_model_whose_requests_are_refused_waits_longer_each_time(tmp_pat
     await deferrer.flush(send, lambda model: True)
     assert refused == ["a", "a"] and deferrer._refused["locked"][1] == 2 * wait
     assert store.result("a").status == "pending"  # kept: the operator's to fix
+    await deferrer.close()
+
+
+async def test_a_clock_stepped_by_days_keeps_what_was_deferred_before_it(tmp_path):
+    # A device without a real-time clock defers offline; NTP then steps its clock
+    # forward by the days it was off: the backlog must be sent, not expired.
+    import numpy as np
+
+    from edge.deferred import Deferrer
+    from shared import envelope
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+    from shared.wallclock import WallClock
+
+    clock = {"wall": 1_000_000.0, "elapsed": 50.0}
+    x = [Tensor.from_array("x", np.ones(2, np.float32))]
+    store = DeferredStore(tmp_path / "d.db")
+    old = envelope.encode_request(InferRequest(inputs=x, id="before-boot"))
+    store.put("m", old, request_id="before-boot", created_wall=999_000.0, expires_wall=1e9)
+    deferrer = Deferrer(store, ttl_s=3600.0)
+    deferrer._clock = WallClock(lambda: clock["wall"], lambda: clock["elapsed"])
+    for i in range(3):
+        await deferrer.defer("m", InferRequest(inputs=x, id=f"r{i}"), deadline_ms=None, reason="")
+    clock["wall"] += 2 * 86_400.0 + 1.0  # the step, and one second of real time
+    clock["elapsed"] += 1.0
+    send, sent = _echo()
+    assert await deferrer.flush(send, lambda model: True) == 4
+    assert sorted(sent) == ["before-boot", "r0", "r1", "r2"]
+    # the rows stamped before the step moved with it; the one from before boot did not
+    rows = dict(store._db.execute("SELECT request_id, created_wall FROM deferred").fetchall())
+    assert rows["r0"] == pytest.approx(1_000_000.0 + 2 * 86_400.0)
+    assert rows["before-boot"] == 999_000.0
+    # a real wait past the ttl still expires (the step did not make the ttl longer)
+    await deferrer.defer("m", InferRequest(inputs=x, id="late"), deadline_ms=None, reason="")
+    clock["wall"] += 3601.0
+    clock["elapsed"] += 3601.0
+    assert await deferrer.flush(send, lambda model: False) == 0
+    assert store.result("late").status == "expired"
     await deferrer.close()

@@ -1,0 +1,27 @@
+from shared.wallclock import WallClock
+
+
+def test_a_step_is_told_once_with_when_its_old_stamps_began():
+    t = {"wall": 5000.0, "elapsed": 10.0}
+    clock = WallClock(lambda: t["wall"], lambda: t["elapsed"])
+    t["wall"] += 86_400.0
+    now, step = clock.read()
+    assert now == 86_400.0 + 5000.0 and step is not None
+    assert step.delta_s == 86_400.0 and step.since == 5000.0
+    assert clock.read()[1] is None  # told once
+    t["wall"] -= 3600.0  # stepped back: the stamps since the last step move back
+    now, step = clock.read()
+    assert step is not None and step.delta_s == -3600.0 and step.since == 86_400.0 + 5000.0
+
+
+def test_time_passing_a_suspend_or_a_slew_is_no_step():
+    t = {"wall": 5000.0, "elapsed": 10.0}
+    clock = WallClock(lambda: t["wall"], lambda: t["elapsed"])
+    for _ in range(100):  # a suspend runs both clocks; NTP's slew moves one by 1 s a read
+        t["wall"] += 600.0 + 1.0
+        t["elapsed"] += 600.0
+        assert clock.read()[1] is None
+
+
+def test_the_default_clocks_read_without_a_step():
+    assert WallClock().read()[1] is None
