@@ -28,7 +28,7 @@ import numpy as np
 
 from cloud.loading import MemoryProbe
 from cloud.tuning.fit import Candidate, Fit, Point, fit_within
-from shared.datatypes import numpy_dtype
+from shared.datatypes import bf16_dtype, numpy_dtype
 from shared.errors import FerryError
 from shared.pipeline import PipelineSession, open_session, sample_inputs
 from shared.repository import ModelConfig, ModelRepository, complete_config
@@ -80,6 +80,51 @@ class Trial:
 
 class Untunable(ValueError):
     """The model runs, but not on inputs tuning can make up (not a failure to read it)."""
+
+
+class Unlike(ValueError):
+    """A backend runs the model, but does not answer what the model's own backend does."""
+
+
+#: how far a float answer may stray from the model's own backend's, relative to the
+#: output's largest magnitude, and still be the same model: OpenVINO rounds every
+#: activation to bf16 on a CPU that has it (the example CNN's answers moved 2.6%,
+#: its int8 variant's 8%), which a user may well take for the speed; a wrong
+#: conversion, a clamped range or a wrapped value is far beyond it
+ANSWER_RTOL = 0.25
+#: a deviation past this is said in the model's notes (how far, for the operator to judge)
+NOTE_RTOL = 1e-3
+
+
+def _differs(want: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> tuple[str | None, float]:
+    """(why ``got`` is not the answer ``want`` is, or None; the largest float
+    deviation, relative to its output's largest magnitude)."""
+    worst = 0.0
+    for name, ref in want.items():
+        out = got.get(name)
+        if out is None:
+            return f"no output {name!r}", worst
+        if out.shape != ref.shape:
+            return f"output {name!r} has shape {list(out.shape)}, not {list(ref.shape)}", worst
+        if ref.dtype.kind not in "fc" and ref.dtype != bf16_dtype():  # (exact kinds)
+            if not np.array_equal(out, ref):
+                bad = int(np.count_nonzero(out != ref))
+                return f"{bad} of {ref.size} values of output {name!r} differ", worst
+            continue
+        a, b = ref.astype(np.float64), out.astype(np.float64)
+        if not np.array_equal(np.isnan(a), np.isnan(b)) or not np.array_equal(
+            np.isinf(a), np.isinf(b)
+        ):
+            return f"output {name!r} has NaN or infinities where the other has not", worst
+        finite = np.isfinite(a)
+        if finite.any():
+            scale = float(np.abs(a[finite]).max())
+            diff = float(np.abs(a[finite] - b[finite]).max())
+            worst = max(worst, diff / scale if scale > 0 else (diff and 1.0))
+            if diff > ANSWER_RTOL * scale + 1e-6:
+                why = f"output {name!r} differs by up to {diff:.3g} (its values reach {scale:.3g})"
+                return why, worst
+    return None, worst
 
 
 @dataclass
@@ -221,12 +266,40 @@ def measure_model(
     result.sessions = base.instance_group.count * len(repository.selected_versions(plan.name, base))
     sweep = _Sweep(base, duration_s, min_runs, max_batch, shapes, progress)
     untunable = False
-    for target in plan.targets:
+    # The config's own backend answers first: another may take its place only if it
+    # answers the same (see _differs), and computes every port at its datatype.
+    own = base.backend
+    if own is None:  # the one the folder's files give a node (onnx, xml, tflite, plan)
+        try:
+            own = repository.model_file(plan.name, plan.version)[0]
+        except FerryError:
+            own = None
+    reference: tuple[str, dict[str, np.ndarray]] | None = None
+    for target in sorted(plan.targets, key=lambda t: t.backend != own):
         done = 0
         with tempfile.TemporaryDirectory(prefix="ferry-tune-") as tmp:
             try:
                 path = _model_path(target, Path(tmp))
-                config = sweep.prime(target.backend, path)
+                config, answer, narrowed = sweep.prime(target.backend, path)
+                if target.backend != own and narrowed:
+                    ports = ", ".join(f"{n} {how}" for n, how in sorted(narrowed.items()))
+                    raise Unlike(f"it computes {ports}; the model's own backend ({own}) does not")
+                if reference is None:
+                    reference = (target.backend, answer)
+                else:
+                    why, worst = _differs(reference[1], answer)
+                    if why is not None:
+                        raise Unlike(
+                            f"its answers differ from {reference[0]}'s on one input: {why}"
+                        )
+                    if worst > NOTE_RTOL:
+                        note = (
+                            f"{target.backend}'s answers differ from {reference[0]}'s by up to "
+                            f"{worst:.1%} of an output's largest value on one input (its "
+                            "arithmetic: OpenVINO computes in bf16 on CPUs that have it "
+                            'unless [runtime] precision_hint = "f32")'
+                        )
+                        result.notes = sorted({*result.notes, note})
                 result.max_batch_size = config.max_batch_size or 0
                 if shapes is None and any(not s.ranked or -1 in s.dims for s in config.inputs):
                     note = "dynamic input dims measured as 1 (--shape gives real ones)"
@@ -275,16 +348,26 @@ class _Sweep:
             return sample_inputs(session, config, batch)
         return random_inputs(config, batch, self.rng, self.shapes)
 
-    def prime(self, backend: str, path: Path) -> ModelConfig:
+    def prime(
+        self, backend: str, path: Path
+    ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, str]]:
         """Load, check and run once, then close: pays the runtime's one-time start-up
         (imports, plugins, thread pools) before memory is measured, and finds a model
-        this backend cannot run before the sweep starts.  Returns the completed config."""
+        this backend cannot run before the sweep starts.  Returns the completed config,
+        the answer to one input every backend is asked (the same for each), and the
+        ports this runtime computes narrower than their datatypes."""
         options = replace(self.base.runtime.to_options(self.base.instance_group.kind), threads=1)
         session = open_session(backend, path, options, self.base)
         try:
             config = complete_config(replace(self.base, backend=backend), session)
             session.run(self.inputs(config, 1, session))
-            return config
+            if isinstance(session, PipelineSession):
+                check = sample_inputs(session, config, 1)  # (the same images each time)
+            else:
+                check = random_inputs(config, 1, np.random.default_rng(7), self.shapes)
+            answer = session.run(check)
+            narrowed = dict(getattr(session, "narrowed", None) or {})
+            return config, answer, narrowed
         finally:
             session.close()
 

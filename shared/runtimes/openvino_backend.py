@@ -12,6 +12,7 @@ checked against the port specs before it reaches the request.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ OV_TYPES: dict[str, str] = {
 }
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+#: what the CPU plugin computes each wide datatype as (measured with OpenVINO 2026.4:
+#: 2**40 + 1 came back 1, an FP64 1e300 + 1 came back 3.4e38, 0.1 + 1 as 1.100000023841858)
+CPU_NARROWS: dict[str, str] = {"INT64": "INT32", "UINT64": "INT32", "FP64": "FP32"}
+
+log = logging.getLogger(__name__)
 
 
 def _names(port: Any, fallback: str) -> list[str]:
@@ -137,6 +145,17 @@ class OpenVinoSession:
             if device == "CPU"
             else set()
         )
+        # FP64 it computes as FP32: a value past FP32's range comes back clamped
+        self._fp64_inputs = (
+            {s.name for s in self.inputs if s.datatype == "FP64"} if device == "CPU" else set()
+        )
+        #: port -> what it is computed as, where that is narrower than its datatype
+        #: (tuning does not pick this backend for such a model in another's place)
+        self.narrowed: dict[str, str] = {
+            s.name: f"{s.datatype} as {CPU_NARROWS[s.datatype]}"
+            for s in (*self.inputs, *self.outputs)
+            if device == "CPU" and s.datatype in CPU_NARROWS
+        }
 
     def property(self, name: str) -> Any:
         """A property of the compiled model (e.g. ``INFERENCE_NUM_THREADS``)."""
@@ -171,6 +190,17 @@ class OpenVinoSession:
                     f"as INT32, so values outside the INT32 range [{_INT32_MIN}, {_INT32_MAX}] "
                     "would be wrapped"
                 )
+        for name in self._fp64_inputs:
+            array = feed[name]
+            if array.size:
+                # (NaN passes as NaN; an infinity comes back as FP32's largest value)
+                top = float(np.abs(array[~np.isnan(array)]).max(initial=0.0))
+                if top > _FP32_MAX:
+                    raise InvalidInput(
+                        f"input {name!r}: OpenVINO's CPU plugin computes FP64 as FP32, so "
+                        f"values beyond +-{_FP32_MAX:.7g} (infinities too) would come back "
+                        'clamped (backend = "onnxruntime" computes FP64)'
+                    )
         data: dict[int, Any] = {}
         for name, array in feed.items():
             if name in self._bf16_inputs:
@@ -261,4 +291,12 @@ def load(path: Path, options: RuntimeOptions) -> OpenVinoSession:
         compiled = core.compile_model(model, device, config)
     except RuntimeError as exc:
         raise ConfigError(f"openvino cannot compile {path} for {device}: {_said(exc)}") from None
-    return OpenVinoSession(compiled, ov, path, device)
+    session = OpenVinoSession(compiled, ov, path, device)
+    if session.narrowed:
+        log.warning(
+            "%s: OpenVINO's CPU plugin computes %s: results lose precision and range "
+            '(integers past INT32 wrap; backend = "onnxruntime" computes them as they are)',
+            path,
+            ", ".join(f"{name} {how}" for name, how in sorted(session.narrowed.items())),
+        )
+    return session

@@ -424,3 +424,43 @@ def test_tune_refuses_an_empty_models_list_and_fails_when_nothing_is_measured(
     missing = next(b for b in ("tensorrt", "openvino", "tflite") if b not in installed_backends())
     assert _tune(repo, out, "--models", "lin", "--backends", missing) == 1
     assert "nothing could be measured" in capsys.readouterr().err
+
+
+@pytest.mark.skipif("openvino" not in installed_backends(), reason="needs OpenVINO")
+def test_a_backend_that_answers_otherwise_is_not_measured_in_the_models_place(
+    tmp_path: Path,
+) -> None:
+    # OpenVINO's CPU plugin computes FP64 as FP32 and INT64 as INT32: tuning must not
+    # move a model served exactly on ONNX Runtime onto it for speed.
+    import onnx
+    from onnx import helper
+
+    repo = tmp_path / "repo"
+    write_identity_model(repo / "double" / "1" / "model.onnx", TensorProto.DOUBLE)
+    # FP32 at its ports, INT64 inside: x + 1 + (2**31 - 1) wraps on INT32 arithmetic
+    big = helper.make_tensor("big", TensorProto.INT64, [1], [2**31 - 1])
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["x", "one"], ["x1"]),
+            helper.make_node("Cast", ["x1"], ["i"], to=TensorProto.INT64),
+            helper.make_node("Add", ["i", "big"], ["s"]),
+            helper.make_node("Cast", ["s"], ["y"], to=TensorProto.FLOAT),
+        ],
+        "wrap",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [big, one],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (repo / "wrap" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "wrap" / "1" / "model.onnx"))
+    out = tmp_path / "profiles.json"
+    assert _tune(repo, out, "--max-threads", "1", "--max-batch", "1") == 0
+    models = json.loads(out.read_text())["models"]
+    for name in ("double", "wrap"):
+        assert {t["backend"] for t in models[name]["trials"]} == {"onnxruntime"}, name
+    assert "computes x FP64 as FP32" in models["double"]["skipped"]["openvino"]
+    assert "differ from onnxruntime's" in models["wrap"]["skipped"]["openvino"]
+    assert load_profiles(out)["wrap"][0].backend == "onnxruntime"

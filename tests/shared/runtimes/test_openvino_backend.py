@@ -147,6 +147,36 @@ def test_uint64_values_beyond_int32_are_refused_on_cpu_and_uint32_ones_kept(tmp_
             np.testing.assert_array_equal(session.run({"x": big})["y"], big + 1)
 
 
+def test_fp64_values_beyond_fp32_are_refused_on_cpu_and_the_narrowing_is_said(
+    tmp_path, caplog
+) -> None:
+    """The CPU plugin computes FP64 as FP32: 1e300 + 1 had come back 3.4e38 with a 200."""
+    import logging
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    one = helper.make_tensor("one", TensorProto.DOUBLE, [1], [1.0])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "one"], ["y"])],
+        "add1",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [3])],
+        [one],
+    )
+    path = tmp_path / "f64.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    with caplog.at_level(logging.WARNING, "shared.runtimes.openvino_backend"):
+        session = load(path, EXACT)
+    assert session.narrowed == {"x": "FP64 as FP32", "y": "FP64 as FP32"}
+    assert "computes x FP64 as FP32" in caplog.text and "onnxruntime" in caplog.text
+    inside = np.array([0.5, -2.0**127, np.nan])  # (exact in FP32 too)
+    np.testing.assert_array_equal(session.run({"x": inside})["y"], inside + 1)
+    for beyond in (1e300, -np.inf):  # (an infinity came back as 3.4e38 too)
+        with pytest.raises(InvalidInput, match="FP64 as FP32"):
+            session.run({"x": np.array([0.5, beyond, 1.0])})
+
+
 def test_a_fixed_zero_dimension_stays_zero_in_a_made_up_input() -> None:
     """Made 1, every warm-up of a model with a [N, 0] input failed and was logged."""
     assert TensorSpec("x", "FP32", (-1, 0, 3)).sample_dims() == (1, 0, 3)
