@@ -6,7 +6,8 @@ bandwidth and RTT from real traffic rather than from probes alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from shared.messages import InferRequest, InferResponse
@@ -26,6 +27,20 @@ class TransferResult:
     @property
     def elapsed_s(self) -> float:
         return self.finished - self.started
+
+
+def as_sent(request: InferRequest, deadline: float, now: float) -> InferRequest:
+    """``request`` with the time left to ``deadline`` as its V2 ``timeout`` (us).
+
+    The cloud stops a request when its sender gives up: over HTTP the cloud
+    had no word of the agent's deadline and ran on after the agent's 504, and
+    MQTT's Message Expiry counts whole seconds (a 100 ms deadline gave the node
+    a second).  The app's own request is left as it was.
+    """
+    if not math.isfinite(deadline):
+        return request
+    left_us = int((deadline - now) * 1e6)
+    return replace(request, parameters={**request.parameters, "timeout": max(left_us, 1)})
 
 
 class Transport(Protocol):

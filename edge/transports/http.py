@@ -14,7 +14,7 @@ import ssl
 import time
 from urllib.parse import quote
 
-from edge.transports.base import TransferResult
+from edge.transports.base import TransferResult, as_sent
 from shared import v2
 from shared.aio.http_client import ClientResponse, HttpClient
 from shared.errors import (
@@ -149,7 +149,7 @@ class HttpTransport:
         return doc
 
     async def infer(self, model: str, request: InferRequest, deadline: float) -> TransferResult:
-        chunks, header_length = v2.encode_request(request)
+        chunks, header_length = v2.encode_request(as_sent(request, deadline, time.monotonic()))
         headers = [("Content-Type", v2.BINARY_CONTENT_TYPE)]
         if header_length is not None:
             headers.append((v2.HEADER_LENGTH, str(header_length)))

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from edge.transports.base import TransferResult
+from edge.transports.base import TransferResult, as_sent
 from shared import envelope
 from shared.aio.mqtt import MqttClient
 from shared.errors import (
@@ -238,7 +238,7 @@ class MqttTransport:
             )
         request_id = request.id or uuid.uuid4().hex
         request.id = request_id
-        payload = envelope.encode_request(request)
+        payload = envelope.encode_request(as_sent(request, deadline, time.monotonic()))
         if len(payload) > self.limits.max_body_bytes:
             # the cloud's limit, not the request's fault: a local run may still answer it
             raise PayloadTooLarge(

@@ -234,3 +234,47 @@ async def test_a_run_that_ends_just_after_its_deadline_is_a_504_at_the_deadline(
                 await agent.infer("l", {"x": X}, deadline_ms=deadline_ms)
             assert time.monotonic() - started < 0.3  # at its deadline, not the run's end
             await asyncio.sleep(0.35)  # (the run ends in the background)
+
+
+async def test_an_offload_the_agent_gives_up_on_is_not_run_by_the_cloud_after(tmp_path):
+    # The cloud had no word of the agent's deadline over HTTP: a request queued behind
+    # a slow run was run in full after the agent's 504.
+    import json
+    import urllib.request
+
+    from edge.transports.http import HttpTransport
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+    from tests.support import cloud_server, write_slow_model
+
+    repo = tmp_path / "cloud"
+    write_slow_model(repo / "slow" / "1" / "model.onnx", layers=60)
+    (repo / "slow" / "config.toml").write_text("max_batch_size = 0\n[instance_group]\ncount = 1\n")
+    server = cloud_server(repo, "--node", "deadlines").start()
+    transport = HttpTransport(server.http_url)
+    try:
+        await transport.start()
+
+        def request() -> InferRequest:
+            return InferRequest(inputs=[Tensor.from_array("x", np.ones((1, 4), np.float32))])
+
+        await transport.infer("slow", request(), time.monotonic() + 30)  # (warm)
+        started = time.monotonic()
+        await transport.infer("slow", request(), time.monotonic() + 30)
+        run_s = time.monotonic() - started
+        first = asyncio.ensure_future(transport.infer("slow", request(), time.monotonic() + 30))
+        await asyncio.sleep(run_s * 0.2)  # the first is running: the next one queues
+        with pytest.raises(DeadlineExceeded):
+            await transport.infer("slow", request(), time.monotonic() + run_s * 0.3)
+        await first
+        await asyncio.sleep(run_s * 1.5)  # (time enough to run it, had the cloud)
+
+        def stats() -> dict:
+            with urllib.request.urlopen(f"{server.http_url}/v2/models/slow/stats") as r:
+                return json.load(r)["model_stats"][0]
+
+        doc = await asyncio.to_thread(stats)
+        assert doc["execution_count"] == 3, doc  # the one given up on never ran
+    finally:
+        await transport.close()
+        server.terminate()
