@@ -248,6 +248,19 @@ def _warm_run_offloads(decision: Decision, deadline_s: float) -> bool:
     return False
 
 
+def _other_route(options: list[Option], choice: Option) -> Option | None:
+    """The cheapest usable cloud option over another transport than ``choice``'s."""
+    best: Option | None = None
+    for o in options:
+        if o.transport is None or o.transport == choice.transport:
+            continue
+        if not o.feasible and o.reason != "deadline":  # (no link, the data cap)
+            continue
+        if best is None or o.cost < best.cost:
+            best = o
+    return best
+
+
 # ---- one request ---------------------------------------------------------------
 
 
@@ -255,6 +268,7 @@ class RequestFlow:
     """One request from arrival to its one answer (see the module doc)."""
 
     __slots__ = (
+        "_alternative",
         "_answered",
         "_attempt",
         "_cascade_local",
@@ -318,6 +332,8 @@ class RequestFlow:
         self.decision: Decision | None = None
         self._attempt: Option | None = None  # the offload in flight or given up on
         self._fallback: Option | None = None
+        # A cloud-only model's other transport: tried when the offload fails in time
+        self._alternative: Option | None = None
         self._cascade_local: Answer | None = None
         self._local_option: Option | None = None
         self._reason = ""
@@ -415,7 +431,7 @@ class RequestFlow:
         if local is None and self.mode == "cloud":
             # Cloud by choice, but a local variant still beats an error when the cloud fails.
             local = self.policy.local_option(mp)
-        return self._offload(now, choice, local, decision.reason)
+        return self._offload(now, choice, local, decision.reason, options)
 
     def _send_deferred(self, now: float) -> Action:
         # A stored request: nobody waits on it, so the cloud gets three times
@@ -474,7 +490,12 @@ class RequestFlow:
         return RunLocal(option, reason, fallback)
 
     def _offload(
-        self, now: float, choice: Option, local: Option | None, reason: str
+        self,
+        now: float,
+        choice: Option,
+        local: Option | None,
+        reason: str,
+        options: list[Option] | None = None,
     ) -> Offload | Hedge:
         assert choice.transport is not None and self.mp.cloud_model is not None
         give_up, local = fallback_plan(now, self.deadline, local, choice)
@@ -489,6 +510,14 @@ class RequestFlow:
         self.core.breakers[choice.transport].allow(now)  # a half-open breaker's trial
         self._attempt = choice
         self._fallback = local if self.mp.local_model is not None else None
+        if self._fallback is None and options:
+            # Nothing to run here: another transport is the fallback.  The attempt gives
+            # up in time for it as it would for a local run (a hung HTTP endpoint had
+            # held every cloud-only request to its 504 while MQTT was up); one that
+            # cannot fit after it still takes over from an attempt that fails fast.
+            other = _other_route(options, choice)
+            if other is not None:
+                give_up, self._alternative = fallback_plan(now, self.deadline, other, choice)
         if self.deferrable and self._fallback is None:
             # A deferral is the answer if the offload fails: its receipt (a durable
             # write) must come by the deadline too, not a store write after it.
@@ -651,6 +680,16 @@ class RequestFlow:
             )
         if self._fallback is not None and self.deadline - now > 0:
             return self._run_local(self._fallback, why, True)
+        other, self._alternative = self._alternative, None
+        if other is not None and self.deadline - now > 0 and self.mp.cloud_model is not None:
+            assert other.transport is not None
+            if core.breakers[other.transport].allow(now):
+                self._attempt = other
+                give_up = self.deadline
+                if self.deferrable:  # (its receipt by the deadline, as above)
+                    give_up -= min(DEFER_RESERVE_S, 0.25 * (self.deadline - now))
+                reason = f"{why}: {other.name} instead"
+                return self._sent(Offload(other, self.mp.cloud_model, give_up, reason), now)
         if self.deferrable and not isinstance(error, PayloadTooLarge):  # (would fail again)
             return Defer(why, None)
         return Fail(error)

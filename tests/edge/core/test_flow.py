@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from devices.profiles import load_device, load_link
 from edge.core.flow import Answer, Fail, Hedge, Offload, RunLocal, fresh_core, replay_journal
 from edge.core.policy import NO_ROOM, Context, ModelPolicy, PolicyConfig, Weights
-from shared.errors import DeadlineExceeded, InvalidInput
+from shared.errors import DeadlineExceeded, EndpointUnavailable, InvalidInput
 
 MODELS = {"m": ModelPolicy(local_model="m-local", cloud_model="m")}
 
@@ -624,3 +624,35 @@ def test_a_spell_of_slow_replies_does_not_keep_a_cost_mode_agent_local_for_good(
     spell = [request(40.0 + 2.0 * i, 2.5) for i in range(8)]
     assert not spell[-2]  # the spell is believed: local while it lasts
     assert request(56.0 + 120.0, 0.03)  # two minutes on, the cloud is tried again
+
+
+def test_a_cloud_only_offload_that_hangs_gives_up_in_time_for_the_other_transport():
+    # A hung HTTP endpoint held every cloud-only request to its 504 while MQTT was up.
+    models = {"c": ModelPolicy(mode="cloud", local_model=None, cloud_model="c")}
+    config = PolicyConfig(models=models)
+    wifi = load_link("wifi")
+    core = fresh_core(config, load_device("raspberry-pi-4b"), {"http": wifi, "mqtt": wifi})
+    both = {"http": True, "mqtt": True}
+    flow = core.begin("c", now=1.0, in_bytes=1_000, connected=both, deadline_ms=3000)
+    first = flow.start()
+    assert isinstance(first, Offload) and first.give_up_at < flow.deadline - 0.1
+    second = flow.offload_failed(first.give_up_at, DeadlineExceeded("no reply"))
+    assert isinstance(second, Offload), second
+    assert second.option.transport != first.option.transport
+    assert second.give_up_at == flow.deadline and "instead" in second.reason
+    answer = flow.offload_done(first.give_up_at + 0.05, sent=1_000, received=500, elapsed_s=0.05)
+    assert isinstance(answer, Answer) and answer.where == second.option.name
+    # a fast failure moves over at once; a second failure is the answer
+    flow = core.begin("c", now=10.0, in_bytes=1_000, connected=both, deadline_ms=3000)
+    first = flow.start()
+    second = flow.offload_failed(10.01, EndpointUnavailable("connection refused"))
+    assert isinstance(second, Offload) and second.option.transport != first.option.transport
+    assert isinstance(flow.offload_failed(10.02, EndpointUnavailable("down too")), Fail)
+    # the request's own fault is not tried again elsewhere
+    flow = core.begin("c", now=20.0, in_bytes=1_000, connected=both, deadline_ms=3000)
+    flow.start()
+    assert isinstance(flow.offload_failed(20.01, InvalidInput("bad")), Fail)
+    # with one transport usable there is nothing to give up early for
+    flow = core.begin("c", now=30.0, in_bytes=1_000, connected={"http": True}, deadline_ms=3000)
+    only = flow.start()
+    assert isinstance(only, Offload) and only.give_up_at == flow.deadline
