@@ -750,3 +750,60 @@ async def test_preserve_ordering_holds_an_answer_until_every_earlier_one_is_out(
     assert a in done
     await asyncio.gather(a, b)
     await batcher.stop()
+
+
+async def _two_sessions(tmp_path, delay_us: int) -> tuple[DynamicBatcher, list[GatedSession]]:
+    path = build_linear(tmp_path / "two.onnx")
+    gated = [
+        GatedSession(load_session("onnxruntime", path, RuntimeOptions(threads=1))) for _ in range(2)
+    ]
+    batcher = DynamicBatcher(
+        model="m",
+        version=1,
+        sessions=gated,
+        max_batch_size=8,
+        policy=policy(max_queue_delay_us=delay_us),
+        stats=ModelStats("m", 1),
+    )
+    await batcher.start()
+    return batcher, gated
+
+
+async def test_with_a_batch_in_flight_a_partial_batch_waits_the_delay_for_company(tmp_path):
+    # (one session busy, the other idle: the queue delay is what makes a batch here)
+    batcher, gated = await _two_sessions(tmp_path, delay_us=300_000)
+    busy = asyncio.create_task(batcher.infer({"x": xs(1)}))
+    await until(lambda: sum(g.entered.is_set() for g in gated) == 1)
+    idle = next(g for g in gated if not g.entered.is_set())
+    idle.gate.set()
+    rest = []
+    for _ in range(3):
+        rest.append(asyncio.create_task(batcher.infer({"x": xs(1)})))
+        await asyncio.sleep(0.02)
+    results = await asyncio.wait_for(asyncio.gather(*rest), timeout=5)
+    assert [len(x) for x in idle.seen] == [3]  # one batch, not three runs
+    assert all(r.batch_size == 3 for r in results)
+    for g in gated:
+        g.gate.set()
+    await busy
+    await batcher.stop()
+    for g in gated:
+        g.close()
+
+
+async def test_a_batch_held_for_company_goes_before_its_members_deadline(tmp_path):
+    batcher, gated = await _two_sessions(tmp_path, delay_us=20_000_000)
+    busy = asyncio.create_task(batcher.infer({"x": xs(1)}))
+    await until(lambda: sum(g.entered.is_set() for g in gated) == 1)
+    next(g for g in gated if not g.entered.is_set()).gate.set()
+    x = xs(1)
+    result = await asyncio.wait_for(
+        batcher.infer({"x": x}, deadline=time.monotonic() + 0.5), timeout=5
+    )
+    assert_linear(x, result)  # an answer: not held the 20 s delay, nor to a 504
+    for g in gated:
+        g.gate.set()
+    await busy
+    await batcher.stop()
+    for g in gated:
+        g.close()

@@ -37,7 +37,7 @@ def _core(entries: list[ModelEntry], **settings) -> ControllerCore:
     return ControllerCore(
         {e.name: e for e in entries},
         profiles,
-        ControllerSettings(settle_s=1.0, interval_s=5.0, **settings),
+        ControllerSettings(**{"settle_s": 1.0, "interval_s": 5.0, **settings}),
         started=0.0,
     )
 
@@ -207,6 +207,19 @@ def test_a_measured_rate_far_above_the_plan_triggers_a_replacement_after_the_int
     assert sum(c.rate for c in step.placement.copies_of("a")) >= 99
 
 
+def test_a_measured_rate_within_the_tolerance_of_the_plan_moves_nothing() -> None:
+    # 10 -> 11 req/s is past min_rate_change (0.5) but inside rate_tolerance (25%): a
+    # re-placement for it would churn copies on every wobble of a busy model's rate
+    core = _core([_entry("a", rate=10.0)])
+    core.on_status("n1", _status("n1", 1.0, {"a": 0}))
+    assert core.step(2.0) is not None
+    core.on_status("n1", _status("n1", 3.0, {"a": 22}))  # 11 req/s
+    assert core.step(8.0) is None
+    core.on_status("n1", _status("n1", 5.0, {"a": 62}))  # 20 req/s
+    step = core.step(14.0)
+    assert step is not None and "rate of a" in step.reason
+
+
 def test_every_published_placement_is_feasible() -> None:
     entries = [_entry(f"m{i}", rate=float(i * 7 % 50), min_copies=i % 3) for i in range(12)]
     core = _core(entries)
@@ -369,13 +382,14 @@ def test_an_idle_model_is_loaded_on_its_first_miss_and_unloaded_once_idle_again(
     # min_copies = 0: misses turned into a rate only, and a few a minute never moved it
     # by min_rate_change (0.5 req/s): the model was never loaded; once loaded by a burst,
     # its rate decayed to ~0 by less than that and it stayed loaded for good.
-    core = _core([_entry("a"), _entry("idle", rate=0.0, min_copies=0)], idle_unload_s=60.0)
+    entries = [_entry("a"), _entry("idle", rate=0.0, min_copies=0)]
+    core = _core(entries, idle_unload_s=60.0, interval_s=60.0)
     core.on_status("n1", _status("n1", 1.0), now=1.0)
     first = core.step(2.0)
     assert first is not None and {c.model for c in first.placement.copies} == {"a"}
     assert core.step(20.0) is None  # no traffic: stays unloaded
     core.on_status("n1", _missing("n1", 21.0, {"idle": 1}), now=21.0)  # one request
-    step = core.step(21.5)  # at once, not at the next interval
+    step = core.step(21.5)  # at once, not at the next interval (60 s on)
     assert step is not None and "idle" in step.reason
     assert ("idle", "n1") in {(c.model, c.node) for c in step.placement.copies}
     hosted = {"a": 0, "idle": 2}  # a few requests on its copy, then none

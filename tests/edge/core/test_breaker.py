@@ -29,3 +29,18 @@ def test_failed_trials_back_off_exponentially_up_to_the_cap():
         waits.append(t - opened_at)
         b.record_failure(t)
     assert waits == [1.0, 2.0, 4.0, 4.0]
+
+
+def test_a_closed_breaker_forgets_its_backoff_and_the_next_outage_opens_for_the_base_cooldown():
+    b = CircuitBreaker(failures=1, cooldown_s=1.0, max_cooldown_s=8.0)
+    b.record_failure(0.0)  # open until 1
+    now = 0.0
+    for _ in range(5):  # every trial fails: backed off to the cap
+        now = now + 9.0
+        assert b.allow(now)
+        b.record_failure(now)
+    assert not b.allow(now + 7.9)  # the cap: 8 s
+    assert b.allow(now + 8.1)
+    b.record_success(now + 8.1)  # back: closed
+    b.record_failure(100.0)  # a new outage
+    assert not b.allow(100.9) and b.allow(101.1)  # the base cooldown again, not 8 s

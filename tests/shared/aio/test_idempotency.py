@@ -75,6 +75,16 @@ async def test_entries_expire_after_the_ttl():
     assert work.runs == 2
 
 
+async def test_an_entry_past_its_ttl_is_run_afresh_though_nothing_swept_it():
+    cache: IdempotencyCache[str] = IdempotencyCache(0.05, 16)
+    work = Counter()
+    work.release.set()
+    assert await cache.run("k", work) == ("result-1", False)
+    assert await cache.run("k", work) == ("result-1", True)  # within the ttl: shared
+    await asyncio.sleep(0.1)  # (no other key inserted: only the lookup can see it expired)
+    assert await cache.run("k", work) == ("result-2", False)
+
+
 async def test_a_client_that_goes_away_does_not_cancel_the_run():
     cache: IdempotencyCache[str] = IdempotencyCache(60, 16)
     work = Counter()
