@@ -123,8 +123,16 @@ class HttpTransport:
 
     @property
     def last_error(self) -> str | None:
-        """Why offloads over this endpoint fail although it answers (status shows it,
-        as the MQTT transport shows a broker's refusal), None when nothing is known."""
+        """Why offloads over this endpoint fail (status shows it, as the MQTT transport
+        shows a broker's refusal), None when nothing is known.  A refused connection is
+        said until a call gets through: ``connected`` turns optimistic again after
+        ``REFUSED_RECHECK_S`` (nothing rechecks a link by itself, which on a cellular
+        radio would cost a wake-up each time), and status had shown a dead endpoint
+        as plainly connected."""
+        at = self._refused_at
+        if at is not None:
+            ago = time.monotonic() - at
+            return f"it refused a connection {ago:.0f} s ago, and no call has got through since"
         return self._denied
 
     async def probe(self, deadline: float) -> float:

@@ -622,6 +622,8 @@ async def test_an_http_endpoint_that_refuses_connections_reads_as_down_until_rec
         assert not transport.connected
         monkeypatch.setattr(http_transport, "REFUSED_RECHECK_S", 0.0)
         assert transport.connected  # the recheck: the next request may find it back
+        # and status still says the last word it had of the endpoint
+        assert "refused a connection" in (transport.last_error or "")
     finally:
         await transport.close()
 
