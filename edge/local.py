@@ -287,22 +287,31 @@ async def _queued(
 ) -> Any:
     """A queued run's outcome; DeadlineExceeded at ``deadline`` if the run has not
     started by then (it is taken off the queue: it had been made anyway, and its caller
-    told only once the thread reached it, seconds late)."""
+    told only once the thread reached it, seconds late).  A timer, not ``wait_for`` on
+    a shield: those took a task's worth of loop turns on every local run."""
     if deadline is None:
         return await future  # (a cancelled caller cancels it: the thread skips it)
+    loop = asyncio.get_running_loop()
+    late: list[bool] = []
+
+    def expire() -> None:
+        if not started and not future.done():  # (a started run is not abandoned)
+            late.append(True)
+            future.cancel()
+
+    timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), expire)
     try:
-        return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        if started:
-            return await future  # under way: its answer (a started run is not abandoned)
-        future.cancel()
-        raise DeadlineExceeded(
-            f"local model {name!r}: the deadline passed before the run could start "
-            f"({ahead} request(s) ahead of it)"
-        ) from None
+        return await future
     except asyncio.CancelledError:
+        if late:
+            raise DeadlineExceeded(
+                f"local model {name!r}: the deadline passed before the run could start "
+                f"({ahead} request(s) ahead of it)"
+            ) from None
         future.cancel()
         raise
+    finally:
+        timer.cancel()
 
 
 def _stopped(name: str) -> ShuttingDown:
