@@ -6,7 +6,10 @@ requests when a link is usable and keeps each answer in the store for the
 app to fetch.  Requests left mid-send by a crash go back to pending when the
 store reopens, so nothing is lost across ``kill -9``; the sender passes the
 request id as the cloud's idempotency key, so a resend after such a crash is
-answered from the cloud's cache instead of running twice.
+answered from the cloud's cache instead of running twice, where the node that
+ran it still holds the answer (its ``idempotency_ttl_s``, 10 minutes by default,
+in memory: an agent down longer, a restarted node or another node of an MQTT
+fleet runs it again, once).
 
 Every store call runs on one dedicated thread: a durable commit is an fsync,
 which must not stall the event loop, and one sqlite connection must not be
