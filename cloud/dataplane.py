@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -162,6 +163,7 @@ class DataPlane:
         # so the controller re-homes its models, not ready for new traffic
         self.leaving = False
         self._started = time.monotonic()
+        self._boot = uuid.uuid4().hex[:12]  # (fleet views tell a restart by it, not by uptime)
         self._busy_mark: tuple[float, int] = (self._started, 0)
         # (model, version) -> (when, requests then, rate): each status says its own rate,
         # so one report is enough to read it (ferry-cloud fleet); bounded by the models
@@ -647,6 +649,7 @@ class DataPlane:
             "queue_depth": depth,
             "utilisation": round(max(utilisation, 0.0), 4),
             "uptime_s": round(now - self._started, 3),
+            "boot": self._boot,
         }
         for extra in self.status_extras:
             status.update(extra())

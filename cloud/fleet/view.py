@@ -60,6 +60,7 @@ class NodeState:
     online: bool = False
     spec: NodeSpec | None = None
     uptime_s: float = 0.0
+    boot: str | None = None  # the node process's own id: a new one is a restart
     utilisation: float = 0.0
     queue_depth: int = 0
     following: int | None = None  # placement generation the node has converged to
@@ -109,6 +110,7 @@ class _WireCapacity(msgspec.Struct):
 
 class _WireStatus(msgspec.Struct):
     uptime_s: _Positive = 0.0
+    boot: str | None = None
     interval_s: Any = None  # (a bad one falls back to the default)
     utilisation: _Positive = 0.0
     queue_depth: _Count = 0
@@ -233,10 +235,18 @@ class FleetView:
         first: bool = False,
     ) -> None:
         uptime = float(status.get("uptime_s", 0.0))
-        elapsed = uptime - state.uptime_s if state.online else 0.0
-        restarted = uptime < state.uptime_s
+        boot = status.get("boot")
+        boot = str(boot) if boot is not None else None
+        # A restart: a new process (its boot id), or, from a node that sends none, an
+        # uptime that went back (which misses a node up longer than it had been before
+        # the view heard it again: its counters had been read against the old ones).
+        restarted = uptime < state.uptime_s or (
+            boot is not None and state.boot is not None and boot != state.boot
+        )
+        elapsed = uptime - state.uptime_s if state.online and not restarted else 0.0
         state.online = True
         state.uptime_s = uptime
+        state.boot = boot
         state.interval_s = status_interval_s(status.get("interval_s"))
         state.utilisation = float(status.get("utilisation", 0.0))
         state.queue_depth = int(status.get("queue_depth", 0))

@@ -176,3 +176,17 @@ def test_a_malformed_status_changes_nothing_and_makes_no_node(bad: dict) -> None
     assert view.on_status("n1", {**_status(12.0, 999), **bad}) is False
     view.on_status("n1", _status(12.0, 140))
     assert view.rate("m") == pytest.approx(20.0)  # as if the bad one never came
+
+
+def test_a_node_back_with_a_new_boot_is_a_restart_however_long_it_has_been_up() -> None:
+    # Restarts were told by an uptime that went back: a node heard again only after
+    # running longer than before had its new counters read against the old ones.
+    view = FleetView()
+    view.on_status("n1", {**_status(100.0, 1000, misses={"cold": 50}), "boot": "a"})
+    view.on_status("n1", {**_status(102.0, 1100, misses={"cold": 50}), "boot": "a"})
+    assert view.rate("m") == pytest.approx(50.0)
+    view.on_status("n1", {**_status(500.0, 30, misses={"cold": 3}), "boot": "b"})
+    assert view.misses("cold") == 53  # its 3 new misses count (they were under the old 50)
+    assert view.rate("m") == pytest.approx(50.0)  # kept, not recomputed across processes
+    view.on_status("n1", {**_status(502.0, 130, misses={"cold": 3}), "boot": "b"})
+    assert view.rate("m") == pytest.approx(50.0)  # (100 requests in 2 s: the same process)
