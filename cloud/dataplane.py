@@ -258,7 +258,8 @@ class DataPlane:
             config = override if override is not None else self.repository.read_config(name)
             versions = self.repository.selected_versions(name, config)
             if not versions:
-                raise ModelNotFound(f"model {name!r} has no version with a model file")
+                why = self.repository.no_versions_why(name)
+                raise ModelNotFound(f"model {name!r} cannot load: {why}")
             _, newest = self.repository.model_file(name, versions[-1], config.backend)
             check_capacity(
                 config,

@@ -114,7 +114,8 @@ class LocalModels:
         config = self.repository.read_config(name)
         versions = self.repository.selected_versions(name, config)
         if not versions:
-            raise ModelNotFound(f"local model {name!r} has no version with a model file")
+            why = self.repository.no_versions_why(name)
+            raise ModelNotFound(f"local model {name!r} cannot load: {why}")
         version = versions[-1]
         backend, path = self.repository.model_file(name, version, config.backend)
         # The node's bounds hold here too: a folder the cloud refuses by key (100,000

@@ -93,7 +93,12 @@ class ModelRepository:
             (folder / f).is_file() for f in (CONFIG_FILE, LEGACY_CONFIG_FILE, TRITON_CONFIG_FILE)
         ):
             return True
-        return any(_is_version(p) for p in folder.iterdir())
+        # (a folder whose only versions are misnamed, '01' or '1.0', is a model that
+        # says why it has no version: it had been passed over without a word)
+        return any(
+            _is_version(p) or (p.is_dir() and any(_model_path(p, f) for f in MODEL_FILES))
+            for p in folder.iterdir()
+        )
 
     def model_names(self) -> list[str]:
         """Sorted names of the folders that look like models (others are ignored)."""
@@ -141,6 +146,32 @@ class ModelRepository:
             int(p.name)
             for p in folder.iterdir()
             if _is_version(p) and any(_model_path(p, f) for f in MODEL_FILES)
+        )
+
+    def no_versions_why(self, name: str) -> str:
+        """Why ``name`` has no version to serve, naming folders that hold a model file
+        but are not version numbers ('01', '1.0', 'v1'): they had been passed over
+        without a word."""
+        try:
+            found = self.available_versions(name)
+        except OSError:
+            found = []
+        if found:
+            return f"its version policy selects none of its versions {found}"
+        try:
+            odd = sorted(
+                p.name
+                for p in self.model_dir(name).iterdir()
+                if p.is_dir() and not _is_version(p) and any(_model_path(p, f) for f in MODEL_FILES)
+            )
+        except OSError:
+            odd = []
+        if not odd:
+            return "no version folder holds a model file"
+        named = ", ".join(repr(n) for n in odd[:5])
+        return (
+            f"no version folder holds a model file ({named} hold one, but a version folder "
+            "is named by a plain number: 1, 2, ...)"
         )
 
     def fingerprint(self, name: str) -> tuple[Any, ...]:
@@ -220,7 +251,7 @@ class ModelRepository:
                         "name": name,
                         "version": "",
                         "state": "UNAVAILABLE",
-                        "reason": "no version folder holds a model file",
+                        "reason": self.no_versions_why(name),
                     }
                 )
             for version in versions:

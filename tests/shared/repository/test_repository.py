@@ -436,3 +436,15 @@ def test_a_model_folder_whose_name_no_url_can_carry_is_named_in_a_warning(
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and all("not served" in w for w in warned)
     assert any("sp ace" in w for w in warned) and any("a:b" in w for w in warned)
+
+
+def test_a_model_whose_folders_are_not_version_numbers_says_so(tmp_path):
+    from tests.support import write_linear_model
+
+    for folder in ("01", "1.0"):
+        write_linear_model(tmp_path / "m" / folder / "model.onnx")
+    (tmp_path / "m" / "notes").mkdir()  # (a folder without a model file is no version)
+    repo = ModelRepository(tmp_path)
+    (entry,) = repo.index()
+    assert entry["version"] == "" and "'01', '1.0' hold one" in entry["reason"]
+    assert "plain number" in entry["reason"] and "notes" not in entry["reason"]
