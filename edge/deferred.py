@@ -103,6 +103,7 @@ class Deferrer:
         self._store_trouble = Recurring(log, f"the deferred store {store.path}")
         self._clock = WallClock()
         self._unshifted: list[Step] = []  # clock steps the store has yet to apply
+        self._shifting = asyncio.Lock()
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._closed:  # (a call queued behind close would reopen the store, and leak it)
@@ -157,19 +158,24 @@ class Deferrer:
             if len(self._unshifted) >= 64:  # (a store failing that long: the oldest is lost)
                 self._unshifted.pop(0)
             self._unshifted.append(step)
-        while self._unshifted:  # in order: each step's stamps are in the clock before it
-            step = self._unshifted[0]
-            try:
-                moved = await self._call(self.store.shift, step.delta_s, step.since)
-            except db_error() as exc:  # (tried again at the next read)
-                self._store_trouble.failed(f"it cannot move its stamps by a clock step ({exc})")
-                break
-            self._unshifted.pop(0)
-            log.warning(
-                "the wall clock was stepped by %+.1f s: %d deferred requests keep their ttl",
-                step.delta_s,
-                moved,
-            )
+        if not self._unshifted:
+            return now
+        # One shifter at a time: a deferral and a flush that both read the step (the
+        # step comes as the network does, and with it both) had each moved the rows.
+        async with self._shifting:
+            while self._unshifted:  # in order: each step's stamps are in the clock before it
+                step = self._unshifted[0]
+                try:
+                    moved = await self._call(self.store.shift, step.delta_s, step.since)
+                except db_error() as exc:  # (tried again at the next read)
+                    self._store_trouble.failed(f"it cannot move its stamps by a clock step ({exc})")
+                    break
+                self._unshifted.pop(0)
+                log.warning(
+                    "the wall clock was stepped by %+.1f s: %d deferred requests keep their ttl",
+                    step.delta_s,
+                    moved,
+                )
         return now
 
     async def _put(

@@ -599,3 +599,31 @@ async def test_a_clock_stepped_by_days_keeps_what_was_deferred_before_it(tmp_pat
     assert await deferrer.flush(send, lambda model: False) == 0
     assert store.result("late").status == "expired"
     await deferrer.close()
+
+
+async def test_a_clock_step_read_by_a_deferral_and_a_flush_at_once_moves_the_rows_once(tmp_path):
+    import asyncio
+
+    import numpy as np
+
+    from edge.deferred import Deferrer
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+    from shared.wallclock import WallClock
+
+    clock = {"wall": 1_000_000.0, "elapsed": 50.0}
+    store = DeferredStore(tmp_path / "d.db")
+    deferrer = Deferrer(store, ttl_s=3600.0)
+    deferrer._clock = WallClock(lambda: clock["wall"], lambda: clock["elapsed"])
+    x = [Tensor.from_array("x", np.ones(2, np.float32))]
+    await deferrer.defer("m", InferRequest(inputs=x, id="before"), deadline_ms=None, reason="")
+    clock["wall"] += 86_400.0
+    send, _ = _echo()
+    await asyncio.gather(
+        deferrer.defer("m", InferRequest(inputs=x, id="a"), deadline_ms=None, reason=""),
+        deferrer.defer("m", InferRequest(inputs=x, id="b"), deadline_ms=None, reason=""),
+        deferrer.flush(send, lambda model: False),
+    )
+    rows = dict(store._db.execute("SELECT request_id, created_wall FROM deferred").fetchall())
+    assert rows == {"before": 1_086_400.0, "a": 1_086_400.0, "b": 1_086_400.0}
+    await deferrer.close()
