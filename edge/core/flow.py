@@ -271,7 +271,9 @@ class RequestFlow:
         "_alternative",
         "_answered",
         "_attempt",
+        "_attempt_at",
         "_cascade_local",
+        "_failed_attempt",
         "_fallback",
         "_hedging",
         "_local_option",
@@ -334,6 +336,8 @@ class RequestFlow:
         self._fallback: Option | None = None
         # A cloud-only model's other transport: tried when the offload fails in time
         self._alternative: Option | None = None
+        self._failed_attempt: Option | None = None  # the attempt the alternative follows
+        self._attempt_at = start  # when the attempt in flight was sent
         self._cascade_local: Answer | None = None
         self._local_option: Option | None = None
         self._reason = ""
@@ -470,6 +474,7 @@ class RequestFlow:
         """An offload begins: its bytes count against the daily cap from now (until it
         ends, or at the latest its give-up time), so requests deciding meanwhile see them."""
         self.core.reserve(self.id, offload.option, offload.give_up_at, now)
+        self._attempt_at = now
         return offload
 
     def race_due(self, now: float) -> RunLocal | None:
@@ -636,7 +641,13 @@ class RequestFlow:
             reason = (
                 f"cascade: local confidence {extra['confidence']} < {self.mp.cascade_threshold}"
             )
-        return Answer(choice.name, choice, reason, False, energy, sent, received, extra, cancel)
+        failed = self._failed_attempt
+        if failed is not None:  # the other transport's answer, after the first's failure
+            energy += failed.energy_j
+            extra["bytes_attempted"] = failed.up_bytes
+            reason = self._reason
+        fallback = failed is not None
+        return Answer(choice.name, choice, reason, fallback, energy, sent, received, extra, cancel)
 
     def offload_failed(self, now: float, error: FerryError) -> Action | None:
         """The offload ended at ``now`` without an answer (``error`` says why)."""
@@ -649,7 +660,12 @@ class RequestFlow:
             core.breakers[choice.transport].release(now)
         else:
             core.learn_failure(
-                choice, self.mp.cloud_model or self.model, error, self.began, now, self.versioned
+                choice,
+                self.mp.cloud_model or self.model,
+                error,
+                self._attempt_at,  # (not the request's start: an alternative's own window)
+                now,
+                self.versioned,
             )
         if (
             isinstance(error, IdempotencyConflict)
@@ -684,11 +700,11 @@ class RequestFlow:
         if other is not None and self.deadline - now > 0 and self.mp.cloud_model is not None:
             assert other.transport is not None
             if core.breakers[other.transport].allow(now):
-                self._attempt = other
+                self._failed_attempt, self._attempt = choice, other
                 give_up = self.deadline
                 if self.deferrable:  # (its receipt by the deadline, as above)
                     give_up -= min(DEFER_RESERVE_S, 0.25 * (self.deadline - now))
-                reason = f"{why}: {other.name} instead"
+                self._reason = reason = f"{why}: {other.name} instead"
                 return self._sent(Offload(other, self.mp.cloud_model, give_up, reason), now)
         if self.deferrable and not isinstance(error, PayloadTooLarge):  # (would fail again)
             return Defer(why, None)

@@ -642,6 +642,10 @@ def test_a_cloud_only_offload_that_hangs_gives_up_in_time_for_the_other_transpor
     assert second.give_up_at == flow.deadline and "instead" in second.reason
     answer = flow.offload_done(first.give_up_at + 0.05, sent=1_000, received=500, elapsed_s=0.05)
     assert isinstance(answer, Answer) and answer.where == second.option.name
+    # said as a fallback, paying for the attempt before it
+    assert answer.fallback and "instead" in answer.reason
+    assert answer.extra["bytes_attempted"] == 1_000
+    assert answer.energy_j == pytest.approx(first.option.energy_j + second.option.energy_j)
     # a fast failure moves over at once; a second failure is the answer
     flow = core.begin("c", now=10.0, in_bytes=1_000, connected=both, deadline_ms=3000)
     first = flow.start()
@@ -652,7 +656,17 @@ def test_a_cloud_only_offload_that_hangs_gives_up_in_time_for_the_other_transpor
     flow = core.begin("c", now=20.0, in_bytes=1_000, connected=both, deadline_ms=3000)
     flow.start()
     assert isinstance(flow.offload_failed(20.01, InvalidInput("bad")), Fail)
+    # the other transport's short window is its own: given up before an answer could
+    # come, it is no failure of that endpoint (it had been timed from the request's start)
+    flow = core.begin("c", now=40.0, in_bytes=1_000, connected=both, deadline_ms=3000)
+    first = flow.start()
+    second = flow.offload_failed(first.give_up_at, DeadlineExceeded("no reply"))
+    assert isinstance(second, Offload)
+    other = core.breakers[second.option.transport]
+    before = other._consecutive
+    flow.offload_failed(first.give_up_at + 0.5 * second.option.latency_s, DeadlineExceeded("x"))
+    assert other._consecutive == before
     # with one transport usable there is nothing to give up early for
-    flow = core.begin("c", now=30.0, in_bytes=1_000, connected={"http": True}, deadline_ms=3000)
+    flow = core.begin("c", now=60.0, in_bytes=1_000, connected={"http": True}, deadline_ms=3000)
     only = flow.start()
     assert isinstance(only, Offload) and only.give_up_at == flow.deadline
