@@ -356,7 +356,9 @@ class LinkEstimator:
         self.rtt_update: float | None = None
         self._rtt_home: float | None = None
         self._rtt_home_n = 0
+        self._rtt_home_var = LogRate.PRIOR_SIGMA**2  # the long run's spread (log RTT)
         self._rtt_target = 0.0  # log RTT an old estimate fades to (set by _refresh)
+        self._rtt_target_q = 0.0  # and its quantile's (an old estimate is an unsure one)
         self.exploring_since: float | None = None  # one exploring request at a time
         self.consecutive_failures = 0
         self.samples = 0
@@ -371,11 +373,16 @@ class LinkEstimator:
         self.up_bps_low = _low(self._up_lo, self.up_bps)
         self.down_bps_low = _low(self._down_lo, self.down_bps)
         target = math.log(self.prior_rtt_s) if self.prior_rtt_s > 0 else math.log(1e-3)
+        far = LogRate.PRIOR_SIGMA**2
         home = self._rtt_home
         if home is not None:
             n = float(self._rtt_home_n)
-            target += n / (n + LogRate.HOME_PRIOR_N) * (home - target)
+            h = n / (n + LogRate.HOME_PRIOR_N)
+            target += h * (home - target)
+            spread = min(max(self._rtt_home_var, LogRate.HOME_MIN_SIGMA**2), far)
+            far = h * spread + (1.0 - h) * far
         self._rtt_target = target
+        self._rtt_target_q = target + ppf(self._rtt_q.q) * math.sqrt(far)
 
     def rtt_at(self, now: float) -> tuple[float, float]:
         """(mean, quantile) RTT believed at ``now``: what was learnt, faded into the long run.
@@ -385,7 +392,10 @@ class LinkEstimator:
         sends to correct it (probes refresh RTT only from a radio still up), and
         three 2.5 s replies kept a WiFi agent local for hours.  Unobserved, it
         relaxes with the rates' time constant (``LogRate.REVERT_S``) towards the
-        RTTs this link has shown over its life, the profile's prior at first.
+        RTTs this link has shown over its life, the profile's prior at first; its
+        quantile towards their spread's (an old estimate is an unsure one: its tail
+        had shrunk onto its mean, and deadlines the link misses one time in ten read
+        as met once it had been idle two minutes).
         """
         updated = self.rtt_update
         mean, quantile = self.rtt_s, self.rtt_quantile
@@ -393,7 +403,8 @@ class LinkEstimator:
             return mean, quantile
         w = math.exp((updated - now) / LogRate.REVERT_S)
         faded = math.exp(w * math.log(mean) + (1.0 - w) * self._rtt_target)
-        return faded, faded * (quantile / mean) ** w
+        tail = math.exp(w * math.log(quantile) + (1.0 - w) * self._rtt_target_q)
+        return faded, tail if tail > faded else faded
 
     def _add_rtt(self, rtt_s: float, now: float) -> None:
         self._rtt.add(rtt_s)
@@ -407,7 +418,10 @@ class LinkEstimator:
         else:
             n = self._rtt_home_n
             a = 1.0 / n if n * LogRate.HOME_ALPHA < 1.0 else LogRate.HOME_ALPHA
-            self._rtt_home = home + a * (x - home)
+            d = x - home
+            self._rtt_home = home + a * d
+            # (the first samples say little of the spread: it starts at the prior's)
+            self._rtt_home_var = (1 - a) * (self._rtt_home_var + a * d * d)
 
     def set_prior(self, up_bps: float, down_bps: float, rtt_s: float) -> None:
         self.prior_up_bps, self.prior_down_bps, self.prior_rtt_s = up_bps, down_bps, rtt_s
@@ -567,6 +581,7 @@ class LinkEstimator:
                 self._rtt_home,
                 self._rtt_home_n,
                 None if self.rtt_update is None else now - self.rtt_update,
+                self._rtt_home_var,
             ],
         }
 
@@ -602,9 +617,11 @@ class LinkEstimator:
         e.bandwidth_update = None if bw_age is None else now - float(bw_age)
         rtt_home = d.get("rtt_home")
         if rtt_home is not None:
-            home, n, rtt_age = rtt_home
+            home, n, rtt_age, *spread = rtt_home
             if home is not None:
                 e._rtt_home, e._rtt_home_n = float(home), int(n)
+                if spread:
+                    e._rtt_home_var = float(spread[0])
             e.rtt_update = None if rtt_age is None else now - float(rtt_age)
         elif e._rtt.value is not None:  # (older state files: the RTT is as old as the link's news)
             e.rtt_update = e.last_update

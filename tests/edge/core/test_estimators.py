@@ -242,7 +242,9 @@ def test_an_rtt_seen_in_a_bad_spell_fades_into_the_links_long_run(tmp_path):
     spell = link.rtt_at(35.0)[0]
     assert spell > 0.5  # believed at once: the policy must stop offloading now
     mean, quantile = link.rtt_at(35.0 + 600)
-    assert mean < 0.1 and mean <= quantile < 0.15  # ten minutes on: near the link's own again
+    assert mean < 0.1  # ten minutes on: near the link's own again
+    # its tail the long run's: wide (a spell in its past, an old estimate), not the mean's
+    assert 2 * mean < quantile < link.rtt_at(35.0)[1]
     assert link.rtt_s >= spell  # (what was learnt is kept: only the belief fades)
     # the spell's age survives a restart (a new monotonic clock)
     est = Estimators()
