@@ -456,9 +456,23 @@ def test_a_backend_that_answers_otherwise_is_not_measured_in_the_models_place(
     model.ir_version = 8
     (repo / "wrap" / "1").mkdir(parents=True)
     onnx.save(model, str(repo / "wrap" / "1" / "model.onnx"))
+    # INT64 ids (an embedding's lookup) stay a candidate: past INT32 they are refused
+    table = helper.make_tensor("table", TensorProto.FLOAT, [4, 2], [float(i) for i in range(8)])
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)],
+        "ids",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1, 2])],
+        [table],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (repo / "ids" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "ids" / "1" / "model.onnx"))
     out = tmp_path / "profiles.json"
     assert _tune(repo, out, "--max-threads", "1", "--max-batch", "1") == 0
     models = json.loads(out.read_text())["models"]
+    assert {t["backend"] for t in models["ids"]["trials"]} == {"onnxruntime", "openvino"}
     for name in ("double", "wrap"):
         assert {t["backend"] for t in models[name]["trials"]} == {"onnxruntime"}, name
     assert "computes x FP64 as FP32" in models["double"]["skipped"]["openvino"]
