@@ -104,6 +104,7 @@ class Deferrer:
         self._clock = WallClock()
         self._unshifted: list[Step] = []  # clock steps the store has yet to apply
         self._shifting = asyncio.Lock()
+        self._resumed = False  # the clock mark the store was left with has been read
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._closed:  # (a call queued behind close would reopen the store, and leak it)
@@ -153,6 +154,8 @@ class Deferrer:
     async def _wall(self) -> float:
         """The wall clock now; a step of it (NTP, once a clock-less device is online)
         moves the stamps taken before it, so what was deferred keeps its ttl."""
+        if not self._resumed:
+            await self._resume()
         now, step = self._clock.read()
         if step is not None:
             if len(self._unshifted) >= 64:  # (a store failing that long: the oldest is lost)
@@ -165,8 +168,10 @@ class Deferrer:
         async with self._shifting:
             while self._unshifted:  # in order: each step's stamps are in the clock before it
                 step = self._unshifted[0]
+                # (the clock the stamps are in now, with the last step: written with it)
+                mark = self._clock.mark() if len(self._unshifted) == 1 else None
                 try:
-                    moved = await self._call(self.store.shift, step.delta_s, step.since)
+                    moved = await self._call(self.store.shift, step.delta_s, step.since, mark)
                 except db_error() as exc:  # (tried again at the next read)
                     self._store_trouble.failed(f"it cannot move its stamps by a clock step ({exc})")
                     break
@@ -177,6 +182,25 @@ class Deferrer:
                     moved,
                 )
         return now
+
+    async def _resume(self) -> None:
+        """Carry on from the clock the store's stamps were left in: a step between the
+        last process and this one (an agent restarted offline, then NTP) is applied
+        like one seen here; they had kept the old clock's time, and expired at once."""
+        async with self._shifting:
+            if self._resumed:
+                return
+            try:
+                mark = await self._call(self.store.clock_mark)
+                step = self._clock.resume(mark) if mark is not None else None
+                if step is None:  # (with a step, the shift writes the mark)
+                    await self._call(self.store.set_clock_mark, self._clock.mark())
+            except db_error() as exc:  # (tried again at the next read)
+                self._store_trouble.failed(f"it cannot read or write its clock ({exc})")
+                return
+            self._resumed = True
+            if step is not None:
+                self._unshifted.insert(0, step)
 
     async def _put(
         self, model: str, request: InferRequest, now: float, owner: str, app_id: str | None

@@ -45,6 +45,12 @@ CREATE TABLE IF NOT EXISTS deferred (
     app_id       TEXT
 );
 CREATE INDEX IF NOT EXISTS deferred_pending ON deferred (status, priority, created_wall);
+CREATE TABLE IF NOT EXISTS clock (
+    id     INTEGER PRIMARY KEY CHECK (id = 0),
+    boot   TEXT,
+    offset REAL NOT NULL,
+    since  REAL NOT NULL
+);
 """
 
 #: what a finished row holds (its request's payload is dropped when it finishes)
@@ -386,12 +392,37 @@ class DeferredStore:
             self._trim_answers()
         return ids
 
-    def shift(self, delta_s: float, since_wall: float) -> int:
+    def clock_mark(self) -> tuple[str | None, float, float] | None:
+        """The wall clock the stamps are in, as the last process left it (None: unknown)."""
+        row = self._db.execute("SELECT boot, offset, since FROM clock WHERE id = 0").fetchone()
+        return None if row is None else (row[0], float(row[1]), float(row[2]))
+
+    def set_clock_mark(self, mark: tuple[str | None, float, float]) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO clock (id, boot, offset, since) VALUES (0, ?, ?, ?)", mark
+        )
+
+    def shift(
+        self, delta_s: float, since_wall: float, mark: tuple[str | None, float, float] | None = None
+    ) -> int:
         """Move the stamps taken at or after ``since_wall`` by ``delta_s``: the wall
-        clock was stepped (see :mod:`shared.wallclock`) and they are in its old time."""
-        if not self.opened:
-            return 0
-        cur = self._db.execute(
+        clock was stepped (see :mod:`shared.wallclock`) and they are in its old time.
+        With ``mark``, the clock they are in now is written in the same transaction: a
+        crash between the two would have moved them again at the next start."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            moved = self._shift(db, delta_s, since_wall)
+            if mark is not None:
+                self.set_clock_mark(mark)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return moved
+
+    def _shift(self, db: Any, delta_s: float, since_wall: float) -> int:
+        cur = db.execute(
             "UPDATE deferred SET"
             " expires_wall = CASE WHEN created_wall >= ?2 THEN expires_wall + ?1"
             " ELSE expires_wall END,"

@@ -23,6 +23,16 @@ from dataclasses import dataclass
 STEP_S = 2.0
 
 
+def boot_id() -> str | None:
+    """This boot's id (Linux), None elsewhere: a mark from the same boot shares its
+    ``CLOCK_BOOTTIME``, so a later process can tell a step between the two."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def _boot_time() -> float:
     try:
         return time.clock_gettime(time.CLOCK_BOOTTIME)
@@ -39,16 +49,39 @@ class Step:
     since: float
 
 
+#: (boot id, wall - boot time, when that clock's stamps began): what a holder keeps with
+#: its stamps, so that the next process of the same boot sees a step taken between them
+Mark = tuple[str | None, float, float]
+
+
 class WallClock:
     def __init__(
         self,
         wall: Callable[[], float] = time.time,
         elapsed: Callable[[], float] = _boot_time,
+        boot: str | None = None,
     ) -> None:
         self._wall, self._elapsed = wall, elapsed
+        self._boot = boot_id() if boot is None else boot
         now = wall()
         self._offset = now - elapsed()
         self._since = now  # when the current clock's stamps began (this one's time)
+
+    def mark(self) -> Mark:
+        return (self._boot, self._offset, self._since)
+
+    def resume(self, mark: Mark) -> Step | None:
+        """Carry on from an earlier process's ``mark``: the step taken since, where it
+        ran in this boot (an agent restarted offline, then NTP: its stamps had kept the
+        old clock's time); else its clock's stamps are this one's, from its ``since``."""
+        boot, offset, since = mark
+        if boot is None or boot != self._boot:
+            return None  # (another boot: its boot time is not this one's)
+        delta = self._offset - offset
+        if -STEP_S < delta < STEP_S:
+            self._since = min(self._since, since)
+            return None
+        return Step(delta, since)
 
     def read(self) -> tuple[float, Step | None]:
         """(now, the step since the last read, if the clock was stepped)."""

@@ -627,3 +627,48 @@ async def test_a_clock_step_read_by_a_deferral_and_a_flush_at_once_moves_the_row
     rows = dict(store._db.execute("SELECT request_id, created_wall FROM deferred").fetchall())
     assert rows == {"before": 1_086_400.0, "a": 1_086_400.0, "b": 1_086_400.0}
     await deferrer.close()
+
+
+@pytest.mark.parametrize("same_boot", [True, False])
+async def test_an_agent_restarted_offline_keeps_the_backlog_through_a_later_clock_step(
+    tmp_path, same_boot
+):
+    # A crash-looping agent offline on a clock-less device: the process that sees NTP's
+    # step is not the one that stamped the rows; it had expired them all.
+    import numpy as np
+
+    from edge.deferred import Deferrer
+    from shared.messages import InferRequest
+    from shared.tensors import Tensor
+    from shared.wallclock import WallClock
+
+    x = [Tensor.from_array("x", np.ones(2, np.float32))]
+    t = {"wall": 1_000_000.0, "elapsed": 50.0}
+
+    def clock(boot: str) -> WallClock:
+        return WallClock(lambda: t["wall"], lambda: t["elapsed"], boot=boot)
+
+    first = Deferrer(DeferredStore(tmp_path / "d.db"), ttl_s=3600.0)
+    first._clock = clock("boot-1")
+    await first.defer("m", InferRequest(inputs=x, id="r1"), deadline_ms=None, reason="")
+    await first.close()
+    t["elapsed"] += 5.0  # restarted (no step yet): the second process defers one more
+    t["wall"] += 5.0
+    second = Deferrer(DeferredStore(tmp_path / "d.db"), ttl_s=3600.0)
+    second._clock = clock("boot-1")
+    await second.defer("m", InferRequest(inputs=x, id="r2"), deadline_ms=None, reason="")
+    await second.close()
+    t["wall"] += 2 * 86_400.0  # NTP steps it by the days the device was off; restart again
+    t["elapsed"] += 1.0
+    if not same_boot:  # (a reboot: a new boot time, whose offset says nothing of a step)
+        t["elapsed"] = 3.0
+    store = DeferredStore(tmp_path / "d.db")
+    third = Deferrer(store, ttl_s=3600.0)
+    third._clock = clock("boot-1" if same_boot else "boot-2")
+    send, sent = _echo()
+    await third.flush(send, lambda model: True)
+    if same_boot:
+        assert sorted(sent) == ["r1", "r2"]  # both processes' rows kept their ttl
+    else:
+        assert sent == [] and store.counts() == {"expired": 2}  # true time: a real wait
+    await third.close()

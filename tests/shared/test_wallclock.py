@@ -25,3 +25,17 @@ def test_time_passing_a_suspend_or_a_slew_is_no_step():
 
 def test_the_default_clocks_read_without_a_step():
     assert WallClock().read()[1] is None
+
+
+def test_a_mark_of_the_same_boot_tells_a_step_taken_between_two_processes():
+    t = {"wall": 5000.0, "elapsed": 10.0}
+    before = WallClock(lambda: t["wall"], lambda: t["elapsed"], boot="b")
+    mark = before.mark()
+    t["wall"] += 3600.0 + 1.0  # stepped while no process ran; a second passed
+    t["elapsed"] += 1.0
+    step = WallClock(lambda: t["wall"], lambda: t["elapsed"], boot="b").resume(mark)
+    assert step is not None and step.delta_s == 3600.0 and step.since == 5000.0
+    assert WallClock(lambda: t["wall"], lambda: t["elapsed"], boot="c").resume(mark) is None
+    # no step: the new process's clock began with the old one's
+    same = WallClock(lambda: t["wall"], lambda: t["elapsed"], boot="b")
+    assert same.resume((*same.mark()[:2], 4000.0)) is None and same.mark()[2] == 4000.0
