@@ -349,7 +349,10 @@ class Deferrer:
     async def _finish(self, request_id: str, reply: bytes | None, error: str | None) -> None:
         """Record an answer; one the store cannot write is kept in memory instead."""
         try:
-            await self._call(self.store.mark_delivered, request_id, reply, error)
+            # (stamped by a read that applies a step first: a stamp taken in the new clock
+            # before the step was seen had been moved by it again, kept days too long)
+            now = await self._wall()
+            await self._call(self.store.mark_delivered, request_id, reply, error, now)
         except db_error() as exc:
             log.warning("deferred %s answered but not saved (%s): kept in memory", request_id, exc)
             size = len(reply or b"")
