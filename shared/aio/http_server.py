@@ -78,7 +78,7 @@ class Request:
         self.head = head
         self.method = head.method
         target = head.target
-        if target.startswith(("http://", "https://")):  # absolute form (via a proxy)
+        if target[:8].lower().startswith(("http://", "https://")):  # absolute form (a proxy)
             slash = target.find("/", target.find("//") + 2)
             target = target[slash:] if slash >= 0 else "/"
         path, _, self.query = target.partition("?")
@@ -246,8 +246,13 @@ class _Connection(asyncio.BufferedProtocol):
                 503, [("Content-Type", JSON), ("Retry-After", "1")], len(body), close=True
             )
             transport.write(head + body)  # type: ignore[attr-defined]
-            self.closing = True
-            transport.close()
+            # What it sends is read and dropped until it closes (or linger_s), so that it
+            # sees the 503: closed at once, its unread request made the kernel reset it.
+            self.discarding = True
+            if transport.can_write_eof():  # type: ignore[attr-defined]
+                transport.write_eof()  # type: ignore[attr-defined]  # (done: it may close)
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.server.options.linger_s, self._end)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.discarding and not self.parser.skipping:
@@ -417,8 +422,11 @@ class _Connection(asyncio.BufferedProtocol):
             if self.server.closing or not request.head.keep_alive or ended:
                 response.close = True
             self._send(response, head_only=request.method == "HEAD")
-            if isinstance(response.body, (list, tuple)) and not self._write_ok.is_set():
-                await self._write_ok.wait()  # a big answer: let it drain before the next
+            if not self._write_ok.is_set():
+                # Its answer is backed up: let it drain before the next.  A client that
+                # pipelines and never reads had every answer buffered here (small ones
+                # too: 33 MiB/s of /v2/models/stats for 35-byte requests).
+                await self._write_ok.wait()
         finally:
             self.task = None
             self._finish(request)
@@ -573,6 +581,7 @@ class HttpServer:
         self.cut = False  # a drain's grace ran out: requests still going are answered 503
         self.refused = 0
         self.reaped = 0
+        self.evicted = 0  # idle connections closed to make room at the cap
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
@@ -643,9 +652,22 @@ class HttpServer:
     # ---- connections -----------------------------------------------------------------------------
     def _opened(self, conn: _Connection) -> bool:
         cap = self.options.max_connections
-        if self.closing or (cap and len(self._connections) >= cap):
+        if self.closing:
             self.refused += 1
             return False
+        if cap and len(self._connections) >= cap:
+            # At the cap, the connection idle longest makes room (as nginx does): idle
+            # kept-alive ones had refused every new client, health checks too, for the
+            # whole idle timeout, renewed by whoever held them.  Only when every one is
+            # busy is the newcomer refused.
+            idle = [c for c in self._connections if c.state == _IDLE and c.task is None]
+            if not idle:
+                self.refused += 1
+                return False
+            oldest = min(idle, key=lambda c: c.since)
+            oldest._end()
+            self._connections.discard(oldest)
+            self.evicted += 1
         self._connections.add(conn)
         return True
 

@@ -130,10 +130,11 @@ class Head:
 
     @property
     def keep_alive(self) -> bool:
-        connection = self.headers.get("connection", "").lower()
+        # (tokens, not substrings: "Connection: x-not-close-really" closes nothing)
+        tokens = {t.strip() for t in self.headers.get("connection", "").lower().split(",")}
         if self.version == "1.0":
-            return "keep-alive" in connection
-        return "close" not in connection
+            return "keep-alive" in tokens
+        return "close" not in tokens
 
     def get(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)
@@ -496,6 +497,12 @@ class RequestParser(_Reader):
             raise HttpError(400, "bad method")
         if not target or target.translate(None, _BAD_TARGET) != target:
             raise HttpError(400, "bad request target")
+        if not (
+            target[:1] == b"/"
+            or target == b"*"
+            or target[:8].lower().startswith((b"http://", b"https://"))
+        ):  # (RFC 9112 3.2: origin-, absolute- or asterisk-form)
+            raise HttpError(400, "a request target starts with '/'")
         if version == b"HTTP/1.1":
             v = "1.1"
         elif version == b"HTTP/1.0":

@@ -97,6 +97,8 @@ async def test_the_local_api_caps_its_connections_below_the_descriptor_limit(mon
     server = await http_front.start_local_api(_Agent(), "127.0.0.1", 0)
     try:
         held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
+        for _, w in held:  # busy (half a head): an idle one would make room for a newcomer
+            w.write(b"GET / HTTP/1.1\r\nHost")
         await asyncio.sleep(0.05)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(b"GET /v2/health/live HTTP/1.1\r\n\r\n")

@@ -37,6 +37,8 @@ class Echo:
     async def handle(self, request: Request) -> Response:
         if request.path == "/slow":
             await self.gate.wait()
+        if request.path == "/stats":  # a small request, a bigger answer, in one bytes
+            return Response(200, b"s" * 2048, content_type="application/octet-stream")
         return Response(200, [bytes(request.body), b"!"], content_type="application/octet-stream")
 
     def finished(self, request: Request) -> None:
@@ -164,11 +166,35 @@ async def test_connections_past_the_cap_get_503_and_are_closed() -> None:
     server = await serve(Echo(), max_connections=2)
     try:
         held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
+        for _, w in held:  # each busy: half a head sent
+            w.write(b"GET / HTTP/1.1\r\nHost")
         await asyncio.sleep(0.05)
-        out = await exchange(server.port, b"GET / HTTP/1.1\r\n\r\n")
-        assert out.startswith(b"HTTP/1.1 503") and b"Retry-After" in out
-        assert server.refused == 1
+        for _ in range(5):  # the 503 arrives whole (a close at once had sent a reset)
+            out = await exchange(server.port, b"GET / HTTP/1.1\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 503") and b"Retry-After" in out
+        assert server.refused == 5
         for _, w in held:
+            w.close()
+    finally:
+        await server.close()
+
+
+async def test_at_the_cap_the_connection_idle_longest_makes_room() -> None:
+    # Idle kept-alive connections had refused every new client (health checks too)
+    # for the whole idle timeout.
+    server = await serve(Echo(), max_connections=2)
+    try:
+        first = await asyncio.open_connection("127.0.0.1", server.port)
+        await asyncio.sleep(0.02)
+        second = await asyncio.open_connection("127.0.0.1", server.port)
+        await asyncio.sleep(0.05)
+        request = b"POST / HTTP/1.1\r\nContent-Length: 1\r\nConnection: close\r\n\r\n!"
+        out = await exchange(server.port, request)
+        assert out.startswith(b"HTTP/1.1 200") and server.evicted == 1
+        assert await asyncio.wait_for(first[0].read(), 5) == b""  # the oldest: closed
+        second[1].write(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\n!")
+        assert (await asyncio.wait_for(second[0].read(12), 5)).startswith(b"HTTP/1.1 200")
+        for _, w in (first, second):
             w.close()
     finally:
         await server.close()
@@ -405,3 +431,32 @@ async def test_a_half_closed_peer_gets_every_pipelined_answer_then_the_close() -
         await server.close()
     assert got.count(b"HTTP/1.1 200") == 4  # (the fifth never ended: not answered)
     assert got.count(b"Connection: close") <= 1
+
+
+async def test_a_client_that_pipelines_and_never_reads_holds_a_bounded_write_buffer() -> None:
+    # Every answer had been buffered: 33 MiB/s on a node for 35-byte requests.
+    import socket
+
+    server = await serve(Echo())
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.setblocking(False)
+    request = b"GET /stats HTTP/1.1\r\n\r\n"
+    loop = asyncio.get_running_loop()
+    sent = 0
+    try:
+        while sent < 8 << 20:  # it stops taking them once its answers back up
+            try:
+                await asyncio.wait_for(loop.sock_sendall(sock, request * 512), 1.0)
+            except TimeoutError:
+                break
+            sent += len(request) * 512
+        await asyncio.sleep(0.2)
+        (conn,) = server._connections
+        assert conn.transport is not None
+        assert conn.transport.get_write_buffer_size() < 1 << 20, sent
+        assert conn.parser.buffered < 2 << 20  # reading paused: the rest waits in sockets
+    finally:
+        sock.close()
+        await server.close()

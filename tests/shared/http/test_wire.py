@@ -161,6 +161,23 @@ def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:
 
 
 @pytest.mark.parametrize(
+    "connection, kept",
+    [("close", False), ("Keep-Alive, Close", False), ("x-not-close", True), ("", True)],
+)
+def test_connection_is_read_as_tokens_not_as_a_substring(connection: str, kept: bool) -> None:
+    parser = RequestParser()
+    parser.feed(f"GET / HTTP/1.1\r\nConnection: {connection}\r\n\r\n".encode())
+    assert parser.events.popleft().keep_alive is kept
+
+
+@pytest.mark.parametrize("target", [b"/v2/health/live", b"*", b"http://h/v2", b"HTTP://h/v2"])
+def test_origin_absolute_and_asterisk_targets_are_read(target: bytes) -> None:
+    parser = RequestParser()
+    parser.feed(b"GET " + target + b" HTTP/1.1\r\n\r\n")
+    assert parser.events.popleft().target == target.decode()
+
+
+@pytest.mark.parametrize(
     "data, status",
     [
         (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
@@ -179,6 +196,7 @@ def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:
         (b"GET / HTTP/1.1\r\nX: a\x01b\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nBad Name: a\r\n\r\n", 400),
         (b"GET /  HTTP/1.1\r\n\r\n", 400),
+        (b"GET v2/health/live HTTP/1.1\r\n\r\n", 400),  # (no leading slash)
         (b"GET / HTTP/2.0\r\n\r\n", 505),
         (b"GET / FTP/1.1\r\n\r\n", 400),
         (b"G(T / HTTP/1.1\r\n\r\n", 400),
