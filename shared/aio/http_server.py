@@ -421,6 +421,9 @@ class _Connection(asyncio.BufferedProtocol):
             ended = self.parser.eof and not self.parser.buffered and not self.parser.events
             if self.server.closing or not request.head.keep_alive or ended:
                 response.close = True
+            if request.head.version == "1.0" and not response.close:
+                # (an HTTP/1.0 client closes unless told the connection is kept)
+                response.headers = [*response.headers, ("Connection", "keep-alive")]
             self._send(response, head_only=request.method == "HEAD")
             if not self._write_ok.is_set():
                 # Its answer is backed up: let it drain before the next.  A client that

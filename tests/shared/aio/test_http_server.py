@@ -460,3 +460,14 @@ async def test_a_client_that_pipelines_and_never_reads_holds_a_bounded_write_buf
     finally:
         sock.close()
         await server.close()
+
+
+async def test_an_http_1_0_client_asking_to_keep_alive_is_told_it_is_kept() -> None:
+    server = await serve(Echo())
+    try:
+        kept = b"POST / HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n!"
+        last = b"POST / HTTP/1.0\r\nContent-Length: 1\r\n\r\n!"
+        out = await exchange(server.port, kept + last)  # (closed after the last)
+        assert out.count(b"HTTP/1.1 200") == 2 and out.count(b"Connection: keep-alive\r\n") == 1
+    finally:
+        await server.close()
