@@ -53,6 +53,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.closed = False
         self.got_bytes = False
         self.idle_since = time.monotonic()
+        self.error: Exception | None = None  # why it failed while no request waited
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -62,6 +63,12 @@ class _Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.got_bytes = True
+        if self.waiter is None or self.waiter.done():
+            # Bytes while no request waits answer nothing this client asked: a server
+            # that kept sending into an idle pooled connection had it buffer them all
+            # (100 MiB held with no traffic).  The connection is dropped at once.
+            self._fail(InternalError("the server sent bytes no request asked for"))
+            return
         try:
             self.parser.buffer_updated(nbytes)
         except HttpError as exc:
@@ -91,9 +98,27 @@ class _Connection(asyncio.BufferedProtocol):
     def _fail(self, exc: Exception) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
+        elif self.error is None:
+            self.error = exc
         if self.transport is not None:
             self.transport.close()
         self.closed = True
+
+
+def _reusable(head: Head) -> bool:
+    """Whether the connection may carry another request after this answer: not where
+    its framing was doubtful (a 204 or 304 that declares a body, whose bytes came late
+    and were handed to the next request as its answer; both Transfer-Encoding and
+    Content-Length, which RFC 9112 6.3 calls an error)."""
+    if not head.keep_alive:
+        return False
+    headers = head.headers
+    te, length = headers.get("transfer-encoding"), headers.get("content-length")
+    if te is not None and length is not None:
+        return False
+    if head.status in (204, 304) and (te is not None or (length or "0").strip() != "0"):
+        return False
+    return True
 
 
 def _expire(waiter: asyncio.Future[Any]) -> None:
@@ -159,16 +184,20 @@ class HttpClient:
             size if (chunks or method in ("POST", "PUT")) else None,
         )
         for attempt in (0, 1):
-            conn = self._idle_connection()
+            # (the retry goes on a fresh connection: another pooled one the server had
+            # closed too had failed it again while the server was up)
+            conn = self._idle_connection() if not attempt else None
             if conn is not None:  # the usual case: no task, no timer, no loop turn
                 reused = True
             elif deadline is None:
-                conn, reused = await self._connection()
+                conn, reused = await self._connection(fresh=bool(attempt))
             else:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError("deadline passed before the request was sent")
-                conn, reused = await asyncio.wait_for(self._connection(), remaining)
+                conn, reused = await asyncio.wait_for(
+                    self._connection(fresh=bool(attempt)), remaining
+                )
             try:
                 return await self._exchange(conn, method, head, chunks, size, deadline)
             except ConnectionResetError:
@@ -186,6 +215,10 @@ class HttpClient:
         size: int,
         deadline: float | None,
     ) -> ClientResponse:
+        if conn.closed and isinstance(conn.error, InternalError):
+            # (a fresh connection the server spoke on first, before this request)
+            self._drop(conn)
+            raise conn.error
         loop = asyncio.get_running_loop()
         conn.waiter = waiter = loop.create_future()
         timer = None
@@ -195,15 +228,20 @@ class HttpClient:
         conn.got_bytes = False
         conn.head = None
         conn.parser.expect_no_body = method == "HEAD"
-        conn.parser.resume()
-        assert conn.transport is not None
-        if size < 64 * 1024:
-            conn.transport.write(head + b"".join(chunks))
-        else:
-            conn.transport.write(head)
-            for chunk in chunks:
-                conn.transport.write(chunk)
         try:
+            try:
+                # (what the server sent before this request, a greeting of some other
+                # protocol, is parsed here: its error is the request's, typed)
+                conn.parser.resume()
+            except HttpError as exc:
+                raise InternalError(f"unreadable HTTP answer: {exc.message}") from None
+            assert conn.transport is not None
+            if size < 64 * 1024:
+                conn.transport.write(head + b"".join(chunks))
+            else:
+                conn.transport.write(head)
+                for chunk in chunks:
+                    conn.transport.write(chunk)
             response = await waiter
         except BaseException:
             self._drop(conn)  # cancelled, failed or timed out halfway: the stream is unusable
@@ -219,7 +257,7 @@ class HttpClient:
         if (
             conn.closed
             or desynced
-            or not response.head.keep_alive
+            or not _reusable(response.head)
             or len(self._idle) >= self.max_idle
         ):
             self._drop(conn)
@@ -239,8 +277,8 @@ class HttpClient:
             self._drop(conn)
         return None
 
-    async def _connection(self) -> tuple[_Connection, bool]:
-        conn = self._idle_connection()
+    async def _connection(self, fresh: bool = False) -> tuple[_Connection, bool]:
+        conn = None if fresh else self._idle_connection()
         if conn is not None:
             return conn, True
         loop = asyncio.get_running_loop()

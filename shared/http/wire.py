@@ -573,8 +573,13 @@ class ResponseParser(_Reader):
             self._message_done()
             return
         te = head.headers.get("transfer-encoding")
-        if te is not None and te.strip().lower().endswith("chunked"):
-            self._chunked_start()
+        if te is not None:
+            # chunked only where it is the last coding ("xchunked" is not); any other
+            # ends where the connection does (RFC 9112 6.3), whatever a length says
+            if te.rsplit(",", 1)[-1].strip().lower() == "chunked":
+                self._chunked_start()
+            else:
+                self._to_eof = bytearray()
             return
         length = _content_length(head)
         if length is None:

@@ -107,3 +107,112 @@ def test_a_request_target_or_header_that_would_break_its_line_is_never_sent() ->
     with pytest.raises(InvalidInput, match="unsafe characters"):
         request_head("GET", "/a", "h", [("X-Id", "1\r\nX-Admin: yes")], None)
     assert request_head("GET", "/a?b=c%20d", "h", [("X", "a\tb")], 0).startswith(b"GET /a?b=c%20d ")
+
+
+async def _raw_server(serve):
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_bytes_sent_into_an_idle_pooled_connection_drop_it_at_once() -> None:
+    # A server that kept sending after its answer had the idle connection buffer it all.
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nfine")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        try:
+            for _ in range(64):
+                writer.write(b"x" * 65536)
+                await writer.drain()
+        except ConnectionError:
+            pass  # dropped, as it should be
+
+    server, port = await _raw_server(serve)
+    client = HttpClient(f"http://127.0.0.1:{port}")
+    try:
+        assert bytes((await client.request("GET", "/a")).body) == b"fine"
+        (conn,) = client._idle
+        await asyncio.sleep(0.3)
+        assert conn.closed and conn.parser.buffered < 1 << 20
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_server_that_speaks_first_is_a_typed_error_and_its_connection_goes() -> None:
+    from shared.errors import FerryError
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 smtp ready\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    server, port = await _raw_server(serve)
+    client = HttpClient(f"http://127.0.0.1:{port}")
+    try:
+        conn, _ = await client._connection()
+        client._idle.append(conn)
+        await asyncio.sleep(0.1)  # its greeting came while the connection sat idle
+        with pytest.raises(FerryError):
+            await client.request("GET", "/a", deadline=time.monotonic() + 2)
+        assert not client._all  # not leaked
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_the_retry_after_a_stale_connection_goes_on_a_fresh_one() -> None:
+    # Two pooled connections the server had both closed: the retry took the second.
+    served: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = 0
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                n += 1
+                if n == 2:  # a kept-alive connection's second request: closed, unanswered
+                    writer.transport.abort()
+                    return
+                await asyncio.sleep(0.05)
+                served.append(n)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server, port = await _raw_server(serve)
+    client = HttpClient(f"http://127.0.0.1:{port}")
+    try:
+        await asyncio.gather(client.request("GET", "/a"), client.request("GET", "/b"))
+        assert len(client._idle) == 2
+        answer = await client.request("GET", "/c", deadline=time.monotonic() + 5)
+        assert bytes(answer.body) == b"ok"
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_204_that_declares_a_body_leaves_its_connection_out_of_the_pool() -> None:
+    # Its body came late and was handed to the next request as that one's answer.
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                late = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nSTALE"
+                writer.write(b"HTTP/1.1 204 No Content\r\nContent-Length: %d\r\n\r\n" % len(late))
+                await writer.drain()
+                await asyncio.sleep(0.02)
+                writer.write(late)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server, port = await _raw_server(serve)
+    client = HttpClient(f"http://127.0.0.1:{port}")
+    try:
+        assert (await client.request("GET", "/a")).status == 204
+        # at once, before the late body comes: on the same connection it was /b's answer
+        assert (await client.request("GET", "/b")).status == 204  # not the stale 200
+    finally:
+        await client.close()
+        server.close()
