@@ -137,6 +137,7 @@ class HttpClient:
         headers: Sequence[tuple[str, str]] = (),
         max_idle: int = 16,
         max_body: int = 64 * 1024 * 1024,
+        max_connections: int = 128,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -155,6 +156,9 @@ class HttpClient:
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
         self.closed = False
+        # Requests under way at once (one connection each): past it a request waits for
+        # one to end, within its deadline.  300 concurrent offloads had opened 300 sockets.
+        self._slots = asyncio.Semaphore(max_connections) if max_connections > 0 else None
 
     async def request(
         self,
@@ -174,6 +178,32 @@ class HttpClient:
         """
         if self.closed:
             raise EndpointUnavailable("HTTP client closed")
+        slots = self._slots
+        if slots is None:
+            return await self._request(method, path, body, headers, deadline)
+        if slots.locked():  # (all in use: wait for one, within the deadline)
+            if deadline is None:
+                await slots.acquire()
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("deadline passed before the request was sent")
+                await asyncio.wait_for(slots.acquire(), remaining)
+        else:
+            await slots.acquire()  # (free: returns at once, no loop turn)
+        try:
+            return await self._request(method, path, body, headers, deadline)
+        finally:
+            slots.release()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        headers: Sequence[tuple[str, str]],
+        deadline: float | None,
+    ) -> ClientResponse:
         chunks = [] if body is None else list(body) if isinstance(body, (list, tuple)) else [body]
         size = sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
         head = request_head(

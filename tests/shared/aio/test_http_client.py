@@ -216,3 +216,34 @@ async def test_a_204_that_declares_a_body_leaves_its_connection_out_of_the_pool(
     finally:
         await client.close()
         server.close()
+
+
+async def test_requests_past_the_connection_cap_wait_for_one_within_their_deadline() -> None:
+    opened = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal opened
+        opened += 1
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                await asyncio.sleep(0.05)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server, port = await _raw_server(serve)
+    client = HttpClient(f"http://127.0.0.1:{port}", max_connections=4)
+    try:
+        deadline = time.monotonic() + 10
+        answers = await asyncio.gather(
+            *(client.request("GET", f"/{i}", deadline=deadline) for i in range(40))
+        )
+        assert all(bytes(a.body) == b"ok" for a in answers) and opened <= 4
+        with pytest.raises(TimeoutError):  # waiting for a connection counts against it
+            await asyncio.gather(
+                *(client.request("GET", "/x", deadline=time.monotonic() + 0.08) for _ in range(9))
+            )
+    finally:
+        await client.close()
+        server.close()
