@@ -530,6 +530,21 @@ class RequestFlow:
             give_up = min(give_up, self.deadline - reserve)
         return self._sent(Offload(choice, self.mp.cloud_model, give_up, reason), now)
 
+    def _learn_stopped(self, ran_s: float, now: float) -> None:
+        """A local run stopped after ``ran_s`` without its answer: the model takes at
+        least that long.  Where that is more than it is believed to take, it is learnt
+        (a lower bound: still short of the truth).  Stopped runs had taught nothing, so
+        a device that slowed down (heat, a busier CPU) while the cloud kept winning its
+        races was still believed fast, and its fallbacks started too late to answer in
+        time.  Only a run that queued behind none (its time is its compute)."""
+        mp = self.mp
+        if self.local_backlog or mp.local_model is None:
+            return
+        est = self.core.est.local(mp.local_model, self.batch)
+        mean = est.mean
+        if mean is not None and ran_s > mean:
+            est.add(ran_s, now)
+
     def local_done(
         self, now: float, seconds: float, confidence: float | None = None
     ) -> Action | None:
@@ -627,9 +642,11 @@ class RequestFlow:
                 if local is not None:
                     if self._cancels_local(self.mp):
                         # Stopped now: it cost what it ran (at most the whole run).
-                        ran = local_energy_j(self.policy.device, now - self._local_started_at)
+                        ran_s = now - self._local_started_at
+                        ran = local_energy_j(self.policy.device, ran_s)
                         energy += ran if ran < local.energy_j else local.energy_j
                         cancel = extra["local_cancelled"] = True
+                        self._learn_stopped(ran_s, now)
                     else:
                         energy += local.energy_j
                 extra["hedged"] = True

@@ -368,6 +368,26 @@ def test_a_late_reply_stops_a_cancellable_local_run_and_pays_only_what_it_ran():
     assert [d.where for d in replay_journal(events, replica)] == [d.where for d in core.decisions]
 
 
+def test_a_stopped_local_run_that_outlasted_its_estimate_teaches_a_slower_device():
+    # Stopped runs taught nothing: a device that slowed down while the cloud kept
+    # winning its races was believed fast, and its fallbacks started too late.
+    from edge.core.flow import LOCAL_RUNS_TO_CANCEL
+
+    core = _core()
+    for k in range(LOCAL_RUNS_TO_CANCEL - 1):
+        core.warmed("m-local", 1.0, 0.1 * k)
+    local = core.est.local("m-local")
+    before = local.mean
+    flow, action = _begin_cancellable(core)
+    flow.race_due(action.local_at)
+    flow.offload_done(action.local_at + 0.5, sent=60_000, received=1_000, elapsed_s=1.0)
+    assert local.mean == before  # stopped sooner than it is believed to take: nothing
+    flow, action = _begin_cancellable(core)
+    flow.race_due(action.local_at)
+    flow.offload_done(action.local_at + 2.5, sent=60_000, received=1_000, elapsed_s=1.0)
+    assert local.mean > before  # it ran 2.5 s of a 1 s model: at least that slow now
+
+
 def test_a_young_local_estimate_keeps_the_local_run_going_to_learn_from_it():
     core = _core(journal=100)  # one warm-up run only
     flow, action = _begin_cancellable(core)
