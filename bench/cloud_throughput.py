@@ -307,17 +307,23 @@ async def paired_ratio(
     """Served throughput over the raw limit, run by run, each served run between two
     raw runs on the same core: the median of those ratios (drift hits both alike)."""
     await transport.start()
-    ratios = []
+    ratios, errors = [], 0
     try:
         before = probe(seconds / 2)
         for _ in range(pairs):
-            served = (await closed_loop(transport, model, clients, seconds))["throughput"]
+            run = await closed_loop(transport, model, clients, seconds)
+            errors += run["errors"]
             after = probe(seconds / 2)
-            ratios.append(served / ((before + after) / 2))
+            ratios.append(run["throughput"] / ((before + after) / 2))
             before = after
     finally:
         await transport.close()
-    return {"median": float(np.median(ratios)), "ratios": ratios, "clients": clients}
+    return {
+        "median": float(np.median(ratios)),
+        "ratios": ratios,
+        "clients": clients,
+        "errors": errors,
+    }
 
 
 def process_cpu_s(pid: int) -> float:
@@ -588,6 +594,18 @@ def main(argv: list[str] | None = None) -> int:
         f"closed-loop clients on a saturated server at >= 16 / raw limit = {floor_16:.1f} ms "
         f"(batch-1 {b1:.1f} ms, queue delay {delay_us / 1000:.1f} ms)"
     )
+    # A request that failed is a miss whatever the throughput (a fast error is no answer).
+    failed = {f"{c} clients (b)": r["errors"] for c, r in batched.items() if r["errors"]}
+    failed |= {f"{c} clients (c)": r["errors"] for c, r in unbatched.items() if r["errors"]}
+    if mqtt:
+        failed |= {f"{c} clients (d)": r["errors"] for c, r in mqtt.items() if r["errors"]}
+    if c1["errors"]:
+        failed["1 client (e)"] = c1["errors"]
+    for pairs_run, label in ((http_pairs, "HTTP pairs"), (mqtt_pairs, "MQTT pairs")):
+        if pairs_run and pairs_run["errors"]:
+            failed[label] = pairs_run["errors"]
+    if failed:
+        missed.append(f"requests failed: {failed}")
     for line in missed:
         print(f"MISSED: {line}")
     return 1 if missed else 0

@@ -31,7 +31,9 @@ says how often the oracle offloads, so a reader can tell a tie that proves
 nothing from a cell where the policy had to decide.
 
 Targets (exit status 1 when any is missed):
-  1. ours / oracle <= 1.10, averaged over all cells;
+  1. ours / oracle <= 1.10, averaged over all cells, and averaged over the
+     cells where a decision matters (the oracle offloads, or beats every
+     baseline by more than 1%);
   2. ours <= the best baseline + 1% in every cell (a tie is reported as TIE,
      not as a win; the summary also counts the losses to a fixed rule that
      misses more deadlines than ours, which keeps its deadline promise by
@@ -41,8 +43,9 @@ Targets (exit status 1 when any is missed):
      <= 20 us median (the agent's per-request entry, EdgeCore.begin().start(),
      requests 20 ms apart, on its two expensive paths: a warm radio, where
      the cloud is chosen and exploration weighed, and a cold one, where the
-     wake-up rule is; the slower is the figure; the least median of 5 rounds,
-     timed before and after the grid, as other processes only add time).
+     wake-up rule is; the slower is the figure; the median of 5 rounds'
+     samples pooled, the lesser of two timings, before and after the grid, as
+     other processes only add time).
      This machine drifts between two speed states ~1.5x apart: the figure is
      ~20 us in the fast one and ~30 us in the slow one.
 
@@ -50,8 +53,8 @@ The oracle is a clairvoyant schedule for one radio (a dynamic programme over
 the radio's state, edge/evaluation/baselines.py): a lower bound on every
 policy's total cost that a real schedule can approach, unlike the
 per-request bound (radio warm and cold at once) that the replay also keeps.
-"Ties" in cells where the oracle never offloads prove nothing; the last line
-of target 1 gives the average over the cells where a decision matters.
+"Ties" in cells where the oracle never offloads prove nothing; target 1 holds
+the average over the cells where a decision matters to the same bound.
 
 Caveats, stated by the replay itself (edge/evaluation/sim.py): requests do
 not share the link (the "overlap" figure says how often ours' offloads did
@@ -171,7 +174,8 @@ def targets(rows: list[dict[str, Any]], decision: dict[str, Any]) -> list[tuple[
         f"{np.exp(np.log(ratios).mean()):.3f}, median {np.median(ratios):.3f}, worst {ratios.max():.3f}"
         + (
             f"; over the {len(decisive)} cells where the oracle offloads or beats every "
-            f"baseline by >1%: {np.mean([r['ours_vs_oracle'] for r in decisive]):.3f})"
+            f"baseline by >1%: {np.mean([r['ours_vs_oracle'] for r in decisive]):.3f}, "
+            "held to <= 1.10 too)"
             if decisive
             else ")"
         )
@@ -203,14 +207,18 @@ def targets(rows: list[dict[str, Any]], decision: dict[str, Any]) -> list[tuple[
     rounds = "/".join(f"{m:.1f}" for m in decision["round_medians_us"])
     t4 = (
         f"one cost-mode decision, mqtt+http, context included: {decision['median_us']:.1f} us "
-        f"median (<= 20 us; best of rounds {rounds}; p99 {decision['p99_us']:.1f} us; "
+        f"median (<= 20 us; all rounds pooled, their medians {rounds}; "
+        f"p99 {decision['p99_us']:.1f} us; "
         f"{decision['entry']}, {decision['iterations']} runs, chose {decision['choice']}; "
         f"paths {decision.get('paths')}; "
         f"the bare Context + Policy.decide: {decision['bare']['median_us']:.1f} us; "
         f"core {decision['core']}{_python_figure(decision)})"
     )
+    # Over the cells where the decision matters too: averaged with the ties where it
+    # cannot, a policy that lost every decisive cell by 30% had still read 1.03.
+    decisive_mean = np.mean([r["ours_vs_oracle"] for r in decisive]) if decisive else 1.0
     return [
-        ("target 1", mean <= 1.10, t1),
+        ("target 1", mean <= 1.10 and decisive_mean <= 1.10, t1),
         ("target 2", counts["LOSS"] == 0, t2),
         ("target 3", not bad, t3),
         ("target 4", decision["median_us"] <= 20.0, t4),
