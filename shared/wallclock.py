@@ -81,6 +81,7 @@ class WallClock:
         if -STEP_S < delta < STEP_S:
             self._since = min(self._since, since)
             return None
+        self._since = min(self._since, since + delta)  # (its stamps, once moved: this clock's)
         return Step(delta, since)
 
     def read(self) -> tuple[float, Step | None]:
@@ -92,5 +93,7 @@ class WallClock:
         if -STEP_S < delta < STEP_S:
             return now, None
         step = Step(delta, self._since)
-        self._since = now
+        # the stamps it moves lie from since + delta on, in this clock: a later step
+        # moves them again (the second of two steps had left them behind, to expire)
+        self._since += delta
         return now, step

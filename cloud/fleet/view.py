@@ -246,7 +246,8 @@ class FleetView:
         elapsed = uptime - state.uptime_s if state.online and not restarted else 0.0
         state.online = True
         state.uptime_s = uptime
-        state.boot = boot
+        if boot is not None:  # (a status without one says nothing of the process)
+            state.boot = boot
         state.interval_s = status_interval_s(status.get("interval_s"))
         state.utilisation = float(status.get("utilisation", 0.0))
         state.queue_depth = int(status.get("queue_depth", 0))

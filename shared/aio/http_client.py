@@ -27,6 +27,8 @@ from shared.http.wire import Head, HttpError, ResponseParser, request_head
 
 #: an idle pooled connection is dropped after this (servers close theirs at 60-75 s)
 IDLE_S = 15.0
+#: what a fresh connection keeps of what the server says before it is asked (an answer)
+_EARLY_BYTES = 64 * 1024
 
 
 class ClientResponse:
@@ -54,6 +56,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.got_bytes = False
         self.idle_since = time.monotonic()
         self.error: Exception | None = None  # why it failed while no request waited
+        self.used = False  # it has carried a request (a fresh one may hold an early answer)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -66,8 +69,16 @@ class _Connection(asyncio.BufferedProtocol):
         if self.waiter is None or self.waiter.done():
             # Bytes while no request waits answer nothing this client asked: a server
             # that kept sending into an idle pooled connection had it buffer them all
-            # (100 MiB held with no traffic).  The connection is dropped at once.
-            self._fail(InternalError("the server sent bytes no request asked for"))
+            # (100 MiB held with no traffic).  The connection is dropped at once.  A fresh
+            # one keeps a little: a server at its cap answers 503 before it is asked,
+            # which is the first request's answer (read by _exchange).
+            if self.used or self.parser.buffered + nbytes > _EARLY_BYTES:
+                self._fail(InternalError("the server sent bytes no request asked for"))
+                return
+            try:
+                self.parser.buffer_updated(nbytes)  # (paused: kept for the request)
+            except HttpError as exc:
+                self._fail(InternalError(f"unreadable HTTP answer: {exc.message}"))
             return
         try:
             self.parser.buffer_updated(nbytes)
@@ -245,10 +256,11 @@ class HttpClient:
         size: int,
         deadline: float | None,
     ) -> ClientResponse:
-        if conn.closed and isinstance(conn.error, InternalError):
-            # (a fresh connection the server spoke on first, before this request)
+        if conn.closed and not conn.parser.buffered:
+            # (a fresh connection the server spoke on first, or closed, before this request)
             self._drop(conn)
-            raise conn.error
+            raise conn.error or ConnectionResetError("the server closed the connection")
+        conn.used = True
         loop = asyncio.get_running_loop()
         conn.waiter = waiter = loop.create_future()
         timer = None
@@ -265,8 +277,13 @@ class HttpClient:
                 conn.parser.resume()
             except HttpError as exc:
                 raise InternalError(f"unreadable HTTP answer: {exc.message}") from None
+            conn._deliver()  # (an answer it gave before it was asked: this request's)
+            if conn.closed and not waiter.done():  # (and then went: no more will come)
+                waiter.set_exception(conn.error or ConnectionResetError("connection closed"))
             assert conn.transport is not None
-            if size < 64 * 1024:
+            if waiter.done() or conn.transport.is_closing():
+                pass  # answered already, or gone: nothing to send it on
+            elif size < 64 * 1024:
                 conn.transport.write(head + b"".join(chunks))
             else:
                 conn.transport.write(head)

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 _JOIN_BELOW = 64 * 1024  # answers smaller than this leave in one write (one syscall)
 _PAUSE_ABOVE = 1 << 20  # pipelined bytes buffered before reading pauses
+#: a refused newcomer's 503 is read out for this long at most, by this many at once
+REFUSED_LINGER_S = 1.0
+REFUSING_MAX = 64
 #: how long requests cut off at the end of a shutdown's grace have to send that answer
 CUT_ANSWER_S = 0.5
 
@@ -234,6 +237,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.discarding = False
         self._write_ok = asyncio.Event()
         self._write_ok.set()
+        self._write_paused = False  # reading paused while answers back up
 
     # ---- asyncio.BufferedProtocol ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -248,11 +252,18 @@ class _Connection(asyncio.BufferedProtocol):
             transport.write(head + body)  # type: ignore[attr-defined]
             # What it sends is read and dropped until it closes (or linger_s), so that it
             # sees the 503: closed at once, its unread request made the kernel reset it.
+            # A short linger, and a bounded number of them: each holds a descriptor, and
+            # the cap is there to keep the server below the descriptor limit.
+            refusing = self.server._refusing
+            if len(refusing) >= REFUSING_MAX or not transport.can_write_eof():  # type: ignore[attr-defined]
+                self.closing = True
+                transport.close()
+                return
             self.discarding = True
-            if transport.can_write_eof():  # type: ignore[attr-defined]
-                transport.write_eof()  # type: ignore[attr-defined]  # (done: it may close)
+            refusing.add(self)
+            transport.write_eof()  # type: ignore[attr-defined]  # (done: it may close now)
             loop = asyncio.get_running_loop()
-            loop.call_later(self.server.options.linger_s, self._end)
+            loop.call_later(min(self.server.options.linger_s, REFUSED_LINGER_S), self._end)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.discarding and not self.parser.skipping:
@@ -303,14 +314,25 @@ class _Connection(asyncio.BufferedProtocol):
         self.closing = True
         self._write_ok.set()
         self.server._closed(self)
+        self.server._refusing.discard(self)
         if self.task is None and self.request is not None:
             self._finish(self.request)
 
     def pause_writing(self) -> None:
+        # Answers back up (a client that does not read): take no more requests until
+        # they drain.  Refusals too (a pipelined 404 answered from its head had gone on
+        # reading: 40 MB of unread answers), not only the answers of handled requests.
         self._write_ok.clear()
+        if self.transport is not None and not self._write_paused:
+            self._write_paused = True
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_ok.set()
+        if self._write_paused:
+            self._write_paused = False
+            if not self.paused_reading and self.transport is not None:
+                self.transport.resume_reading()
 
     # ---- requests ------------------------------------------------------------------------------
     def _events(self) -> None:
@@ -384,7 +406,7 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             kept = self.parser.skip_body()
         response.close = not kept or not request.head.keep_alive or self.server.closing
-        self._send(response)
+        self._send(response, head_only=request.method == "HEAD")
         self._finish(request)
         if read_already and not response.close:
             self.parser.resume()  # the next request may be buffered behind it already
@@ -444,7 +466,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.state, self.since = _IDLE, time.monotonic()
         if self.paused_reading and self.transport is not None:
             self.paused_reading = False
-            self.transport.resume_reading()
+            if not self._write_paused:
+                self.transport.resume_reading()
         try:
             self.parser.resume()  # a pipelined request may be waiting
             self._events()
@@ -585,6 +608,7 @@ class HttpServer:
         self.refused = 0
         self.reaped = 0
         self.evicted = 0  # idle connections closed to make room at the cap
+        self._refusing: set[_Connection] = set()  # refused newcomers reading out their 503
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
@@ -647,7 +671,7 @@ class HttpServer:
         self.stop_listening()
         if self._reaper is not None:
             self._reaper.cancel()
-        for conn in list(self._connections):
+        for conn in [*self._connections, *self._refusing]:
             conn._end()
         if self._server is not None:
             await self._server.wait_closed()
@@ -663,7 +687,10 @@ class HttpServer:
             # kept-alive ones had refused every new client, health checks too, for the
             # whole idle timeout, renewed by whoever held them.  Only when every one is
             # busy is the newcomer refused.
-            idle = [c for c in self._connections if c.state == _IDLE and c.task is None]
+            # (not a fresh one: its first request may be in its socket, unread)
+            idle = [
+                c for c in self._connections if c.state == _IDLE and c.task is None and not c.fresh
+            ]
             if not idle:
                 self.refused += 1
                 return False

@@ -573,10 +573,11 @@ class ResponseParser(_Reader):
             self._message_done()
             return
         te = head.headers.get("transfer-encoding")
-        if te is not None:
+        codings = [c for c in (t.strip().lower() for t in (te or "").split(",")) if c]
+        if codings and codings != ["identity"] * len(codings):
             # chunked only where it is the last coding ("xchunked" is not); any other
             # ends where the connection does (RFC 9112 6.3), whatever a length says
-            if te.rsplit(",", 1)[-1].strip().lower() == "chunked":
+            if codings[-1] == "chunked":
                 self._chunked_start()
             else:
                 self._to_eof = bytearray()

@@ -72,6 +72,22 @@ def parse_version(value: object) -> int:
     raise InvalidInput(f"model version must be a plain non-negative integer, got {value!r}")
 
 
+_LOOKS_LIKE_VERSION = re.compile(r"[vV]?\d")
+
+
+def _misnamed_version(path: Path) -> bool:
+    """A folder named like a version ('01', '1.0', 'v2'), holding a model file, that is
+    not one: said, not passed over.  (Only such names: a docs/ folder holding an
+    example model.onnx is no model; and no stat for a big data folder's entries.)"""
+    name = path.name
+    return (
+        bool(_LOOKS_LIKE_VERSION.match(name))
+        and not _is_version(path)
+        and path.is_dir()
+        and any(_model_path(path, f) for f in MODEL_FILES)
+    )
+
+
 def _is_version(path: Path) -> bool:
     """A version folder is named by a plain number ("01" is not: it would alias "1")."""
     name = path.name
@@ -95,10 +111,7 @@ class ModelRepository:
             return True
         # (a folder whose only versions are misnamed, '01' or '1.0', is a model that
         # says why it has no version: it had been passed over without a word)
-        return any(
-            _is_version(p) or (p.is_dir() and any(_model_path(p, f) for f in MODEL_FILES))
-            for p in folder.iterdir()
-        )
+        return any(_is_version(p) or _misnamed_version(p) for p in folder.iterdir())
 
     def model_names(self) -> list[str]:
         """Sorted names of the folders that look like models (others are ignored)."""
@@ -159,11 +172,7 @@ class ModelRepository:
         if found:
             return f"its version policy selects none of its versions {found}"
         try:
-            odd = sorted(
-                p.name
-                for p in self.model_dir(name).iterdir()
-                if p.is_dir() and not _is_version(p) and any(_model_path(p, f) for f in MODEL_FILES)
-            )
+            odd = sorted(p.name for p in self.model_dir(name).iterdir() if _misnamed_version(p))
         except OSError:
             odd = []
         if not odd:

@@ -39,3 +39,20 @@ def test_a_mark_of_the_same_boot_tells_a_step_taken_between_two_processes():
     # no step: the new process's clock began with the old one's
     same = WallClock(lambda: t["wall"], lambda: t["elapsed"], boot="b")
     assert same.resume((*same.mark()[:2], 4000.0)) is None and same.mark()[2] == 4000.0
+
+
+def test_a_second_step_moves_the_stamps_the_first_one_moved():
+    t = {"wall": 5000.0, "elapsed": 10.0}
+    clock = WallClock(lambda: t["wall"], lambda: t["elapsed"], boot="b")
+    t["wall"] += 86_400.0
+    first = clock.read()[1]
+    t["wall"] += 86_400.0
+    second = clock.read()[1]
+    assert first is not None and second is not None
+    assert second.since == first.since + first.delta_s  # where the first left them
+    # across processes alike
+    mark = clock.mark()
+    t["wall"] += 3600.0
+    later = WallClock(lambda: t["wall"], lambda: t["elapsed"], boot="b")
+    step = later.resume(mark)
+    assert step is not None and later.mark()[2] <= step.since + step.delta_s

@@ -183,16 +183,19 @@ async def test_at_the_cap_the_connection_idle_longest_makes_room() -> None:
     # Idle kept-alive connections had refused every new client (health checks too)
     # for the whole idle timeout.
     server = await serve(Echo(), max_connections=2)
+    one = b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\n!"
     try:
         first = await asyncio.open_connection("127.0.0.1", server.port)
-        await asyncio.sleep(0.02)
         second = await asyncio.open_connection("127.0.0.1", server.port)
-        await asyncio.sleep(0.05)
+        for reader, writer in (first, second):  # each used once, then idle, kept alive
+            writer.write(one)
+            assert (await asyncio.wait_for(reader.readuntil(b"!!"), 5)).startswith(b"HTTP")
+            await asyncio.sleep(0.02)
         request = b"POST / HTTP/1.1\r\nContent-Length: 1\r\nConnection: close\r\n\r\n!"
         out = await exchange(server.port, request)
         assert out.startswith(b"HTTP/1.1 200") and server.evicted == 1
         assert await asyncio.wait_for(first[0].read(), 5) == b""  # the oldest: closed
-        second[1].write(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\n!")
+        second[1].write(one)
         assert (await asyncio.wait_for(second[0].read(12), 5)).startswith(b"HTTP/1.1 200")
         for _, w in (first, second):
             w.close()
@@ -469,5 +472,58 @@ async def test_an_http_1_0_client_asking_to_keep_alive_is_told_it_is_kept() -> N
         last = b"POST / HTTP/1.0\r\nContent-Length: 1\r\n\r\n!"
         out = await exchange(server.port, kept + last)  # (closed after the last)
         assert out.count(b"HTTP/1.1 200") == 2 and out.count(b"Connection: keep-alive\r\n") == 1
+    finally:
+        await server.close()
+
+
+async def test_a_fresh_connection_is_not_evicted_for_a_newcomer() -> None:
+    # Its first request may sit unread in its socket: cut, it had no answer at all.
+    server = await serve(Echo(), max_connections=2)
+    try:
+        busy = await asyncio.open_connection("127.0.0.1", server.port)
+        busy[1].write(b"GET / HTTP/1.1\r\nHost")
+        fresh = await asyncio.open_connection("127.0.0.1", server.port)
+        await asyncio.sleep(0.05)
+        out = await exchange(server.port, b"GET / HTTP/1.1\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503") and server.evicted == 0
+        fresh[1].write(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\n!")
+        assert (await asyncio.wait_for(fresh[0].read(12), 5)).startswith(b"HTTP/1.1 200")
+        for _, w in (busy, fresh):
+            w.close()
+    finally:
+        await server.close()
+
+
+async def test_refusals_pipelined_by_a_client_that_never_reads_hold_a_bounded_buffer() -> None:
+    import socket
+
+    server = await serve(Echo())
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(400):
+            try:
+                await asyncio.wait_for(
+                    loop.sock_sendall(sock, b"GET /refuse HTTP/1.1\r\n\r\n" * 512), 1
+                )
+            except TimeoutError:
+                break
+        await asyncio.sleep(0.2)
+        (conn,) = server._connections
+        assert conn.transport is not None and conn.transport.get_write_buffer_size() < 8 << 20
+    finally:
+        sock.close()
+        await server.close()
+
+
+async def test_a_head_request_refused_from_its_head_gets_no_body() -> None:
+    server = await serve(Echo())
+    try:
+        out = await exchange(server.port, b"HEAD /refuse HTTP/1.1\r\nConnection: close\r\n\r\n")
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404") and body == b""
     finally:
         await server.close()

@@ -248,3 +248,20 @@ def test_responses_by_length_chunked_and_to_the_end_of_the_stream() -> None:
     assert not parser.events
     parser.end_of_stream()
     assert not head.keep_alive and parser.events.popleft() == b"until close"
+
+
+@pytest.mark.parametrize("te", ["identity", "chunked, identity", "gzip"])
+def test_a_response_transfer_encoding_frames_it_as_rfc_9112_says(te: str) -> None:
+    parser = ResponseParser()
+    parser.resume()
+    parser.feed(
+        f"HTTP/1.1 200 OK\r\nTransfer-Encoding: {te}\r\nContent-Length: 2\r\n\r\nok".encode()
+    )
+    head = parser.events.popleft()
+    if te == "identity":  # no coding: the length frames it
+        assert bytes(parser.events.popleft()) == b"ok"
+    else:  # not chunked last: to the end of the connection
+        assert not parser.events
+        parser.end_of_stream()
+        assert bytes(parser.events.popleft()) == b"ok"
+    assert head.status == 200

@@ -448,3 +448,11 @@ def test_a_model_whose_folders_are_not_version_numbers_says_so(tmp_path):
     (entry,) = repo.index()
     assert entry["version"] == "" and "'01', '1.0' hold one" in entry["reason"]
     assert "plain number" in entry["reason"] and "notes" not in entry["reason"]
+
+
+def test_a_folder_holding_a_model_file_under_another_name_is_no_model(tmp_path):
+    from tests.support import write_linear_model
+
+    write_linear_model(tmp_path / "docs" / "examples" / "model.onnx")
+    write_linear_model(tmp_path / "m" / "v2" / "model.onnx")
+    assert ModelRepository(tmp_path).model_names() == ["m"]  # (v2: a misnamed version)
