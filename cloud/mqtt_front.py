@@ -64,6 +64,7 @@ from shared.mqtt.codec import (
     topic_name_problem,
 )
 from shared.mqtt.session import PacketTooLarge
+from shared.recurring import Recurring
 from shared.tensors import Limits
 from shared.tls import client_tls_context
 
@@ -156,6 +157,8 @@ class MqttFront:
         self.refused_replies = 0  # answers the broker refused (its ACL, its size limit)
         self.resent_replies = 0  # answers sent again after the connection to the broker broke
         self.dropped_replies = 0  # answers whose resend lost the connection again
+        # answers the broker's connection cannot take now: said once, then once a minute
+        self._unsent = Recurring(log, f"node {node}'s MQTT replies")
         #: answers whose connection ended before the broker took them: sent again on the
         #: next one (at least once: an agent takes the first answer of a request only)
         self._held: collections.deque[tuple[float, str, bytes, PublishProperties]] = (
@@ -418,6 +421,12 @@ class MqttFront:
 
         try:
             client.publish(topic, payload, properties=props, on_ack=acked)
+            if self._unsent.failing:
+                self._unsent.ok("go out again")
+        except Overloaded as exc:  # the broker takes nothing (its queue, or ours, is full)
+            self.dropped_replies += 1
+            self._unsent.failed(f"answers are dropped: {exc.message}")
+            return
         except PacketTooLarge as exc:  # over the broker's maximum packet size
             log.warning("an answer on %s not sent: %s", topic[:200], exc)
             if not error:  # the requester still gets an answer: a short error

@@ -345,7 +345,7 @@ class MqttTransport:
         pending.topic = self._request_topic(model)
         try:
             self._publish(correlation, pending)
-        except PayloadTooLarge as exc:
+        except (PayloadTooLarge, Overloaded) as exc:
             pending.future.set_exception(exc)
             return False
         self.hedged += 1
@@ -474,7 +474,7 @@ class MqttTransport:
                 pending.topic = self._request_topic(pending.model)
                 try:
                     self._publish(correlation, pending)
-                except PayloadTooLarge as exc:  # a new broker with a smaller limit
+                except (PayloadTooLarge, Overloaded) as exc:  # a smaller limit, a full queue
                     pending.future.set_exception(exc)
                     continue
                 self.republished += 1

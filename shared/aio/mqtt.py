@@ -31,7 +31,7 @@ from typing import Any
 
 from shared.aio.eager import retrieved
 from shared.buffered import tail_for
-from shared.errors import EndpointUnavailable
+from shared.errors import EndpointUnavailable, Overloaded
 from shared.mqtt import codec
 from shared.mqtt.codec import (
     Ack,
@@ -56,6 +56,9 @@ DEFAULT_MAX_PACKET = 64 * 1024 * 1024 + 64 * 1024
 
 OnMessage = Callable[[Publish], None]
 
+#: bytes queued for the broker past which a publish is refused (Overloaded)
+MAX_WRITE_BUFFER = 64 << 20
+
 
 class _Connection(asyncio.BufferedProtocol):
     """One TCP (or TLS) connection to the broker, on the event loop."""
@@ -73,6 +76,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[Exception | None] = loop.create_future()
         self.last_read = time.monotonic()
         self.last_write = self.last_read
+        self.stalled_since: float | None = None  # the broker stopped taking our bytes
 
     # ---- asyncio.BufferedProtocol ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -107,6 +111,12 @@ class _Connection(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         return False  # close our side too
 
+    def pause_writing(self) -> None:
+        self.stalled_since = time.monotonic()
+
+    def resume_writing(self) -> None:
+        self.stalled_since = None
+
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.connack.done():
             self.connack.set_exception(exc or ConnectionError("connection closed before CONNACK"))
@@ -130,6 +140,10 @@ class _Connection(asyncio.BufferedProtocol):
                 event.reason,
                 event.reason_string or "",
             )
+            # its session is over: the connection too (it had stayed "connected", and
+            # sent publishes the broker would never take, until the socket dropped)
+            if self.transport is not None:
+                self.transport.close()
 
     def _oversized(self, item: Oversized) -> None:
         if item.first >> 4 != codec.PUBLISH:
@@ -266,6 +280,13 @@ class MqttClient:
         conn = self._conn
         if conn is None or not self._connected.is_set():
             return None
+        transport = conn.transport
+        if transport is not None and transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+            # A broker that stopped reading (while still sending) had 156 MB queued here.
+            raise Overloaded(
+                f"{transport.get_write_buffer_size()} bytes wait to go to the MQTT broker",
+                retry_after=1.0,
+            )
         packet_id = conn.session.publish(
             topic, payload, qos=qos, retain=retain, properties=properties
         )
@@ -430,6 +451,17 @@ class MqttClient:
         while True:
             await asyncio.sleep(period / 2)
             now = time.monotonic()
+            stalled = conn.stalled_since
+            if stalled is not None and now - stalled > keepalive_s * 1.5:
+                # it talks but takes nothing: as good as gone (its chatter had kept the
+                # connection "alive" while every byte of ours queued here)
+                silent = f"broker took no bytes for {now - stalled:.0f} s: dropped by this client"
+                log.warning("MQTT %s; reconnecting", silent)
+                if not conn.closed.done():
+                    conn.closed.set_result(TimeoutError(silent))
+                if conn.transport is not None:
+                    conn.transport.abort()
+                return
             if now - conn.last_read > keepalive_s * 1.5:
                 silent = f"broker silent for {now - conn.last_read:.0f} s: dropped by this client"
                 log.warning("MQTT %s; reconnecting", silent)

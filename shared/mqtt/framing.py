@@ -24,6 +24,8 @@ from collections import deque
 
 from shared.buffered import TAIL, FeedsBuffers, let_go
 from shared.mqtt.codec import MAX_VBI, MalformedPacket
+from shared.mqtt.codec import PACKET_TOO_LARGE as _PACKET_TOO_LARGE
+from shared.mqtt.codec import PUBLISH as _PUBLISH
 
 #: bodies at least this long get a buffer of their own (no copy)
 LARGE_BODY = 64 * 1024
@@ -123,6 +125,12 @@ class PacketFramer(FeedsBuffers):
             if length > MAX_VBI:  # pragma: no cover - 4 bytes cannot say more
                 raise MalformedPacket("remaining length too large")
             available = len(buf) - i
+            if length > self.max_packet and first >> 4 != _PUBLISH:
+                # (no control packet is that long: said now, not after reading it all,
+                # 256 MB of it, the broker's PINGRESPs swallowed meanwhile)
+                raise MalformedPacket(
+                    f"a {length}-byte control packet (type {first >> 4})", _PACKET_TOO_LARGE
+                )
             if length > self.max_packet:
                 taken = min(available, length)
                 self._skip_first, self._skip_length = first, length

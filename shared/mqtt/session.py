@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from shared.errors import Overloaded
 from shared.mqtt import codec
 from shared.mqtt.codec import (
     PROTOCOL_ERROR,
@@ -43,6 +44,15 @@ from shared.mqtt.codec import (
 _JOIN_BELOW = 16 * 1024
 
 
+#: publishes held back by the broker's Receive Maximum, at most (count and bytes)
+MAX_WAITING = 1024
+MAX_WAITING_BYTES = 64 << 20
+
+
+def _nbytes(chunks: list[Any]) -> int:
+    return sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
+
+
 class PacketTooLarge(ValueError):
     """A PUBLISH longer than the server's Maximum Packet Size (it would close the connection)."""
 
@@ -59,12 +69,16 @@ class ClientSession:
         self._unacked: dict[int, int] = {}  # packet id -> packet type awaiting its ack
         self._window = 0  # QoS 1 publishes sent and not yet acknowledged
         self._waiting: deque[tuple[int, list[Any]]] = deque()  # over the Receive Maximum
+        self._waiting_bytes = 0
         self._qos2_in: set[int] = set()  # received QoS 2 ids awaiting PUBREL
 
     # ---- ids ------------------------------------------------------------------------------
     def _packet_id(self) -> int:
-        if len(self._in_use) >= 65_535:
-            raise RuntimeError("every MQTT packet identifier is in use")
+        if len(self._in_use) >= 65_535:  # (typed: a bare RuntimeError reached no handler)
+            raise Overloaded(
+                "every MQTT packet identifier is in use (the broker acknowledges nothing)",
+                retry_after=1.0,
+            )
         while True:
             self._next_id = self._next_id % 65_535 + 1
             if self._next_id not in self._in_use:
@@ -113,7 +127,17 @@ class ClientSession:
             return None
         self._unacked[packet_id] = PUBACK
         if self._window >= self.receive_maximum:
+            # Held for the broker's Receive Maximum; bounded: a broker that acknowledges
+            # nothing had them pile up to the packet identifiers' end (20 MB of 200).
+            if len(self._waiting) >= MAX_WAITING or self._waiting_bytes + size > MAX_WAITING_BYTES:
+                self._release(packet_id)
+                raise Overloaded(
+                    f"{len(self._waiting)} publishes already wait for the broker's "
+                    f"acknowledgements (its Receive Maximum is {self.receive_maximum})",
+                    retry_after=1.0,
+                )
             self._waiting.append((packet_id, chunks))
+            self._waiting_bytes += _nbytes(chunks)
         else:
             self._window += 1
             self.outbox.extend(chunks)
@@ -194,6 +218,7 @@ class ClientSession:
         self._window -= 1
         while self._waiting and self._window < self.receive_maximum:
             _, chunks = self._waiting.popleft()
+            self._waiting_bytes -= _nbytes(chunks)
             self._window += 1
             self.outbox.extend(chunks)
         return ack

@@ -20,7 +20,9 @@ from tests.support import Broker
 
 
 def paho_client(broker: Broker, messages: list | None = None) -> paho.Client:
-    client = paho.Client(callback_api_version=paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+    client = paho.Client(
+        callback_api_version=paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5
+    )
     if messages is not None:
         client.on_message = lambda c, u, m: messages.append(m)
     client.connect("127.0.0.1", broker.port)
@@ -229,3 +231,77 @@ async def test_a_host_name_no_resolver_takes_leaves_the_client_retrying_not_dead
     await asyncio.sleep(0.2)
     assert ours._runner is not None and not ours._runner.done()
     await ours.close()
+
+
+async def _fake_broker(after_connack: bytes, read: bool = True, chatter: bool = False):
+    """A broker that takes CONNECT, answers CONNACK then ``after_connack``, and from then
+    on reads (or not) and, with ``chatter``, says a PINGRESP every 0.2 s."""
+    connections: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        await reader.read(1024)  # CONNECT
+        writer.write(b"\x20\x03\x00\x00\x00" + after_connack)  # CONNACK v5, success
+        await writer.drain()
+        try:
+            while True:
+                if read:
+                    if not await reader.read(65536):
+                        return
+                else:
+                    await asyncio.sleep(0.2)
+                    if chatter:
+                        writer.write(b"\xd0\x00")  # PINGRESP: talks, takes nothing
+        except (ConnectionError, asyncio.CancelledError):
+            return
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], connections
+
+
+async def test_a_disconnect_from_the_broker_ends_the_connection() -> None:
+    # It had stayed "connected", its publishes going to a session the broker had ended.
+    from shared.mqtt import BrokerAddress
+
+    server, port, _ = await _fake_broker(b"\xe0\x02\x8b\x00")  # DISCONNECT 0x8b
+    ours = MqttClient(BrokerAddress("127.0.0.1", port), "told-to-go", reconnect_min_s=5)
+    lost: list = []
+    ours.on_disconnect = lost.append
+    try:
+        await ours.start()
+        await until(lambda: lost, 5)
+        assert not ours.connected
+    finally:
+        await ours.close()
+        server.close()
+
+
+async def test_a_broker_that_talks_but_takes_nothing_is_dropped_and_publishes_refused(
+    monkeypatch,
+) -> None:
+    # Its chatter had kept the connection "alive" while 156 MB queued here.
+    from shared.aio import mqtt as mqtt_module
+    from shared.errors import Overloaded
+    from shared.mqtt import BrokerAddress
+
+    monkeypatch.setattr(mqtt_module, "MAX_WRITE_BUFFER", 1 << 20)
+    server, port, _ = await _fake_broker(b"", read=False, chatter=True)
+    ours = MqttClient(BrokerAddress("127.0.0.1", port), "stalled", keepalive_s=1, reconnect_min_s=5)
+    lost: list = []
+    ours.on_disconnect = lost.append
+    try:
+        assert await ours.start()
+        refused = False
+        for _ in range(400):
+            try:
+                ours.publish("t", b"x" * 65536, track=False)
+            except Overloaded:
+                refused = True
+                break
+            await asyncio.sleep(0)
+        assert refused  # bounded, and said
+        await until(lambda: lost, 6)  # and the connection dropped, in 1.5 keepalives
+        assert "took no bytes" in str(lost[0])
+    finally:
+        await ours.close()
+        server.close()

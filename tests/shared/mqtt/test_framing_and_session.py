@@ -164,3 +164,30 @@ def test_packet_ids_skip_those_still_in_use() -> None:
 def _split(packet: bytes) -> tuple[int, bytes]:
     length, pos = codec.decode_vbi(packet, 1)
     return packet[0], packet[pos : pos + length]
+
+
+def test_publishes_held_for_the_receive_maximum_are_bounded_and_the_refusal_typed() -> None:
+    # A broker that acknowledges nothing had them pile up to the ids' end (a bare
+    # RuntimeError then, which no handler took).
+    from shared.errors import Overloaded
+    from shared.mqtt import session as session_module
+
+    session = ClientSession()
+    session.handle(codec.Connack(False, 0, {codec.RECEIVE_MAXIMUM: 1}))
+    session.publish("t", b"x", qos=1)  # in flight
+    for _ in range(session_module.MAX_WAITING):
+        session.publish("t", b"x", qos=1)
+    with pytest.raises(Overloaded):
+        session.publish("t", b"x", qos=1)
+    assert len(session.pending_ids()) == 1 + session_module.MAX_WAITING  # (its id given back)
+    session._in_use = set(range(1, 65_536))
+    with pytest.raises(Overloaded, match="identifier"):
+        session.subscribe([codec.Subscription("x")])
+
+
+def test_a_control_packet_longer_than_the_limit_is_refused_from_its_header() -> None:
+    # It had been read to its end first (256 MB declared: every PINGRESP swallowed).
+    framer = PacketFramer(max_packet=1000)
+    header = bytes([codec.SUBACK << 4]) + codec.encode_vbi((256 << 20) - 1)
+    with pytest.raises(MalformedPacket, match="control packet"):
+        framer.feed(header + b"\x00" * 10)
