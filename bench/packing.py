@@ -313,7 +313,8 @@ def part_b(made: dict[str, tuple], quick: bool, lines: list[str]) -> bool:
     lines.append("")
     lines.append(
         "(b) simulated as Ferry's nodes serve, share of requests within the SLO (target: "
-        ">= 99% for every model, on the * rows; /LB against the bound for that traffic)"
+        ">= 99% for every model, and nodes <= 1.10x the bound for that traffic (/LB), on the "
+        "* rows)"
     )
     lines.append(
         f"{'fleet':<20}{'arrivals':<12}{'plan':<13}{'nodes':>6}{'LB':>5}{'/LB':>6}"
@@ -347,9 +348,12 @@ def part_b(made: dict[str, tuple], quick: bool, lines: list[str]) -> bool:
                 ok = False
                 lines.append(f"    MISS: {worst_model} had {worst:.2%} within its SLO (< 99%)")
             if cv != 1.0 and used > TARGET * lb:
+                # (the placement that holds bursty traffic is held to the bound as well: the
+                # one graded in (a) had never been asked to survive Gamma CV 2)
+                ok = False
                 lines.append(
-                    f"    (bursty: {used} nodes is {used / lb:.2f}x its bound {lb}; (a) grades "
-                    f"the Poisson packing, this row is reported)"
+                    f"    MISS: bursty: {used} nodes is {used / lb:.2f}x its bound {lb} "
+                    f"(> {TARGET:.2f}x)"
                 )
     return ok
 
