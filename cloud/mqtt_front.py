@@ -236,7 +236,10 @@ class MqttFront:
         client = self._client
         if client is not None:
             offline = json.dumps({"node": self.node, "state": "offline"}).encode()
-            acked = client.publish(status_topic(self.node), offline, retain=True)
+            try:
+                acked = client.publish(status_topic(self.node), offline, retain=True)
+            except FerryError:  # (its last will says it instead; the client still closes)
+                acked = None
             if acked is not None:
                 try:
                     await asyncio.wait_for(acked, timeout_s)
@@ -424,8 +427,10 @@ class MqttFront:
             if self._unsent.failing:
                 self._unsent.ok("go out again")
         except Overloaded as exc:  # the broker takes nothing (its queue, or ours, is full)
-            self.dropped_replies += 1
-            self._unsent.failed(f"answers are dropped: {exc.message}")
+            # held for the next connection (a stalled broker is dropped within 1.5
+            # keepalives, and what is held goes out again when it is back)
+            self._hold(at, topic, payload, props)
+            self._unsent.failed(f"answers wait for the next connection: {exc.message}")
             return
         except PacketTooLarge as exc:  # over the broker's maximum packet size
             log.warning("an answer on %s not sent: %s", topic[:200], exc)
@@ -721,12 +726,16 @@ class MqttFront:
         doc["unserved_requests"] = self.bad_reply_topics  # (no Response Topic one may use)
         doc["refused_answers"] = self.refused_replies  # (the broker's ACL or size limit)
         doc["interval_s"] = self.config.status_interval_s  # (silent for 3 of these: gone)
-        self._client.publish(
-            status_topic(self.node),
-            json.dumps(doc).encode(),
-            retain=True,
-            on_ack=self._status_acked,
-        )
+        try:
+            self._client.publish(
+                status_topic(self.node),
+                json.dumps(doc).encode(),
+                retain=True,
+                on_ack=self._status_acked,
+            )
+        except FerryError as exc:  # (the broker takes nothing now: the next one goes later;
+            # raised from here, a load or unload had left its old sessions behind)
+            self._unsent.failed(f"its status is not sent: {exc.message}")
 
     def _status_acked(self, outcome: Any) -> None:
         """A status the broker refuses leaves the node invisible to the fleet: said."""

@@ -243,9 +243,13 @@ class ControllerService(RoutedApp):
 
     def _publish(self, topic: str, payload: bytes) -> None:
         assert self._client is not None
-        self._client.publish(
-            topic, payload, retain=True, on_ack=lambda outcome: self._acked(topic, outcome)
-        )
+        try:
+            self._client.publish(
+                topic, payload, retain=True, on_ack=lambda outcome: self._acked(topic, outcome)
+            )
+        except FerryError as exc:  # (the broker takes nothing now; a stalled connection is
+            # dropped, and the placement in force is retained again on the next one)
+            log.warning("the controller's publish on %s not sent: %s", topic, exc.message)
 
     def _acked(self, topic: str, outcome: Any) -> None:
         """A publish the broker refused is said (rate-limited per topic): a controller
@@ -270,11 +274,14 @@ class ControllerService(RoutedApp):
         client = self._client
         if client is not None:
             was_active, self.active = self.active, False  # (a successor's status: no reply)
-            acked = (
-                client.publish(CONTROLLER_TOPIC, self._status("offline"), retain=True)
-                if was_active
-                else None
-            )
+            try:
+                acked = (
+                    client.publish(CONTROLLER_TOPIC, self._status("offline"), retain=True)
+                    if was_active
+                    else None
+                )
+            except FerryError:  # (its last will says it instead; the client still closes)
+                acked = None
             if acked is not None:
                 try:
                     await asyncio.wait_for(acked, 2.0)

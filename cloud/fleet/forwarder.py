@@ -276,7 +276,11 @@ class Forwarder:
             user_properties=old.user_properties,
         )
         topic = request_topic(pending.model, self.front.username)
-        self.front.publish(topic, pending.payload, properties=props)
+        try:
+            self.front.publish(topic, pending.payload, properties=props)
+        except FerryError as exc:  # (the broker takes nothing now: this one fails alone)
+            if not pending.future.done():
+                pending.future.set_exception(exc)
 
     def fail_all(self, error: FerryError) -> None:
         for pending in self._pending.values():

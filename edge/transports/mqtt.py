@@ -345,7 +345,9 @@ class MqttTransport:
         pending.topic = self._request_topic(model)
         try:
             self._publish(correlation, pending)
-        except (PayloadTooLarge, Overloaded) as exc:
+        except Overloaded:
+            return False  # (the first copy is out: it is still waited for)
+        except PayloadTooLarge as exc:
             pending.future.set_exception(exc)
             return False
         self.hedged += 1

@@ -275,6 +275,8 @@ class HttpClient:
                 # (what the server sent before this request, a greeting of some other
                 # protocol, is parsed here: its error is the request's, typed)
                 conn.parser.resume()
+                if conn.parser.eof:  # (it ended before it was read: an answer read to the end)
+                    conn.parser.end_of_stream()
             except HttpError as exc:
                 raise InternalError(f"unreadable HTTP answer: {exc.message}") from None
             conn._deliver()  # (an answer it gave before it was asked: this request's)

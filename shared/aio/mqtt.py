@@ -25,6 +25,7 @@ import logging
 import random
 import socket
 import ssl
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.last_read = time.monotonic()
         self.last_write = self.last_read
         self.stalled_since: float | None = None  # the broker stopped taking our bytes
+        self.written = 0  # bytes handed to the transport (less its buffer: taken by the kernel)
+        self.taken = 0  # what the kernel had taken at the last keepalive tick
 
     # ---- asyncio.BufferedProtocol ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -160,6 +163,7 @@ class _Connection(asyncio.BufferedProtocol):
         if outbox and self.transport is not None and not self.transport.is_closing():
             for chunk in outbox:
                 self.transport.write(chunk)
+                self.written += chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
             self.last_write = time.monotonic()
         outbox.clear()
 
@@ -452,6 +456,15 @@ class MqttClient:
             await asyncio.sleep(period / 2)
             now = time.monotonic()
             stalled = conn.stalled_since
+            if stalled is not None and conn.transport is not None:
+                # a slow link that takes bytes all along is not stalled (a 16 MB upload on
+                # a 2 Mbit/s uplink keeps the buffer full for a minute, and moves): what the
+                # peer has taken, beyond this buffer and the kernel's send queue
+                transport = conn.transport
+                taken = conn.written - transport.get_write_buffer_size() - _unsent(transport)
+                if taken != conn.taken:
+                    conn.taken = taken
+                    conn.stalled_since = stalled = now
             if stalled is not None and now - stalled > keepalive_s * 1.5:
                 # it talks but takes nothing: as good as gone (its chatter had kept the
                 # connection "alive" while every byte of ours queued here)
@@ -473,6 +486,22 @@ class MqttClient:
             if now - conn.last_write >= period or now - conn.last_read >= period:
                 conn.session.ping()
                 conn.flush()
+
+
+def _unsent(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the socket's send queue not yet taken by the peer (Linux; else 0, and
+    what the kernel took counts as taken)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        import fcntl
+        import termios
+
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (ImportError, OSError, AttributeError, ValueError):
+        return 0
+    return int.from_bytes(queued, sys.byteorder, signed=True)
 
 
 class RefusedError(Exception):

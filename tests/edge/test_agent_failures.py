@@ -901,3 +901,45 @@ async def test_the_app_gets_its_answer_by_its_deadline_or_a_504_then(tmp_path, e
             assert again.parameters["where"] == "cloud-http"
     finally:
         await emu.close()
+
+
+async def test_a_hedge_the_client_cannot_queue_leaves_the_first_copy_waited_for():
+    # Its Overloaded had failed a request whose first copy was out, and lost its answer.
+    import asyncio
+    import collections
+    import time
+
+    import numpy as np
+
+    from edge.transports.mqtt import HEDGE_MIN_SAMPLES, MqttTransport
+    from shared import envelope
+    from shared.errors import Overloaded
+    from shared.messages import InferRequest, InferResponse
+    from shared.mqtt import BrokerAddress
+    from shared.tensors import Tensor
+
+    loop = asyncio.get_running_loop()
+
+    class Client:
+        calls = 0
+
+        def publish(self, topic, payload, *, properties=None, **_):
+            Client.calls += 1
+            if Client.calls == 1:
+                acked = loop.create_future()
+                acked.set_result(0)  # the broker took the first copy
+                return acked
+            raise Overloaded("64 MB wait to go to the MQTT broker", retry_after=1.0)
+
+    t = MqttTransport(BrokerAddress("127.0.0.1", 1))
+    t._loop, t._client = loop, Client()
+    t._ready.set()
+    t.nodes = {"a": frozenset({"m"}), "b": frozenset({"m"})}
+    t._status_seen = True
+    t._round_trips["m"] = collections.deque([0.02] * HEDGE_MIN_SAMPLES, maxlen=32)
+    request = InferRequest(inputs=[Tensor.from_array("x", np.ones(4, np.float32))], id="r1")
+    call = asyncio.ensure_future(t.infer("m", request, time.monotonic() + 3))
+    await asyncio.sleep(0.4)  # the hedge was due after 0.1 s, and refused
+    assert Client.calls >= 2 and not call.done()
+    t._resolve(b"r1", envelope.encode_reply(InferResponse(model_name="m", outputs=[], id="r1")))
+    assert (await call).response.model_name == "m"

@@ -247,3 +247,25 @@ async def test_requests_past_the_connection_cap_wait_for_one_within_their_deadli
     finally:
         await client.close()
         server.close()
+
+
+async def test_an_answer_given_before_the_request_and_read_to_the_end_is_its_answer() -> None:
+    # A 503 without a length, sent on accept and then closed, had read as a reset.
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n\r\nbusy")
+        await writer.drain()
+        writer.close()
+
+    server, port = await _raw_server(serve)
+    client = HttpClient(f"http://127.0.0.1:{port}")
+    try:
+        from shared.http.wire import request_head
+
+        conn, _ = await client._connection()
+        await asyncio.sleep(0.1)  # its answer and its end came before the request went
+        head = request_head("GET", "/a", "h", [], None)
+        answer = await client._exchange(conn, "GET", head, [], 0, time.monotonic() + 2)
+        assert answer.status == 503 and bytes(answer.body) == b"busy"
+    finally:
+        await client.close()
+        server.close()

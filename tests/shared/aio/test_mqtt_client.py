@@ -305,3 +305,42 @@ async def test_a_broker_that_talks_but_takes_nothing_is_dropped_and_publishes_re
     finally:
         await ours.close()
         server.close()
+
+
+async def test_a_slow_broker_that_keeps_taking_bytes_is_not_dropped() -> None:
+    # "Stalled" had meant "the buffer stayed full": a 16 MB upload on a slow uplink was
+    # cut at 1.5 keepalives, again and again.
+    from shared.mqtt import BrokerAddress
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.write(b"\x20\x03\x00\x00\x00")
+        await writer.drain()
+        try:
+            while await reader.read(16384):  # ~320 KB/s: slow, but always taking
+                await asyncio.sleep(0.05)
+                writer.write(b"\xd0\x00")
+        except ConnectionError:
+            pass
+
+    import socket
+
+    listener = socket.socket()
+    # (a small receive window, as a broker's over a real link: loopback's grows to MBs,
+    # and a slow reader's window then opens only seconds apart)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
+    listener.bind(("127.0.0.1", 0))
+    server = await asyncio.start_server(serve, sock=listener)
+    port = listener.getsockname()[1]
+    ours = MqttClient(BrokerAddress("127.0.0.1", port), "slow", keepalive_s=1, reconnect_min_s=5)
+    lost: list = []
+    ours.on_disconnect = lost.append
+    try:
+        assert await ours.start()
+        for _ in range(16):
+            ours.publish("t", b"x" * (1 << 20), track=False)  # 16 MB: ~50 s at that rate
+        await asyncio.sleep(4)  # past 1.5 keepalives of a full buffer
+        assert not lost and ours.connected
+    finally:
+        await ours.close()
+        server.close()
