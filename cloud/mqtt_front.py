@@ -104,6 +104,8 @@ _REQUEST_HEAD = f"{PREFIX}/models/"
 HELD_REPLIES = 1024
 HELD_REPLY_BYTES = 64 << 20
 HELD_REPLY_S = 60.0
+#: a burst of model changes is published as one status, this long after the first
+STATUS_COALESCE_S = 0.2
 #: Retry-After hint for a refused MQTT request when the model's own queue gives none
 _DEFAULT_RETRY_S = 0.1
 #: requests not served for their Response Topic that are logged a minute, at most
@@ -133,6 +135,7 @@ class MqttFront:
         self._tasks: set[asyncio.Task[None]] = set()
         self._cut = False  # the drain's grace ran out: requests still running answer so
         self._status_task: asyncio.Task[None] | None = None
+        self._status_soon: asyncio.TimerHandle | None = None  # a coalesced status, due
         self._accepting = True  # False once intake stopped: late requests get "unavailable"
         self._closed = False
         #: topic filter -> callable(topic, payload, properties) run on the loop (fleet
@@ -233,6 +236,9 @@ class MqttFront:
         self._closed = True
         if self._status_task is not None:
             self._status_task.cancel()
+        if self._status_soon is not None:
+            self._status_soon.cancel()
+            self._status_soon = None
         client = self._client
         if client is not None:
             offline = json.dumps({"node": self.node, "state": "offline"}).encode()
@@ -595,6 +601,15 @@ class MqttFront:
     def _models_changed(self) -> None:
         if self.connected:
             self._sync_subscriptions()
+            # One status for a burst of changes, a moment later: a node converging onto
+            # 1,000 models had published its whole (growing) status at every load, 400 MB.
+            if self._status_soon is None:
+                loop = asyncio.get_running_loop()
+                self._status_soon = loop.call_later(STATUS_COALESCE_S, self._status_now)
+
+    def _status_now(self) -> None:
+        self._status_soon = None
+        if self.connected and not self._closed:
             self._publish_status()
 
     def _sync_subscriptions(self) -> None:
@@ -726,16 +741,31 @@ class MqttFront:
         doc["unserved_requests"] = self.bad_reply_topics  # (no Response Topic one may use)
         doc["refused_answers"] = self.refused_replies  # (the broker's ACL or size limit)
         doc["interval_s"] = self.config.status_interval_s  # (silent for 3 of these: gone)
-        try:
-            self._client.publish(
-                status_topic(self.node),
-                json.dumps(doc).encode(),
-                retain=True,
-                on_ack=self._status_acked,
-            )
-        except FerryError as exc:  # (the broker takes nothing now: the next one goes later;
-            # raised from here, a load or unload had left its old sessions behind)
-            self._unsent.failed(f"its status is not sent: {exc.message}")
+        payload = json.dumps(doc).encode()
+        for attempt in (0, 1):
+            try:
+                self._client.publish(
+                    status_topic(self.node), payload, retain=True, on_ack=self._status_acked
+                )
+                return
+            except PacketTooLarge as exc:
+                if attempt or not (doc.get("metadata") or doc.get("configs")):
+                    self._unsent.failed(f"its status is not sent: {exc}")
+                    return
+                # Over the broker's packet size (the hosted models' metadata, ~780 B each):
+                # sent without it, so the node stays in the fleet (a controller had taken it
+                # for dead, and every load had failed on the publish).  Other nodes then
+                # forward what they cannot describe.
+                self._unsent.failed(
+                    f"its status ({len(payload)} bytes) is over the broker's maximum packet "
+                    "size: sent without the hosted models' metadata and configs"
+                )
+                doc = {k: v for k, v in doc.items() if k not in ("metadata", "configs")}
+                payload = json.dumps(doc).encode()
+            except FerryError as exc:  # (the broker takes nothing now: the next one goes
+                # later; raised from here, a load or unload had left its old sessions behind)
+                self._unsent.failed(f"its status is not sent: {exc.message}")
+                return
 
     def _status_acked(self, outcome: Any) -> None:
         """A status the broker refuses leaves the node invisible to the fleet: said."""

@@ -825,3 +825,39 @@ async def test_a_held_answer_over_the_new_brokers_packet_size_costs_no_subscript
             await asyncio.to_thread(raw.wait_replies, [sent], 20)  # still subscribed
         finally:
             raw.close()
+
+
+async def test_a_status_over_the_brokers_packet_size_goes_without_the_models_metadata(
+    tmp_path,
+):
+    # It had failed whole: the controller took the node for dead, and every model load
+    # failed on the publish.
+    import json
+
+    import paho.mqtt.client as paho
+
+    from shared.mqtt import status_topic
+
+    async with _front_and_watcher(tmp_path, "max_packet_size 8000\n", model=True) as (
+        broker,
+        front,
+        _,
+    ):
+        front.dataplane.status_extras.append(
+            lambda: {"metadata": {"lin": {"x": "y" * 20000}}, "configs": {}}
+        )
+        front.publish_status()  # (no raise)
+        seen: list = []
+        peer = paho.Client(callback_api_version=paho.CallbackAPIVersion.VERSION2)
+        peer.on_message = lambda c, u, m: seen.append(json.loads(m.payload))
+        peer.connect("127.0.0.1", broker.port)
+        peer.subscribe(status_topic("d"), qos=1)
+        peer.loop_start()
+        try:
+            await _until(lambda: seen, "no status at all")
+            status = seen[-1]
+            assert status["state"] == "online" and "metadata" not in status
+            assert [m["name"] for m in status["models"]] == ["lin"]
+        finally:
+            peer.loop_stop()
+            peer.disconnect()
