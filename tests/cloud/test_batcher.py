@@ -769,6 +769,15 @@ async def _two_sessions(tmp_path, delay_us: int) -> tuple[DynamicBatcher, list[G
     return batcher, gated
 
 
+async def _end_two(batcher: DynamicBatcher, gated: list[GatedSession], busy) -> None:
+    for g in gated:
+        g.gate.set()
+    await busy
+    await batcher.stop()
+    for g in gated:
+        g.close()
+
+
 async def test_with_a_batch_in_flight_a_partial_batch_waits_the_delay_for_company(tmp_path):
     # (one session busy, the other idle: the queue delay is what makes a batch here)
     batcher, gated = await _two_sessions(tmp_path, delay_us=300_000)
@@ -783,12 +792,7 @@ async def test_with_a_batch_in_flight_a_partial_batch_waits_the_delay_for_compan
     results = await asyncio.wait_for(asyncio.gather(*rest), timeout=5)
     assert [len(x) for x in idle.seen] == [3]  # one batch, not three runs
     assert all(r.batch_size == 3 for r in results)
-    for g in gated:
-        g.gate.set()
-    await busy
-    await batcher.stop()
-    for g in gated:
-        g.close()
+    await _end_two(batcher, gated, busy)
 
 
 async def test_a_batch_held_for_company_goes_before_its_members_deadline(tmp_path):
@@ -801,9 +805,4 @@ async def test_a_batch_held_for_company_goes_before_its_members_deadline(tmp_pat
         batcher.infer({"x": x}, deadline=time.monotonic() + 0.5), timeout=5
     )
     assert_linear(x, result)  # an answer: not held the 20 s delay, nor to a 504
-    for g in gated:
-        g.gate.set()
-    await busy
-    await batcher.stop()
-    for g in gated:
-        g.close()
+    await _end_two(batcher, gated, busy)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -109,9 +110,16 @@ def test_a_request_target_or_header_that_would_break_its_line_is_never_sent() ->
     assert request_head("GET", "/a?b=c%20d", "h", [("X", "a\tb")], 0).startswith(b"GET /a?b=c%20d ")
 
 
-async def _raw_server(serve):
+@contextlib.asynccontextmanager
+async def _client_of(serve, **options):
+    """A client of a raw asyncio server running ``serve`` on a free port."""
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
+    client = HttpClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", **options)
+    try:
+        yield client
+    finally:
+        await client.close()
+        server.close()
 
 
 async def test_bytes_sent_into_an_idle_pooled_connection_drop_it_at_once() -> None:
@@ -128,16 +136,11 @@ async def test_bytes_sent_into_an_idle_pooled_connection_drop_it_at_once() -> No
         except ConnectionError:
             pass  # dropped, as it should be
 
-    server, port = await _raw_server(serve)
-    client = HttpClient(f"http://127.0.0.1:{port}")
-    try:
+    async with _client_of(serve) as client:
         assert bytes((await client.request("GET", "/a")).body) == b"fine"
         (conn,) = client._idle
         await asyncio.sleep(0.3)
         assert conn.closed and conn.parser.buffered < 1 << 20
-    finally:
-        await client.close()
-        server.close()
 
 
 async def test_a_server_that_speaks_first_is_a_typed_error_and_its_connection_goes() -> None:
@@ -148,18 +151,13 @@ async def test_a_server_that_speaks_first_is_a_typed_error_and_its_connection_go
         await writer.drain()
         await asyncio.sleep(1)
 
-    server, port = await _raw_server(serve)
-    client = HttpClient(f"http://127.0.0.1:{port}")
-    try:
+    async with _client_of(serve) as client:
         conn, _ = await client._connection()
         client._idle.append(conn)
         await asyncio.sleep(0.1)  # its greeting came while the connection sat idle
         with pytest.raises(FerryError):
             await client.request("GET", "/a", deadline=time.monotonic() + 2)
         assert not client._all  # not leaked
-    finally:
-        await client.close()
-        server.close()
 
 
 async def test_the_retry_after_a_stale_connection_goes_on_a_fresh_one() -> None:
@@ -181,16 +179,11 @@ async def test_the_retry_after_a_stale_connection_goes_on_a_fresh_one() -> None:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
 
-    server, port = await _raw_server(serve)
-    client = HttpClient(f"http://127.0.0.1:{port}")
-    try:
+    async with _client_of(serve) as client:
         await asyncio.gather(client.request("GET", "/a"), client.request("GET", "/b"))
         assert len(client._idle) == 2
         answer = await client.request("GET", "/c", deadline=time.monotonic() + 5)
         assert bytes(answer.body) == b"ok"
-    finally:
-        await client.close()
-        server.close()
 
 
 async def test_a_204_that_declares_a_body_leaves_its_connection_out_of_the_pool() -> None:
@@ -207,15 +200,10 @@ async def test_a_204_that_declares_a_body_leaves_its_connection_out_of_the_pool(
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
 
-    server, port = await _raw_server(serve)
-    client = HttpClient(f"http://127.0.0.1:{port}")
-    try:
+    async with _client_of(serve) as client:
         assert (await client.request("GET", "/a")).status == 204
         # at once, before the late body comes: on the same connection it was /b's answer
         assert (await client.request("GET", "/b")).status == 204  # not the stale 200
-    finally:
-        await client.close()
-        server.close()
 
 
 async def test_requests_past_the_connection_cap_wait_for_one_within_their_deadline() -> None:
@@ -232,9 +220,7 @@ async def test_requests_past_the_connection_cap_wait_for_one_within_their_deadli
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
 
-    server, port = await _raw_server(serve)
-    client = HttpClient(f"http://127.0.0.1:{port}", max_connections=4)
-    try:
+    async with _client_of(serve, max_connections=4) as client:
         deadline = time.monotonic() + 10
         answers = await asyncio.gather(
             *(client.request("GET", f"/{i}", deadline=deadline) for i in range(40))
@@ -244,9 +230,6 @@ async def test_requests_past_the_connection_cap_wait_for_one_within_their_deadli
             await asyncio.gather(
                 *(client.request("GET", "/x", deadline=time.monotonic() + 0.08) for _ in range(9))
             )
-    finally:
-        await client.close()
-        server.close()
 
 
 async def test_an_answer_given_before_the_request_and_read_to_the_end_is_its_answer() -> None:
@@ -256,9 +239,7 @@ async def test_an_answer_given_before_the_request_and_read_to_the_end_is_its_ans
         await writer.drain()
         writer.close()
 
-    server, port = await _raw_server(serve)
-    client = HttpClient(f"http://127.0.0.1:{port}")
-    try:
+    async with _client_of(serve) as client:
         from shared.http.wire import request_head
 
         conn, _ = await client._connection()
@@ -266,6 +247,3 @@ async def test_an_answer_given_before_the_request_and_read_to_the_end_is_its_ans
         head = request_head("GET", "/a", "h", [], None)
         answer = await client._exchange(conn, "GET", head, [], 0, time.monotonic() + 2)
         assert answer.status == 503 and bytes(answer.body) == b"busy"
-    finally:
-        await client.close()
-        server.close()

@@ -436,15 +436,21 @@ async def test_a_half_closed_peer_gets_every_pipelined_answer_then_the_close() -
     assert got.count(b"Connection: close") <= 1
 
 
-async def test_a_client_that_pipelines_and_never_reads_holds_a_bounded_write_buffer() -> None:
-    # Every answer had been buffered: 33 MiB/s on a node for 35-byte requests.
+def _unreading_client(server: HttpServer):
+    """A connected, non-blocking socket with a tiny receive buffer (it will not read)."""
     import socket
 
-    server = await serve(Echo())
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
     sock.setblocking(False)
+    return sock
+
+
+async def test_a_client_that_pipelines_and_never_reads_holds_a_bounded_write_buffer() -> None:
+    # Every answer had been buffered: 33 MiB/s on a node for 35-byte requests.
+    server = await serve(Echo())
+    sock = _unreading_client(server)
     request = b"GET /stats HTTP/1.1\r\n\r\n"
     loop = asyncio.get_running_loop()
     sent = 0
@@ -495,13 +501,8 @@ async def test_a_fresh_connection_is_not_evicted_for_a_newcomer() -> None:
 
 
 async def test_refusals_pipelined_by_a_client_that_never_reads_hold_a_bounded_buffer() -> None:
-    import socket
-
     server = await serve(Echo())
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", server.port))
-    sock.setblocking(False)
+    sock = _unreading_client(server)
     loop = asyncio.get_running_loop()
     try:
         for _ in range(400):
