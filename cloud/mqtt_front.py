@@ -106,6 +106,8 @@ HELD_REPLY_BYTES = 64 << 20
 HELD_REPLY_S = 60.0
 #: a burst of model changes is published as one status, this long after the first
 STATUS_COALESCE_S = 0.2
+#: what a status too big for the broker leaves out, in this order
+_TRIMMED = ("metadata", "configs")
 #: Retry-After hint for a refused MQTT request when the model's own queue gives none
 _DEFAULT_RETRY_S = 0.1
 #: requests not served for their Response Topic that are logged a minute, at most
@@ -135,7 +137,9 @@ class MqttFront:
         self._tasks: set[asyncio.Task[None]] = set()
         self._cut = False  # the drain's grace ran out: requests still running answer so
         self._status_task: asyncio.Task[None] | None = None
-        self._status_soon: asyncio.TimerHandle | None = None  # a coalesced status, due
+        self._status_soon: asyncio.Handle | None = None  # a coalesced status, due
+        self._status_trim = 0  # how many of _TRIMMED the status leaves out (too big)
+        self._status_trouble = Recurring(log, f"node {node}'s status")
         self._accepting = True  # False once intake stopped: late requests get "unavailable"
         self._closed = False
         #: topic filter -> callable(topic, payload, properties) run on the loop (fleet
@@ -433,10 +437,12 @@ class MqttFront:
             if self._unsent.failing:
                 self._unsent.ok("go out again")
         except Overloaded as exc:  # the broker takes nothing (its queue, or ours, is full)
-            # held for the next connection (a stalled broker is dropped within 1.5
-            # keepalives, and what is held goes out again when it is back)
-            self._hold(at, topic, payload, props)
-            self._unsent.failed(f"answers wait for the next connection: {exc.message}")
+            if client.stalled:  # (dropped within 1.5 keepalives: held ones go out again)
+                self._hold(at, topic, payload, props)
+                self._unsent.failed(f"answers wait for the next connection: {exc.message}")
+            else:  # (a full window on a live connection: a reconnect would not clear it)
+                self.dropped_replies += 1
+                self._unsent.failed(f"answers are dropped: {exc.message}")
             return
         except PacketTooLarge as exc:  # over the broker's maximum packet size
             log.warning("an answer on %s not sent: %s", topic[:200], exc)
@@ -741,35 +747,45 @@ class MqttFront:
         doc["unserved_requests"] = self.bad_reply_topics  # (no Response Topic one may use)
         doc["refused_answers"] = self.refused_replies  # (the broker's ACL or size limit)
         doc["interval_s"] = self.config.status_interval_s  # (silent for 3 of these: gone)
+        # Over the broker's packet or message size (the hosted models' metadata, ~780 B
+        # each, then their configs): sent without them, so the node stays in the fleet
+        # (a controller had taken it for dead, and every model load failed on the
+        # publish).  Other nodes keep the descriptions they had of it.
+        for key in _TRIMMED[: self._status_trim]:
+            doc.pop(key, None)
         payload = json.dumps(doc).encode()
-        for attempt in (0, 1):
-            try:
-                self._client.publish(
-                    status_topic(self.node), payload, retain=True, on_ack=self._status_acked
-                )
-                return
-            except PacketTooLarge as exc:
-                if attempt or not (doc.get("metadata") or doc.get("configs")):
-                    self._unsent.failed(f"its status is not sent: {exc}")
-                    return
-                # Over the broker's packet size (the hosted models' metadata, ~780 B each):
-                # sent without it, so the node stays in the fleet (a controller had taken it
-                # for dead, and every load had failed on the publish).  Other nodes then
-                # forward what they cannot describe.
-                self._unsent.failed(
-                    f"its status ({len(payload)} bytes) is over the broker's maximum packet "
-                    "size: sent without the hosted models' metadata and configs"
-                )
-                doc = {k: v for k, v in doc.items() if k not in ("metadata", "configs")}
-                payload = json.dumps(doc).encode()
-            except FerryError as exc:  # (the broker takes nothing now: the next one goes
-                # later; raised from here, a load or unload had left its old sessions behind)
-                self._unsent.failed(f"its status is not sent: {exc.message}")
-                return
+        try:
+            self._client.publish(
+                status_topic(self.node), payload, retain=True, on_ack=self._status_acked
+            )
+        except PacketTooLarge as exc:
+            self._status_too_big(f"{exc}")
+        except FerryError as exc:  # (the broker takes nothing now: the next one goes
+            # later; raised from here, a load or unload had left its old sessions behind)
+            self._status_trouble.failed(f"it is not sent: {exc.message}")
+        else:
+            if self._status_trouble.failing:
+                self._status_trouble.ok("is sent again")
+
+    def _status_too_big(self, why: str) -> None:
+        """The status is over what the broker takes: the next leaves out more, now."""
+        if self._status_trim >= len(_TRIMMED):
+            self._status_trouble.failed(f"it is not sent even without {_TRIMMED}: {why}")
+            return
+        self._status_trim += 1
+        left_out = ", ".join(_TRIMMED[: self._status_trim])
+        self._status_trouble.failed(
+            f"it is over the broker's size limit ({why}): sent without {left_out}"
+        )
+        if self._status_soon is None and not self._closed:
+            self._status_soon = asyncio.get_running_loop().call_soon(self._status_now)
 
     def _status_acked(self, outcome: Any) -> None:
         """A status the broker refuses leaves the node invisible to the fleet: said."""
         if isinstance(outcome, BaseException) or outcome < 0x80:
+            return
+        if outcome == 0x95:  # over Mosquitto's message_size_limit (no CONNACK says it)
+            self._status_too_big("PUBACK 0x95: packet too large")
             return
         now = time.monotonic()
         if now - self._status_refusal_logged >= 60.0:

@@ -134,6 +134,13 @@ class Forwarder:
         # The MQTT envelope names outputs only: Triton's classification parameters are
         # applied here, on the raw outputs the hosting node sends back.
         classes = requested_classes(ModelConfig(name), request)
+        config = self.view.config(name) if classes else None
+        if classes and config is None:  # (guessed unbatched, a batch of 2 came back 1 row)
+            raise ModelNotReady(
+                f"model {name!r}: no node has described it yet, so its classification "
+                "cannot be read here",
+                retry_after=1.0,
+            )
         original_id = request.id
         request = InferRequest(
             id=request.id or uuid.uuid4().hex,
@@ -172,7 +179,7 @@ class Forwarder:
             self._pending.pop(correlation, None)
         response.id = original_id
         if classes:
-            batched = bool((self.view.config(name) or {}).get("max_batch_size"))
+            batched = bool((config or {}).get("max_batch_size"))
             response.outputs = [
                 Tensor(t.name, "BYTES", top_k(t.data, classes[t.name], batched))
                 if t.name in classes

@@ -346,8 +346,11 @@ class FleetView:
         state.misses = misses
         while len(self._missed) > REMEMBERED_MODELS:
             del self._missed[next(iter(self._missed))]
-        state.metadata = dict(status.get("metadata", {}))
-        state.configs = dict(status.get("configs", {}))
+        # (a status too big for the broker leaves them out: the last ones stand)
+        if "metadata" in status:
+            state.metadata = dict(status["metadata"])
+        if "configs" in status:
+            state.configs = dict(status["configs"])
         failures = status.get("load_failures")
         state.load_failures = (
             {str(k): str(v)[:500] for k, v in failures.items()}

@@ -116,6 +116,14 @@ class _Connection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self.stalled_since = time.monotonic()
+        if self.transport is not None:  # (the baseline progress is counted from)
+            self.taken = self._taken(self.transport)
+
+    def _taken(self, transport: asyncio.BaseTransport) -> int:
+        """Bytes the peer has taken: written, less our buffer and the kernel's send queue
+        (over TLS the buffer counts ciphertext: a few bytes more per packet, so only a
+        rise is progress)."""
+        return self.written - transport.get_write_buffer_size() - _unsent(transport)
 
     def resume_writing(self) -> None:
         self.stalled_since = None
@@ -252,6 +260,12 @@ class MqttClient:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def stalled(self) -> bool:
+        """The broker takes none of the bytes queued for it (see _keepalive)."""
+        conn = self._conn
+        return conn is not None and conn.stalled_since is not None
 
     async def wait_connected(self, timeout_s: float) -> bool:
         try:
@@ -460,9 +474,8 @@ class MqttClient:
                 # a slow link that takes bytes all along is not stalled (a 16 MB upload on
                 # a 2 Mbit/s uplink keeps the buffer full for a minute, and moves): what the
                 # peer has taken, beyond this buffer and the kernel's send queue
-                transport = conn.transport
-                taken = conn.written - transport.get_write_buffer_size() - _unsent(transport)
-                if taken != conn.taken:
+                taken = conn._taken(conn.transport)
+                if taken > conn.taken:
                     conn.taken = taken
                     conn.stalled_since = stalled = now
             if stalled is not None and now - stalled > keepalive_s * 1.5:

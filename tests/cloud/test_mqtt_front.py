@@ -827,8 +827,9 @@ async def test_a_held_answer_over_the_new_brokers_packet_size_costs_no_subscript
             raw.close()
 
 
+@pytest.mark.parametrize("limit", ["max_packet_size 8000", "message_size_limit 8000"])
 async def test_a_status_over_the_brokers_packet_size_goes_without_the_models_metadata(
-    tmp_path,
+    tmp_path, limit
 ):
     # It had failed whole: the controller took the node for dead, and every model load
     # failed on the publish.
@@ -838,7 +839,8 @@ async def test_a_status_over_the_brokers_packet_size_goes_without_the_models_met
 
     from shared.mqtt import status_topic
 
-    async with _front_and_watcher(tmp_path, "max_packet_size 8000\n", model=True) as (
+    # (a packet size the CONNACK says; a message size it does not, refused by PUBACK 0x95)
+    async with _front_and_watcher(tmp_path, limit + "\n", model=True) as (
         broker,
         front,
         _,

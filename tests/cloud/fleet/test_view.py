@@ -190,3 +190,12 @@ def test_a_node_back_with_a_new_boot_is_a_restart_however_long_it_has_been_up() 
     assert view.rate("m") == pytest.approx(50.0)  # kept, not recomputed across processes
     view.on_status("n1", {**_status(502.0, 130, misses={"cold": 3}), "boot": "b"})
     assert view.rate("m") == pytest.approx(50.0)  # (100 requests in 2 s: the same process)
+
+
+def test_a_status_that_leaves_out_the_descriptions_keeps_the_last_ones() -> None:
+    # (one too big for the broker is sent without them: other nodes went blind to its models)
+    view = FleetView()
+    described = {**_status(1.0, 0), "metadata": {"m": {"name": "m"}}, "configs": {"m": {"x": 1}}}
+    view.on_status("n1", described)
+    view.on_status("n1", _status(2.0, 0))
+    assert view.metadata("m") == {"name": "m"} and view.config("m") == {"x": 1}
