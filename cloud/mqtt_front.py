@@ -138,6 +138,7 @@ class MqttFront:
         self._cut = False  # the drain's grace ran out: requests still running answer so
         self._status_task: asyncio.Task[None] | None = None
         self._status_soon: asyncio.Handle | None = None  # a coalesced status, due
+        self._status_at = -math.inf  # (loop time) when a change's status last went out
         self._status_trim = 0  # how many of _TRIMMED the status leaves out (too big)
         self._status_trouble = Recurring(log, f"node {node}'s status")
         self._accepting = True  # False once intake stopped: late requests get "unavailable"
@@ -607,15 +608,22 @@ class MqttFront:
     def _models_changed(self) -> None:
         if self.connected:
             self._sync_subscriptions()
-            # One status for a burst of changes, a moment later: a node converging onto
-            # 1,000 models had published its whole (growing) status at every load, 400 MB.
-            if self._status_soon is None:
-                loop = asyncio.get_running_loop()
-                self._status_soon = loop.call_later(STATUS_COALESCE_S, self._status_now)
+            # The first change at once; those after it within STATUS_COALESCE_S in one
+            # status at its end: a node converging onto 1,000 models had published its
+            # whole (growing) status at every load, 400 MB.
+            if self._status_soon is not None:
+                return  # (one is due: it carries this change too)
+            loop = asyncio.get_running_loop()
+            wait = self._status_at + STATUS_COALESCE_S - loop.time()
+            if wait <= 0:
+                self._status_now()
+            else:
+                self._status_soon = loop.call_later(wait, self._status_now)
 
     def _status_now(self) -> None:
         self._status_soon = None
         if self.connected and not self._closed:
+            self._status_at = asyncio.get_running_loop().time()
             self._publish_status()
 
     def _sync_subscriptions(self) -> None:
